@@ -1,0 +1,87 @@
+"""The backend plug-in interface.
+
+A backend is a class registered under the ``vsa.backends`` entry-point group. The registry
+instantiates it without arguments, asks ``supports(call)`` whether it can run a call (``None``
+means yes, a string is the reason for refusing), and runs ``forward``. Autograd is the backend's
+business: ``forward`` must return tensors that are differentiable w.r.t. q, k and v whenever the
+backend accepted a call with ``call.requires_grad``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+if TYPE_CHECKING:
+    from vsa_core.layout import BlockSparseLayout
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """What a backend needs to know to accept or refuse a block-sparse attention call."""
+
+    device: torch.device
+    dtype: torch.dtype
+    head_dim: int
+    block_shape: tuple[int, int]
+    requires_grad: bool
+
+    @property
+    def capability(self) -> tuple[int, int] | None:
+        """CUDA compute capability of the device, or None off CUDA."""
+        if self.device.type != "cuda":
+            return None
+        return torch.cuda.get_device_capability(self.device)
+
+    @classmethod
+    def describe(
+        cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockSparseLayout
+    ) -> AttentionCall:
+        return cls(
+            device=q.device,
+            dtype=q.dtype,
+            head_dim=q.shape[-1],
+            block_shape=layout.block_shape,
+            requires_grad=torch.is_grad_enabled()
+            and (q.requires_grad or k.requires_grad or v.requires_grad),
+        )
+
+
+class Backend:
+    """Base class of block-sparse attention backends.
+
+    Subclasses set ``name`` and ``priority`` (higher runs first under ``backend="auto"``; the
+    reference is 0) and implement ``supports`` and ``forward``.
+    """
+
+    name: ClassVar[str] = ""
+    priority: ClassVar[int] = 0
+
+    def supports(self, call: AttentionCall) -> str | None:
+        """Return None when this backend can run ``call``, else the reason it cannot."""
+        raise NotImplementedError
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layout: BlockSparseLayout,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block-sparse attention on BSHD tensors.
+
+        q: [B, NQ * q_block, H, D], k and v: [B, NKV * kv_block, H, D] (strides may be those of
+        a BHSD tensor transposed to BSHD). Returns ``out`` [B, Sq, H, D] in q's dtype and
+        ``lse`` [B, H, Sq] in float32 (float64 for float64 inputs; natural log; -inf for rows that see no valid key).
+        """
+        raise NotImplementedError
+
+    def availability(self) -> str | None:
+        """None when the backend can run somewhere on this machine, else why it cannot at all.
+
+        Used by ``vsa info``; the default asks nothing of the machine.
+        """
+        return None

@@ -1,0 +1,32 @@
+"""The built-in reference backend: pure PyTorch, any device, any float dtype, autograd."""
+
+from __future__ import annotations
+
+import torch
+
+from vsa_core.backends.base import AttentionCall, Backend
+from vsa_core.layout import BlockSparseLayout
+from vsa_core.reference import reference_block_sparse_attn
+
+
+class ReferenceBackend(Backend):
+    """Gathers the selected blocks and runs masked softmax attention in float32 chunks.
+
+    Always works, never fast: the fallback of ``backend="auto"`` and the CPU path.
+    """
+
+    name = "reference"
+    priority = 0
+
+    def supports(self, call: AttentionCall) -> str | None:
+        return None
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layout: BlockSparseLayout,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return reference_block_sparse_attn(q, k, v, layout, scale)

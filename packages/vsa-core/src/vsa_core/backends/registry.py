@@ -1,0 +1,121 @@
+"""Backend discovery and selection.
+
+Backends are plug-ins: any installed distribution may register a `Backend` subclass under the
+``vsa.backends`` entry-point group. ``backend="auto"`` picks the highest-priority backend whose
+``supports()`` accepts the call; the built-in ``reference`` backend accepts everything, so auto
+always finds one. The one override is the ``VSA_BACKEND`` environment variable, which replaces
+``"auto"`` (an explicit ``backend=`` argument in code wins over it). A named backend that refuses
+a call raises ``ValueError`` with its reason: never a silent fallback.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+
+from vsa_core.backends.base import AttentionCall, Backend
+
+ENTRY_POINT_GROUP = "vsa.backends"
+OVERRIDE_ENV = "VSA_BACKEND"
+
+
+@dataclass(frozen=True)
+class BackendEntry:
+    """A discovered backend, or why it could not be loaded."""
+
+    name: str
+    backend: Backend | None
+    load_error: str | None = None
+    origin: str = ""
+
+
+_registered: dict[str, Backend] = {}
+
+
+def register_backend(backend: Backend) -> None:
+    """Register a backend instance in this process (for plug-ins that are not installed
+    distributions, and for tests). It shadows an entry point of the same name."""
+    if not isinstance(backend, Backend) or not backend.name:
+        raise ValueError("backend must be a Backend instance with a non-empty name")
+    _registered[backend.name] = backend
+
+
+def unregister_backend(name: str) -> None:
+    _registered.pop(name, None)
+
+
+@functools.lru_cache(maxsize=1)
+def _discovered() -> dict[str, BackendEntry]:
+    found: dict[str, BackendEntry] = {}
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        origin = ep.value
+        try:
+            cls = ep.load()
+            backend = cls()
+            if not isinstance(backend, Backend):
+                raise TypeError(f"{origin} is not a vsa_core Backend")
+            found[ep.name] = BackendEntry(ep.name, backend, origin=origin)
+        except Exception as exc:  # a broken plug-in must not break the others
+            found[ep.name] = BackendEntry(
+                ep.name, None, f"failed to load: {type(exc).__name__}: {exc}", origin
+            )
+    return found
+
+
+def backend_entries() -> dict[str, BackendEntry]:
+    """Every known backend by name, including the ones that failed to load."""
+    entries = dict(_discovered())
+    for name, backend in _registered.items():
+        entries[name] = BackendEntry(name, backend, origin="register_backend")
+    return entries
+
+
+def get_backend(name: str) -> Backend:
+    entries = backend_entries()
+    if name not in entries:
+        known = ", ".join(sorted(["auto", *entries]))
+        raise ValueError(f"backend must be one of {known}; got {name!r}")
+    entry = entries[name]
+    if entry.backend is None:
+        raise ValueError(f"backend {name!r} is installed but unusable: {entry.load_error}")
+    return entry.backend
+
+
+def explain(call: AttentionCall) -> list[tuple[str, str | None]]:
+    """(name, refusal reason or None) for every backend, highest priority first."""
+    rows = []
+    for entry in _by_priority():
+        if entry.backend is None:
+            rows.append((entry.name, entry.load_error))
+        else:
+            rows.append((entry.name, entry.backend.supports(call)))
+    return rows
+
+
+def select_backend(call: AttentionCall, backend: str = "auto") -> Backend:
+    """The backend that will run ``call``: see the module doc for the rules."""
+    if not isinstance(backend, str):
+        raise ValueError(f"backend must be a backend name or 'auto', got {backend!r}")
+    requested, source = backend, "backend"
+    if backend == "auto" and os.environ.get(OVERRIDE_ENV, "").strip():
+        requested, source = os.environ[OVERRIDE_ENV].strip(), OVERRIDE_ENV
+    if requested != "auto":
+        chosen = get_backend(requested)
+        reason = chosen.supports(call)
+        if reason is not None:
+            raise ValueError(f"{source}={requested!r} cannot run this call: {reason}")
+        return chosen
+    for entry in _by_priority():
+        if entry.backend is not None and entry.backend.supports(call) is None:
+            return entry.backend
+    refusals = "; ".join(f"{name}: {why}" for name, why in explain(call))
+    raise ValueError(f"no backend supports this call ({refusals})")
+
+
+def _by_priority() -> list[BackendEntry]:
+    entries = backend_entries().values()
+    return sorted(
+        entries, key=lambda e: (-(e.backend.priority if e.backend else -1), e.name)
+    )

@@ -1,0 +1,250 @@
+"""The public operations: `block_sparse_attn` and `video_sparse_attn`.
+
+Plan / run: the data-independent part of a call (tiling index tensors, valid sizes) is built
+once per latent shape and device and cached by `VideoTiling`; the data-dependent part (which
+tiles each query tile attends to) is a `BlockSparseLayout` value. `block_sparse_attn` runs a
+layout you planned; `video_sparse_attn` plans it from the coarse stage and runs it.
+
+Both take BSHD tensors ([batch, seq, heads, head_dim], the native format) or BHSD ones with
+``qkv_format="bhsd"``, and answer in the format they were given.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from vsa_core.backends import AttentionCall, select_backend
+from vsa_core.coarse import coarse_attention, pool_tiles, select_topk
+from vsa_core.layout import BlockSparseLayout
+from vsa_core.tiling import VideoTiling
+from vsa_core.validation import check_int_tensor, check_qkv, check_range
+
+QKVFormat = Literal["bshd", "bhsd"]
+TokenOrder = Literal["tiled", "raster"]
+
+
+def block_sparse_attn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: BlockSparseLayout,
+    *,
+    backend: str = "auto",
+    scale: float | None = None,
+    qkv_format: QKVFormat = "bshd",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of each query block to the key blocks ``layout`` selects.
+
+    Args:
+        q: [B, NQ * q_block, H, D] (BSHD) or [B, H, NQ * q_block, D] (BHSD).
+        k, v: [B, NKV * kv_block, H, D] or BHSD, same dtype and device as q.
+        layout: the selection; its batch, heads and lengths must match q and k.
+        backend: a backend name or ``"auto"`` (see `vsa_core.backends`).
+        scale: softmax scale, default ``1 / sqrt(D)``.
+        qkv_format: ``"bshd"`` or ``"bhsd"``.
+
+    Returns:
+        ``(out, lse)``: out in q's format and dtype; lse [B, H, Sq] float32, natural log, -inf
+        for query rows that see no real key (their out is 0).
+    """
+    check_qkv(q, k, v, qkv_format)
+    q, k, v = (_as_bshd(t, qkv_format) for t in (q, k, v))
+    _check_layout_matches(layout, q, k)
+    scale = _resolve_scale(scale, q.shape[-1])
+    out, lse = _run_fine(q, k, v, layout, backend, scale)
+    return _from_bshd(out, qkv_format), lse
+
+
+def video_sparse_attn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    topk: int,
+    tiling: VideoTiling | None = None,
+    kv_valid_sizes: torch.Tensor | None = None,
+    coarse_gate: torch.Tensor | None = None,
+    backend: str = "auto",
+    scale: float | None = None,
+    qkv_format: QKVFormat = "bshd",
+    token_order: TokenOrder = "tiled",
+    validate: bool = True,
+) -> torch.Tensor:
+    """Video Sparse Attention: ``out = fine + coarse * coarse_gate``.
+
+    Each tile is pooled to one token; dense attention between pooled tiles gives the coarse
+    output (broadcast to every token of a tile) and, per (batch, head, query tile), the ``topk``
+    key tiles with the highest coarse scores; block-sparse attention over those tiles gives the
+    fine output. Same semantics as FastVideo's ``video_sparse_attn``.
+
+    Args:
+        q, k, v: self-attention inputs, BSHD (or BHSD with ``qkv_format="bhsd"``).
+        topk: key tiles per query tile, in [1, number of tiles].
+        tiling: the latent's `VideoTiling`. Give exactly one of ``tiling`` and
+            ``kv_valid_sizes``.
+        kv_valid_sizes: [N] real tokens per tile, for inputs already in tile order; the tile size
+            is then seq_len / N. Checked against [0, tile size] when ``validate`` (a host sync).
+        coarse_gate: multiplies the coarse output, broadcastable to q's shape (and in q's token
+            order); None means 1.
+        backend: fine-attention backend name or ``"auto"``.
+        scale: softmax scale of both stages, default ``1 / sqrt(D)``.
+        qkv_format: ``"bshd"`` or ``"bhsd"``.
+        token_order: ``"tiled"`` (default): the sequence is already in tile order, padded to
+            ``tiling.padded_len`` (permute once per model, not per layer); ``"raster"``: the
+            sequence is in T-H-W raster order and is tiled here and untiled on the way out,
+            which costs copies of q, k, v and out (needs ``tiling``).
+        validate: run data checks on user-supplied ``kv_valid_sizes``.
+
+    Returns:
+        out in q's format, dtype and token order.
+
+    Memory: the coarse output is never expanded to tokens. Without autograd the combine runs
+    in place on the fine output; with autograd it is one fused multiply-add.
+    """
+    batch, seq, kv_seq, heads, dim = check_qkv(q, k, v, qkv_format)
+    if seq != kv_seq:
+        raise ValueError(f"k must have q's sequence length {seq} (self-attention), got {kv_seq}")
+    if token_order not in ("tiled", "raster"):
+        raise ValueError(f"token_order must be 'tiled' or 'raster', got {token_order!r}")
+    valid_sizes, tile_tokens = _resolve_tiles(tiling, kv_valid_sizes, seq, token_order, q.device,
+                                              validate)
+    num_tiles = valid_sizes.shape[0]
+    if isinstance(topk, bool) or not isinstance(topk, int) or not 1 <= topk <= num_tiles:
+        raise ValueError(f"topk must be an integer in [1, {num_tiles}] (the number of tiles), "
+                         f"got {topk!r}")
+    gate = _check_gate(coarse_gate, q)
+    scale = _resolve_scale(scale, dim)
+
+    gate = None if gate is None else _as_bshd(gate.expand(q.shape), qkv_format)
+    q, k, v = (_as_bshd(t, qkv_format) for t in (q, k, v))
+    if token_order == "raster":
+        assert tiling is not None
+        q, k, v = (tiling.to_tiles(t) for t in (q, k, v))
+        gate = None if gate is None else tiling.to_tiles(gate)
+
+    q_pooled, k_pooled, v_pooled = (pool_tiles(t, valid_sizes) for t in (q, k, v))
+    coarse = coarse_attention(q_pooled, k_pooled, v_pooled, valid_sizes, scale)
+    layout = select_topk(q_pooled, k_pooled, valid_sizes, topk, tile_tokens)
+    fine, _ = _run_fine(q, k, v, layout, backend, scale)
+    out = _combine(fine, coarse, gate, tile_tokens)
+
+    if token_order == "raster":
+        assert tiling is not None
+        out = tiling.from_tiles(out)
+    return _from_bshd(out, qkv_format)
+
+
+# ---- helpers ---------------------------------------------------------------------------------
+def _run_fine(q, k, v, layout, backend, scale):
+    call = AttentionCall.describe(q, k, v, layout)
+    return select_backend(call, backend).forward(q, k, v, layout, scale)
+
+
+def _combine(
+    fine: torch.Tensor, coarse: torch.Tensor, gate: torch.Tensor | None, tile_tokens: int
+) -> torch.Tensor:
+    """fine + gate * coarse broadcast over each tile's tokens, without a token-size copy of
+    the coarse output."""
+    batch, seq, heads, dim = fine.shape
+    fine_t = fine.view(batch, seq // tile_tokens, tile_tokens, heads, dim)
+    coarse_t = coarse.unsqueeze(2)  # [B, N, 1, H, D]: broadcast, never expanded in memory
+    gate_t = None if gate is None else gate.unflatten(1, (seq // tile_tokens, tile_tokens))
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (fine, coarse, gate)
+    )
+    if needs_grad:
+        out = fine_t + coarse_t if gate_t is None else torch.addcmul(fine_t, gate_t, coarse_t)
+    elif gate_t is None:
+        out = fine_t.add_(coarse_t)
+    else:
+        out = fine_t.addcmul_(gate_t, coarse_t)
+    return out.view(batch, seq, heads, dim)
+
+
+def _resolve_tiles(tiling, kv_valid_sizes, seq, token_order, device, validate):
+    if (tiling is None) == (kv_valid_sizes is None):
+        raise ValueError("give exactly one of tiling= and kv_valid_sizes=")
+    if tiling is not None:
+        if not isinstance(tiling, VideoTiling):
+            raise ValueError(f"tiling must be a VideoTiling, got {type(tiling).__name__}")
+        expected = tiling.padded_len if token_order == "tiled" else tiling.seq_len
+        if seq != expected:
+            what = "tiling.padded_len" if token_order == "tiled" else "tiling.seq_len (T*H*W)"
+            raise ValueError(
+                f"q must have {what} = {expected} tokens for token_order={token_order!r}, got {seq}"
+            )
+        return tiling.valid_sizes(device), tiling.tile_tokens
+    if token_order == "raster":
+        raise ValueError("token_order='raster' needs tiling=, not kv_valid_sizes=")
+    check_int_tensor("kv_valid_sizes", kv_valid_sizes)
+    if kv_valid_sizes.dim() != 1 or kv_valid_sizes.numel() == 0:
+        raise ValueError(
+            f"kv_valid_sizes must be a non-empty 1-D tensor [num_tiles], got shape "
+            f"{tuple(kv_valid_sizes.shape)}"
+        )
+    if kv_valid_sizes.device != device:
+        raise ValueError(f"kv_valid_sizes must be on q's device {device}, got {kv_valid_sizes.device}")
+    num_tiles = kv_valid_sizes.shape[0]
+    if seq % num_tiles:
+        raise ValueError(
+            f"q's sequence length {seq} must be a multiple of len(kv_valid_sizes) = {num_tiles}"
+        )
+    if validate:
+        check_range("kv_valid_sizes", kv_valid_sizes, 0, seq // num_tiles)
+    return kv_valid_sizes.to(torch.int32), seq // num_tiles
+
+
+def _check_gate(gate: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
+    if gate is None:
+        return None
+    if not isinstance(gate, torch.Tensor):
+        raise ValueError(f"coarse_gate must be a tensor or None, got {type(gate).__name__}")
+    if gate.dtype != q.dtype or gate.device != q.device:
+        raise ValueError(
+            f"coarse_gate must have q's dtype {q.dtype} and device {q.device}, "
+            f"got {gate.dtype} on {gate.device}"
+        )
+    try:
+        shape = torch.broadcast_shapes(gate.shape, q.shape)
+    except RuntimeError:
+        shape = None
+    if shape != q.shape:
+        raise ValueError(
+            f"coarse_gate must broadcast to q's shape {tuple(q.shape)}, got {tuple(gate.shape)}"
+        )
+    return gate
+
+
+def _check_layout_matches(layout: BlockSparseLayout, q: torch.Tensor, k: torch.Tensor) -> None:
+    if not isinstance(layout, BlockSparseLayout):
+        raise ValueError(f"layout must be a BlockSparseLayout, got {type(layout).__name__}")
+    batch, q_len, heads, _ = q.shape
+    expected = {
+        "batch": (layout.batch, batch),
+        "heads": (layout.heads, heads),
+        "q_len (num_q_blocks * q_block)": (layout.q_len, q_len),
+        "kv_len (num_kv_blocks * kv_block)": (layout.kv_len, k.shape[1]),
+    }
+    for what, (have, want) in expected.items():
+        if have != want:
+            raise ValueError(f"layout must have {what} = {want} to match q/k, got {have}")
+    if layout.device != q.device:
+        raise ValueError(f"layout must be on q's device {q.device}, got {layout.device}")
+
+
+def _resolve_scale(scale: float | None, head_dim: int) -> float:
+    if scale is None:
+        return head_dim**-0.5
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
+        raise ValueError(f"scale must be a positive float or None, got {scale!r}")
+    return float(scale)
+
+
+def _as_bshd(x: torch.Tensor, qkv_format: str) -> torch.Tensor:
+    return x if qkv_format == "bshd" else x.transpose(1, 2)
+
+
+_from_bshd = _as_bshd  # the transpose is its own inverse
+
