@@ -47,7 +47,10 @@ def coarse_attention(
     valid_sizes: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """Dense attention between pooled tiles, empty key tiles masked: [B, N, H, D] (differentiable)."""
+    """Dense attention between pooled tiles, empty key tiles masked -> [B, N, H, D].
+
+    Differentiable; its output is the coarse branch of VSA at tile resolution.
+    """
     key_mask = (valid_sizes > 0).to(q_pooled.device).view(1, 1, 1, -1)
     out = F.scaled_dot_product_attention(
         q_pooled.transpose(1, 2),

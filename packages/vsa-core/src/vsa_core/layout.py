@@ -67,7 +67,9 @@ class KVToQLists:
         keep = live & (rank < width)
         flat_pos = torch.where(keep, owner * width + rank, num_kv * width)
         padded = torch.zeros(
-            *self.q_offsets.shape[:-1], num_kv * width + 1, dtype=torch.int32,
+            *self.q_offsets.shape[:-1],
+            num_kv * width + 1,
+            dtype=torch.int32,
             device=self.q_indices.device,
         )
         padded.scatter_(-1, flat_pos, torch.where(keep, self.q_indices, 0))
@@ -197,7 +199,8 @@ class BlockSparseLayout:
         check_int_tensor("kv_valid_sizes", kv_valid_sizes)
         if kv_valid_sizes.dim() != 1:
             raise ValueError(
-                f"kv_valid_sizes must be 1-D [num_kv_blocks], got shape {tuple(kv_valid_sizes.shape)}"
+                "kv_valid_sizes must be 1-D [num_kv_blocks], "
+                f"got shape {tuple(kv_valid_sizes.shape)}"
             )
         device = kv_indices.device
         num_kv, width = kv_valid_sizes.shape[0], kv_indices.shape[-1]
@@ -220,7 +223,9 @@ class BlockSparseLayout:
         if validate and width > 1:
             repeated = (ordered[..., 1:] == ordered[..., :-1]) & used[..., 1:]
             if bool(repeated.any()):
-                raise ValueError("kv_indices must not repeat a key block within one query block's list")
+                raise ValueError(
+                    "kv_indices must not repeat a key block within one query block's list"
+                )
         ordered = torch.where(used, ordered, 0).to(torch.int32)
         return cls(ordered, kv_counts, kv_valid_sizes.to(torch.int32), block_shape)
 
@@ -238,11 +243,14 @@ class BlockSparseLayout:
         """
         block_shape = check_block_shape(block_shape)
         if not isinstance(block_mask, torch.Tensor) or block_mask.dtype != torch.bool:
-            raise ValueError("block_mask must be a bool tensor [batch, heads, num_q_blocks, num_kv_blocks]")
+            raise ValueError(
+                "block_mask must be a bool tensor [batch, heads, num_q_blocks, num_kv_blocks]"
+            )
         if block_mask.dim() != 4 or block_mask.shape[-1] != kv_valid_sizes.shape[0]:
             raise ValueError(
-                f"block_mask must have shape [batch, heads, num_q_blocks, {kv_valid_sizes.shape[0]}] "
-                f"(last dim = len(kv_valid_sizes)), got {tuple(block_mask.shape)}"
+                "block_mask must have shape [batch, heads, num_q_blocks, "
+                f"{kv_valid_sizes.shape[0]}] (last dim = len(kv_valid_sizes)), "
+                f"got {tuple(block_mask.shape)}"
             )
         num_kv = block_mask.shape[-1]
         width = num_kv if width is None else width
@@ -317,7 +325,8 @@ class BlockSparseLayout:
                 f"group must be a positive divisor of num_q_blocks={self.num_q_blocks}, got {group}"
             )
         lead = self.kv_counts.shape[:2]
-        lists = torch.where(self.slot_mask(), self.kv_indices, -1).view(*lead, -1, group, self.width)
+        lists = torch.where(self.slot_mask(), self.kv_indices, -1)
+        lists = lists.view(*lead, -1, group, self.width)
         counts = self.kv_counts.view(*lead, -1, group)
         same_lists = (lists == lists[..., :1, :]).all(-1).all(-1)
         return same_lists & (counts == counts[..., :1]).all(-1)

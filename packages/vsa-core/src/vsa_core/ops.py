@@ -103,17 +103,19 @@ def video_sparse_attn(
     Memory: the coarse output is never expanded to tokens. Without autograd the combine runs
     in place on the fine output; with autograd it is one fused multiply-add.
     """
-    batch, seq, kv_seq, heads, dim = check_qkv(q, k, v, qkv_format)
+    _, seq, kv_seq, _, dim = check_qkv(q, k, v, qkv_format)
     if seq != kv_seq:
         raise ValueError(f"k must have q's sequence length {seq} (self-attention), got {kv_seq}")
     if token_order not in ("tiled", "raster"):
         raise ValueError(f"token_order must be 'tiled' or 'raster', got {token_order!r}")
-    valid_sizes, tile_tokens = _resolve_tiles(tiling, kv_valid_sizes, seq, token_order, q.device,
-                                              validate)
+    valid_sizes, tile_tokens = _resolve_tiles(
+        tiling, kv_valid_sizes, seq, token_order, q.device, validate
+    )
     num_tiles = valid_sizes.shape[0]
     if isinstance(topk, bool) or not isinstance(topk, int) or not 1 <= topk <= num_tiles:
-        raise ValueError(f"topk must be an integer in [1, {num_tiles}] (the number of tiles), "
-                         f"got {topk!r}")
+        raise ValueError(
+            f"topk must be an integer in [1, {num_tiles}] (the number of tiles), got {topk!r}"
+        )
     gate = _check_gate(coarse_gate, q)
     scale = _resolve_scale(scale, dim)
 
@@ -185,7 +187,9 @@ def _resolve_tiles(tiling, kv_valid_sizes, seq, token_order, device, validate):
             f"{tuple(kv_valid_sizes.shape)}"
         )
     if kv_valid_sizes.device != device:
-        raise ValueError(f"kv_valid_sizes must be on q's device {device}, got {kv_valid_sizes.device}")
+        raise ValueError(
+            f"kv_valid_sizes must be on q's device {device}, got {kv_valid_sizes.device}"
+        )
     num_tiles = kv_valid_sizes.shape[0]
     if seq % num_tiles:
         raise ValueError(
@@ -247,4 +251,3 @@ def _as_bshd(x: torch.Tensor, qkv_format: str) -> torch.Tensor:
 
 
 _from_bshd = _as_bshd  # the transpose is its own inverse
-

@@ -28,7 +28,8 @@ def reference_block_sparse_attn(
     """Block-sparse attention on BSHD tensors; returns (out [B, Sq, H, D], lse [B, H, Sq]).
 
     ``lse`` is float32 (float64 for float64 inputs). Rows that see no real key (no selected
-    block, or only empty ones) get out = 0 and lse = -inf, with zero gradients. Shapes are assumed checked (see `vsa_core.ops`).
+    block, or only empty ones) get out = 0 and lse = -inf, with zero gradients. Shapes are
+    assumed checked (see `vsa_core.ops`).
     """
     compute_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     batch, _, heads, dim = q.shape
@@ -38,13 +39,20 @@ def reference_block_sparse_attn(
     # [B, H, NKV, kvb, D] views of the keys/values, in the compute dtype.
     kb = _blocked(k, layout.kv_block, compute_dtype)
     vb = _blocked(v, layout.kv_block, compute_dtype)
-    use_checkpoint = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    use_checkpoint = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     outs, lses = [], []
     for start in range(0, layout.num_q_blocks, chunk):
         stop = min(start + chunk, layout.num_q_blocks)
         q_chunk = q[:, start * layout.q_block : stop * layout.q_block]
-        args = (q_chunk, kb, vb, layout.kv_indices[:, :, start:stop],
-                layout.kv_counts[:, :, start:stop], layout.kv_valid_sizes, scale)
+        args = (
+            q_chunk,
+            kb,
+            vb,
+            layout.kv_indices[:, :, start:stop],
+            layout.kv_counts[:, :, start:stop],
+            layout.kv_valid_sizes,
+            scale,
+        )
         if use_checkpoint:
             out, lse = checkpoint(_attend_chunk, *args, use_reentrant=False)
         else:
@@ -68,7 +76,7 @@ def _attend_chunk(
     kv_valid_sizes: torch.Tensor,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    batch, heads, num_kv, kv_block, dim = kb.shape
+    batch, heads, _, kv_block, dim = kb.shape
     n_q, width = kv_indices.shape[2], kv_indices.shape[3]
     q_block = q.shape[1] // n_q
     # [B, H, n_q, qb, D]

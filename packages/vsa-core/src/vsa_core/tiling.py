@@ -59,7 +59,8 @@ class VideoTiling:
     @property
     def grid_shape(self) -> tuple[int, int, int]:
         """Number of tiles along T, H and W."""
-        return tuple(math.ceil(n / t) for n, t in zip(self.latent_shape, self.tile_shape))  # type: ignore[return-value]
+        pairs = zip(self.latent_shape, self.tile_shape, strict=True)
+        return tuple(math.ceil(n / t) for n, t in pairs)  # type: ignore[return-value]
 
     @property
     def num_tiles(self) -> int:
@@ -136,7 +137,7 @@ def _tiling_indices(
 ) -> TilingIndices:
     # Built on the CPU once, then moved: this runs once per (shape, tile, device).
     (T, H, W), (tt, th, tw) = latent_shape, tile_shape
-    gt, gh, gw = (math.ceil(n / t) for n, t in zip(latent_shape, tile_shape))
+    gt, gh, gw = (math.ceil(n / t) for n, t in zip(latent_shape, tile_shape, strict=True))
     t_idx = torch.arange(T).view(T, 1, 1)
     h_idx = torch.arange(H).view(1, H, 1)
     w_idx = torch.arange(W).view(1, 1, W)

@@ -19,8 +19,10 @@ def check_positive_triple(name: str, value: Sequence[int]) -> tuple[int, int, in
         triple = tuple(int(v) for v in value)
     except (TypeError, ValueError):
         raise ValueError(f"{name} must be three positive integers, got {value!r}") from None
-    if len(triple) != 3 or any(v <= 0 for v in triple) or any(
-        isinstance(v, bool) or int(v) != v for v in value
+    if (
+        len(triple) != 3
+        or any(v <= 0 for v in triple)
+        or any(isinstance(v, bool) or int(v) != v for v in value)
     ):
         raise ValueError(f"{name} must be three positive integers, got {value!r}")
     return triple  # type: ignore[return-value]
@@ -54,9 +56,7 @@ def check_qkv(
                 f"{name} must be 4-D ({qkv_format.upper()}), got shape {tuple(t.shape)}"
             )
         if t.dtype not in FLOAT_DTYPES:
-            raise ValueError(
-                f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}"
-            )
+            raise ValueError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
     seq_dim, head_dim_ = (1, 2) if qkv_format == "bshd" else (2, 1)
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype:

@@ -75,7 +75,8 @@ class Backend:
 
         q: [B, NQ * q_block, H, D], k and v: [B, NKV * kv_block, H, D] (strides may be those of
         a BHSD tensor transposed to BSHD). Returns ``out`` [B, Sq, H, D] in q's dtype and
-        ``lse`` [B, H, Sq] in float32 (float64 for float64 inputs; natural log; -inf for rows that see no valid key).
+        ``lse`` [B, H, Sq] in float32 (float64 for float64 inputs; natural log; -inf for rows
+        that see no valid key).
         """
         raise NotImplementedError
 

@@ -116,6 +116,4 @@ def select_backend(call: AttentionCall, backend: str = "auto") -> Backend:
 
 def _by_priority() -> list[BackendEntry]:
     entries = backend_entries().values()
-    return sorted(
-        entries, key=lambda e: (-(e.backend.priority if e.backend else -1), e.name)
-    )
+    return sorted(entries, key=lambda e: (-(e.backend.priority if e.backend else -1), e.name))

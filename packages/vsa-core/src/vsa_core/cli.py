@@ -1,0 +1,297 @@
+"""The ``vsa`` command: ``vsa info`` and ``vsa demo``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+import time
+from importlib.metadata import PackageNotFoundError, version
+
+import torch
+
+from vsa_core.backends import AttentionCall, backend_entries, select_backend
+from vsa_core.coarse import pool_tiles, select_topk
+from vsa_core.layout import BlockSparseLayout
+from vsa_core.ops import block_sparse_attn, video_sparse_attn
+from vsa_core.tiling import VideoTiling
+
+OUR_PACKAGES = ("vsa-core", "vsa-triton", "vsa-fa4", "flash-attn-4-vsa")
+THIRD_PARTY = ("torch", "triton", "flash-attn-4", "nvidia-cutlass-dsl")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="vsa", description="Video Sparse Attention tools")
+    sub = parser.add_subparsers(dest="command", required=True)
+    info = sub.add_parser("info", help="versions, GPU and the state of every backend")
+    info.add_argument("--json", action="store_true", help="print JSON instead of text")
+    demo = sub.add_parser(
+        "demo", help="run VSA on a synthetic video latent and check it against the reference"
+    )
+    _add_demo_arguments(demo)
+    args = parser.parse_args(argv)
+    if args.command == "info":
+        return run_info(as_json=args.json)
+    return run_demo(args)
+
+
+# ---- vsa info --------------------------------------------------------------------------------
+def collect_info() -> dict:
+    """Everything ``vsa info`` reports, as plain data."""
+    devices = []
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            major, minor = torch.cuda.get_device_capability(i)
+            devices.append(
+                {
+                    "index": i,
+                    "name": torch.cuda.get_device_name(i),
+                    "capability": f"sm_{major}{minor}",
+                }
+            )
+    device = torch.device("cuda", 0) if devices else torch.device("cpu")
+    # What a typical training call on this machine would need: bf16, D=128, 64-token tiles.
+    call = AttentionCall(device, torch.bfloat16, 128, (64, 64), requires_grad=True)
+    backends = []
+    for name, entry in sorted(
+        backend_entries().items(),
+        key=lambda kv: -(kv[1].backend.priority if kv[1].backend else -1),
+    ):
+        if entry.backend is None:
+            state, reason = "unusable", entry.load_error
+        else:
+            reason = entry.backend.availability()
+            if reason is None:
+                reason = entry.backend.supports(call)
+                state = "available" if reason is None else "refuses the typical call"
+            else:
+                state = "unavailable"
+        backends.append({"name": name, "origin": entry.origin, "state": state, "reason": reason})
+    return {
+        "python": platform.python_version(),
+        "packages": {name: _version(name) for name in OUR_PACKAGES},
+        "dependencies": {name: _version(name) for name in THIRD_PARTY},
+        "torch_cuda": torch.version.cuda,
+        "devices": devices,
+        "typical_call": "bfloat16, head_dim 128, 64x64 blocks, with gradients, on " + str(device),
+        "auto_picks": select_backend(call).name,
+        "backends": backends,
+    }
+
+
+def run_info(as_json: bool = False) -> int:
+    info = collect_info()
+    if as_json:
+        print(json.dumps(info, indent=2))
+        return 0
+    print(f"python {info['python']}")
+    for name, ver in {**info["packages"], **info["dependencies"]}.items():
+        print(f"  {name:<20} {ver or 'not installed'}")
+    cuda = info["torch_cuda"] or "none (CPU build)"
+    print(f"torch CUDA runtime: {cuda}")
+    if info["devices"]:
+        for d in info["devices"]:
+            print(f"GPU {d['index']}: {d['name']} ({d['capability']})")
+    else:
+        print("GPU: none visible (CPU only)")
+    print(f"backends, for a typical call ({info['typical_call']}):")
+    for b in info["backends"]:
+        line = f"  {b['name']:<10} {b['state']}"
+        if b["reason"]:
+            line += f": {b['reason']}"
+        print(line)
+    print(f"backend='auto' picks: {info['auto_picks']}")
+    return 0
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return None
+
+
+# ---- vsa demo --------------------------------------------------------------------------------
+def _add_demo_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--latent",
+        type=int,
+        nargs=3,
+        metavar=("T", "H", "W"),
+        help="latent shape (default: 9 22 30 on CPU, 21 30 52 = Wan 480p on GPU)",
+    )
+    p.add_argument("--tile", type=int, nargs=3, default=(4, 4, 4), metavar=("t", "h", "w"))
+    p.add_argument("--heads", type=int, help="default: 4 on CPU, 12 on GPU")
+    p.add_argument("--head-dim", type=int, help="default: 64 on CPU, 128 on GPU")
+    p.add_argument(
+        "--sparsity",
+        type=float,
+        default=0.875,
+        help="share of key tiles each query tile skips (default 0.875)",
+    )
+    p.add_argument("--topk", type=int, help="key tiles per query tile (overrides --sparsity)")
+    p.add_argument("--backend", default="auto")
+    p.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
+    p.add_argument(
+        "--dtype", choices=sorted(DTYPES), help="default: float32 on CPU, bfloat16 on GPU"
+    )
+    p.add_argument("--repeats", type=int, default=3, help="timed runs after one warm-up")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    device = _demo_device(args.device)
+    on_gpu = device.type == "cuda"
+    latent = tuple(args.latent) if args.latent else ((21, 30, 52) if on_gpu else (9, 22, 30))
+    heads = args.heads or (12 if on_gpu else 4)
+    head_dim = args.head_dim or (128 if on_gpu else 64)
+    dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if on_gpu else torch.float32)
+    tiling = VideoTiling(latent, tuple(args.tile))
+    n = tiling.num_tiles
+    if args.topk is not None:
+        topk = args.topk
+    else:
+        if not 0 <= args.sparsity < 1:
+            raise SystemExit(f"vsa demo: --sparsity must lie in [0, 1), got {args.sparsity}")
+        topk = max(1, round((1 - args.sparsity) * n))
+    if not 1 <= topk <= n:
+        raise SystemExit(f"vsa demo: --topk must lie in [1, {n}] (the number of tiles), got {topk}")
+
+    _say(
+        f"latent {latent}, tile {tiling.tile_shape}: {n} tiles, {tiling.seq_len} tokens "
+        f"({tiling.padded_len} padded), {heads} heads x {head_dim}, {dtype}, {device}"
+    )
+    _say(f"top-k {topk} of {n} tiles per query tile: {1 - topk / n:.1%} sparse")
+    gen = torch.Generator().manual_seed(args.seed)
+    q, k, v = (
+        t.to(device=device, dtype=dtype) for t in synthetic_video_qkv(latent, heads, head_dim, gen)
+    )
+    # Permute to tile order once, as a model would once per forward pass (not per layer).
+    q, k, v = (tiling.to_tiles(t) for t in (q, k, v))
+
+    valid = tiling.valid_sizes(device)
+    layout = select_topk(
+        pool_tiles(q, valid), pool_tiles(k, valid), valid, topk, tiling.tile_tokens
+    )
+    backend = select_backend(AttentionCall.describe(q, k, v, layout), args.backend)
+    _say(f"backend: {backend.name}")
+
+    seconds = _time_op(
+        lambda: video_sparse_attn(q, k, v, topk=topk, tiling=tiling, backend=backend.name),
+        device,
+        args.repeats,
+    )
+    _say(f"video_sparse_attn: {seconds * 1e3:.2f} ms (median of {args.repeats})")
+
+    # Accuracy of the fine stage on the very tiles VSA selected, against the float64 reference.
+    out, _ = block_sparse_attn(q, k, v, layout, backend=backend.name)
+    ref, _ = block_sparse_attn(
+        *(t.double().cpu() for t in (q, k, v)), layout.to("cpu"), backend="reference"
+    )
+    real = tiling.indices("cpu").nonpad_index
+    error = (out.double().cpu() - ref)[:, real].abs().max().item()
+    _say(f"fine attention max |error| vs float64 reference: {error:.2e}")
+
+    captured = attention_mass_captured(q, k, layout, tiling)
+    _say(
+        f"selected tiles capture {captured:.1%} of dense attention mass "
+        f"(a random choice of {topk} tiles would capture about {topk / n:.1%})"
+    )
+    return 0
+
+
+def synthetic_video_qkv(
+    latent: tuple[int, int, int], heads: int, head_dim: int, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v [1, T*H*W, heads, head_dim] in raster order from a spatially smooth latent.
+
+    Features are random noise at 1/4 resolution, upsampled trilinearly: neighbouring tokens
+    look alike, so (as in real video latents) attention concentrates on nearby tokens.
+    """
+    channels = 32
+    coarse = [max(2, math.ceil(s / 4)) for s in latent]
+    field = torch.randn(1, channels, *coarse, generator=gen)
+    field = torch.nn.functional.interpolate(
+        field, size=latent, mode="trilinear", align_corners=True
+    )
+    tokens = field.flatten(2).transpose(1, 2)[0]  # [S, C]
+    tokens = (tokens - tokens.mean(0)) / tokens.std(0)
+    proj = torch.randn(channels, heads * head_dim, generator=gen) / math.sqrt(channels)
+    noise = [torch.randn(tokens.shape[0], heads * head_dim, generator=gen) for _ in range(3)]
+    # Matching q/k logits reach about sharpness**2 * sqrt(D) = 9: peaked, not one-hot.
+    sharpness = 3.0 / head_dim**0.25
+    q = sharpness * tokens @ proj + 0.3 * noise[0]
+    k = sharpness * tokens @ proj + 0.3 * noise[1]
+    v = tokens @ torch.randn(channels, heads * head_dim, generator=gen) + 0.1 * noise[2]
+    return tuple(t.view(1, -1, heads, head_dim) for t in (q, k, v))  # type: ignore[return-value]
+
+
+@torch.no_grad()
+def attention_mass_captured(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    layout: BlockSparseLayout,
+    tiling: VideoTiling,
+    max_query_tiles: int = 64,
+) -> float:
+    """Mean share of dense softmax mass that falls in the selected tiles (real tokens only).
+
+    Evaluated on at most ``max_query_tiles`` query tiles, evenly spaced, to bound the cost.
+    """
+    idx = tiling.indices(q.device)
+    real_keys = idx.tile_to_raster >= 0
+    key_tile = torch.arange(tiling.padded_len, device=q.device) // tiling.tile_tokens
+    selected = layout.to_block_mask()[0]  # [H, N, N]
+    step = max(1, layout.num_q_blocks // max_query_tiles)
+    shares = []
+    for tile in range(0, layout.num_q_blocks, step):
+        rows = slice(tile * tiling.tile_tokens, (tile + 1) * tiling.tile_tokens)
+        q_rows = q[0, rows].transpose(0, 1).float()  # [H, T, D]
+        scores = q_rows @ k[0].transpose(0, 1).float().transpose(1, 2) * q.shape[-1] ** -0.5
+        probs = scores.masked_fill(~real_keys, float("-inf")).softmax(-1)
+        inside = selected[:, tile, key_tile]  # [H, S]: key token lies in a selected tile
+        share = (probs * inside.unsqueeze(1)).sum(-1)  # [H, T]
+        real_rows = idx.tile_to_raster[rows] >= 0
+        shares.append(share[:, real_rows].flatten())
+    return torch.cat(shares).mean().item()
+
+
+def _time_op(fn, device: torch.device, repeats: int) -> float:
+    with torch.no_grad():
+        fn()  # warm-up (compilation, caches)
+        times = []
+        for _ in range(max(1, repeats)):
+            if device.type == "cuda":
+                start, end = (
+                    torch.cuda.Event(enable_timing=True),
+                    torch.cuda.Event(enable_timing=True),
+                )
+                start.record()
+                fn()
+                end.record()
+                torch.cuda.synchronize(device)
+                times.append(start.elapsed_time(end) / 1e3)
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def _demo_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit("vsa demo: --device cuda asked for, but no CUDA device is visible")
+    return torch.device(name)
+
+
+def _say(message: str) -> None:
+    print(f"[vsa demo] {message}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
