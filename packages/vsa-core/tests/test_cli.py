@@ -1,0 +1,80 @@
+"""The `vsa` command: info and demo run on a CPU machine and say true things."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from importlib.metadata import entry_points
+
+import pytest
+import torch
+
+from vsa_core import cli
+from vsa_core.layout import BlockSparseLayout
+from vsa_core.tiling import VideoTiling
+
+
+def test_info_json_lists_every_backend_and_auto_choice(capsys):
+    assert cli.main(["info", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["packages"]["vsa-core"] == "0.1.0"
+    names = {b["name"]: b for b in info["backends"]}
+    assert names["reference"]["state"] == "available"
+    assert {"reference", "triton", "fa4"} <= set(names)
+    for b in info["backends"]:
+        # every backend that cannot run says why
+        assert (b["state"] == "available") == (b["reason"] is None)
+    if not torch.cuda.is_available():
+        assert info["devices"] == []
+        assert info["auto_picks"] == "reference"
+
+
+def test_info_text(capsys):
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "backend='auto' picks:" in out
+    assert "reference  available" in out
+
+
+def test_demo_small_latent_reports_error_and_mass(capsys):
+    code = cli.main(
+        ["demo", "--latent", "5", "9", "10", "--heads", "2", "--head-dim", "16",
+         "--topk", "4", "--device", "cpu", "--repeats", "1"]
+    )
+    assert code == 0
+    lines = capsys.readouterr().out.splitlines()
+    text = "\n".join(lines)
+    assert "18 tiles, 450 tokens (1152 padded)" in text  # 2 x 3 x 3 tiles of 4x4x4
+    assert "backend: reference" in text
+    error = float(next(ln for ln in lines if "max |error|" in ln).rsplit(" ", 1)[-1])
+    assert 0 <= error < 1e-4
+    mass = next(ln for ln in lines if "capture" in ln)
+    share = float(mass.split("capture ")[1].split("%")[0]) / 100
+    assert 4 / 18 < share <= 1  # the coarse stage beats choosing tiles at random
+
+
+def test_demo_rejects_bad_topk():
+    with pytest.raises(SystemExit, match="--topk must lie in"):
+        cli.main(["demo", "--latent", "4", "4", "4", "--topk", "2", "--device", "cpu"])
+
+
+def test_attention_mass_captured_is_one_with_all_tiles_selected():
+    tiling = VideoTiling((3, 5, 6))
+    gen = torch.Generator().manual_seed(0)
+    q, k, _ = (tiling.to_tiles(t) for t in cli.synthetic_video_qkv((3, 5, 6), 2, 8, gen))
+    n = tiling.num_tiles
+    everything = torch.ones(1, 2, n, n, dtype=torch.bool)
+    layout = BlockSparseLayout.from_block_mask(everything, tiling.valid_sizes(), (64, 64))
+    assert cli.attention_mass_captured(q, k, layout, tiling) == pytest.approx(1.0, abs=1e-5)
+    nothing = BlockSparseLayout.from_block_mask(~everything, tiling.valid_sizes(), (64, 64))
+    assert cli.attention_mass_captured(q, k, nothing, tiling) == 0.0
+
+
+def test_console_script_is_declared_and_module_runs():
+    (script,) = entry_points(group="console_scripts", name="vsa")
+    assert script.value == "vsa_core.cli:main"
+    result = subprocess.run(
+        [sys.executable, "-m", "vsa_core.cli", "--help"], capture_output=True, text=True, check=True
+    )
+    assert "info" in result.stdout and "demo" in result.stdout
