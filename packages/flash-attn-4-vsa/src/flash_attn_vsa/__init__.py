@@ -1,1 +1,35 @@
+"""VSA's kernel deltas over an exactly pinned upstream FlashAttention-4 (CuTe DSL).
+
+This package will hold the few CuTe DSL kernels and patches that Video Sparse Attention needs on
+top of upstream FlashAttention-4 (PyPI ``flash-attn-4``, ``flash_attn/cute`` in
+github.com/Dao-AILab/flash-attention). Upstream is pinned exactly; ``UPSTREAM.md`` at the
+repository root records the pin, our deltas and the refresh procedure. No kernels ship yet.
+
+Importing this package does not import ``flash_attn`` or ``cutlass``.
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+
 __version__ = "0.1.0"
+
+UPSTREAM_DISTRIBUTION = "flash-attn-4"
+"""The PyPI distribution this package builds on."""
+
+UPSTREAM_VERSION = "4.0.0b36"
+"""The upstream release this package is written against (pinned exactly in its dependencies)."""
+
+__all__ = ["UPSTREAM_DISTRIBUTION", "UPSTREAM_VERSION", "__version__", "upstream_version"]
+
+
+def upstream_version() -> str | None:
+    """Version of the installed ``flash-attn-4`` distribution, or None when it is not installed.
+
+    Read from the distribution metadata; ``flash_attn`` itself is not imported. Compare it with
+    ``UPSTREAM_VERSION`` to detect an environment that drifted from the pin.
+    """
+    try:
+        return version(UPSTREAM_DISTRIBUTION)
+    except PackageNotFoundError:
+        return None

@@ -1,0 +1,104 @@
+"""Cross-package checks of the workspace that run on a CPU-only machine."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from importlib import import_module
+from importlib.metadata import entry_points, version
+
+import pytest
+import torch
+from vsa_core.backends.base import AttentionCall, Backend
+
+# (import name, distribution name) of every member package.
+PACKAGES = [
+    ("vsa_core", "vsa-core"),
+    ("vsa_triton", "vsa-triton"),
+    ("vsa_fa4", "vsa-fa4"),
+    ("flash_attn_vsa", "flash-attn-4-vsa"),
+]
+
+EXPECTED_BACKENDS = ["reference", "triton", "fa4"]
+
+# Backends registered by this workspace whose kernels are not written yet.
+STUB_BACKENDS = ["vsa_triton.backend:TritonBackend", "vsa_fa4.backend:FA4Backend"]
+
+HEAVY_MODULES = ("triton", "cutlass", "flash_attn")
+
+
+def _backend_entry_points() -> dict[str, object]:
+    return {ep.name: ep for ep in entry_points(group="vsa.backends")}
+
+
+def _load(target: str) -> type[Backend]:
+    module_name, _, attr = target.partition(":")
+    return getattr(import_module(module_name), attr)
+
+
+def _cpu_call() -> AttentionCall:
+    return AttentionCall(
+        device=torch.device("cpu"),
+        dtype=torch.bfloat16,
+        head_dim=128,
+        block_shape=(64, 64),
+        requires_grad=False,
+    )
+
+
+def test_backend_entry_points_are_registered():
+    names = _backend_entry_points()
+    missing = [name for name in EXPECTED_BACKENDS if name not in names]
+    assert not missing, f"vsa.backends lacks {missing}; found {sorted(names)}"
+
+
+@pytest.mark.parametrize("name", EXPECTED_BACKENDS)
+def test_backend_entry_point_loads_a_backend(name):
+    ep = _backend_entry_points()[name]
+    cls = ep.load()
+    assert isinstance(cls, type) and issubclass(cls, Backend), f"{ep.value} is not a Backend"
+    assert cls is not Backend
+    assert cls.name == name, f"{ep.value}.name is {cls.name!r}, registered as {name!r}"
+
+
+def test_importing_plugins_keeps_heavy_modules_out():
+    code = (
+        "import json, sys\n"
+        "import vsa_triton, vsa_triton.backend\n"
+        "import vsa_fa4, vsa_fa4.backend\n"
+        "import flash_attn_vsa\n"
+        f"heavy = {HEAVY_MODULES!r}\n"
+        "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in heavy)))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    loaded = json.loads(done.stdout.strip().splitlines()[-1])
+    assert loaded == [], f"importing the plugin packages imported {loaded}"
+
+
+@pytest.mark.parametrize(("module_name", "dist_name"), PACKAGES)
+def test_version_matches_distribution(module_name, dist_name):
+    assert import_module(module_name).__version__ == version(dist_name)
+
+
+def test_flash_attn_vsa_upstream_pin_matches_installed():
+    import flash_attn_vsa
+
+    assert flash_attn_vsa.upstream_version() == flash_attn_vsa.UPSTREAM_VERSION
+
+
+@pytest.mark.parametrize("target", STUB_BACKENDS)
+def test_stub_backend_refuses_honestly(target):
+    backend = _load(target)()
+    reason = backend.supports(_cpu_call())
+    assert isinstance(reason, str) and reason.strip(), f"{target}.supports gave {reason!r}"
+
+    unavailable = backend.availability()
+    assert isinstance(unavailable, str) and unavailable.strip()
+
+    q = torch.zeros(1, 64, 1, 128, dtype=torch.bfloat16)
+    with pytest.raises(NotImplementedError):
+        backend.forward(q, q, q, layout=None, scale=1.0)  # type: ignore[arg-type]
