@@ -10,6 +10,7 @@ from importlib.metadata import entry_points, version
 
 import pytest
 import torch
+
 from vsa_core.backends.base import AttentionCall, Backend
 
 # (import name, distribution name) of every member package.

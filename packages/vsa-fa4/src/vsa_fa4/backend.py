@@ -13,8 +13,8 @@ import importlib.util
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
-from vsa_core.backends.base import AttentionCall, Backend
 
+from vsa_core.backends.base import AttentionCall, Backend
 from vsa_fa4 import __version__
 
 if TYPE_CHECKING:

@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
-from vsa_core.backends.base import AttentionCall, Backend
 
+from vsa_core.backends.base import AttentionCall, Backend
 from vsa_triton import __version__
 
 if TYPE_CHECKING:
