@@ -39,8 +39,23 @@ def test_info_text(capsys):
 
 def test_demo_small_latent_reports_error_and_mass(capsys):
     code = cli.main(
-        ["demo", "--latent", "5", "9", "10", "--heads", "2", "--head-dim", "16",
-         "--topk", "4", "--device", "cpu", "--repeats", "1"]
+        [
+            "demo",
+            "--latent",
+            "5",
+            "9",
+            "10",
+            "--heads",
+            "2",
+            "--head-dim",
+            "16",
+            "--topk",
+            "4",
+            "--device",
+            "cpu",
+            "--repeats",
+            "1",
+        ]
     )
     assert code == 0
     lines = capsys.readouterr().out.splitlines()

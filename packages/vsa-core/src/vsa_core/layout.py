@@ -255,6 +255,12 @@ class BlockSparseLayout:
         num_kv = block_mask.shape[-1]
         width = num_kv if width is None else width
         counts = block_mask.sum(-1, dtype=torch.int32)
+        largest = int(counts.max()) if counts.numel() else 0
+        if not largest <= width <= num_kv:
+            raise ValueError(
+                f"width must lie in [{largest}, {num_kv}] (largest row count, num_kv_blocks), "
+                f"got {width}"
+            )
         # Stable sort of "not selected" puts the selected blocks first, in ascending order.
         order = torch.sort((~block_mask).to(torch.uint8), dim=-1, stable=True).indices[..., :width]
         used = torch.arange(width, device=block_mask.device) < counts.unsqueeze(-1)

@@ -11,6 +11,7 @@ Both take BSHD tensors ([batch, seq, heads, head_dim], the native format) or BHS
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
@@ -241,7 +242,7 @@ def _check_layout_matches(layout: BlockSparseLayout, q: torch.Tensor, k: torch.T
 def _resolve_scale(scale: float | None, head_dim: int) -> float:
     if scale is None:
         return head_dim**-0.5
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < math.inf:
         raise ValueError(f"scale must be a positive float or None, got {scale!r}")
     return float(scale)
 

@@ -1,0 +1,513 @@
+"""The public ops against naive end-to-end float64 implementations, and their input checks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from vsa_naive import (
+    FEW,
+    SETTINGS,
+    masked_attention,
+    naive_from_tiles,
+    naive_pool,
+    naive_tiling,
+    naive_to_tiles,
+    naive_topk_mask,
+    naive_vsa,
+    random_block_mask,
+    token_mask,
+)
+
+from vsa_core import BlockSparseLayout, VideoTiling, block_sparse_attn, video_sparse_attn
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _randn(gen, *shape, dtype=torch.float64):
+    return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype)
+
+
+# ---- block_sparse_attn -------------------------------------------------------------------------
+@SETTINGS
+@given(
+    batch=st.integers(1, 2),
+    heads=st.integers(1, 3),
+    nq=st.integers(1, 4),
+    nkv=st.integers(1, 4),
+    qb=st.sampled_from([1, 2, 4]),
+    kvb=st.sampled_from([2, 3]),
+    dim=st.integers(1, 6),
+    fmt=st.sampled_from(["bshd", "bhsd"]),
+    backend=st.sampled_from(["auto", "reference"]),
+    use_scale=st.booleans(),
+    seed=st.integers(0, 2**31),
+)
+def test_block_sparse_attn_matches_naive(
+    batch, heads, nq, nkv, qb, kvb, dim, fmt, backend, use_scale, seed
+):
+    gen = _gen(seed)
+    q = _randn(gen, batch, nq * qb, heads, dim)
+    k = _randn(gen, batch, nkv * kvb, heads, dim)
+    v = _randn(gen, batch, nkv * kvb, heads, dim)
+    valid = torch.randint(0, kvb + 1, (nkv,), generator=gen)
+    block_mask = random_block_mask(gen, batch, heads, nq, nkv, 0.6)
+    layout = BlockSparseLayout.from_block_mask(block_mask, valid, (qb, kvb))
+    scale = 0.37 if use_scale else None
+    want_out, want_lse = masked_attention(
+        q, k, v, token_mask(block_mask, valid, qb, kvb), 0.37 if use_scale else dim**-0.5
+    )
+    if fmt == "bhsd":
+        q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+    out, lse = block_sparse_attn(q, k, v, layout, backend=backend, scale=scale, qkv_format=fmt)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert lse.shape == (batch, heads, nq * qb)
+    if fmt == "bhsd":
+        out = out.transpose(1, 2)  # BHSD output is the transposed BSHD result
+    torch.testing.assert_close(out, want_out, rtol=0, atol=1e-10)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse))
+    finite = torch.isfinite(want_lse)
+    torch.testing.assert_close(lse[finite], want_lse[finite], rtol=0, atol=1e-10)
+
+
+def test_block_sparse_attn_cross_attention_and_grads():
+    gen = _gen(7)
+    batch, heads, dim, qb, kvb, nq, nkv = 1, 2, 4, 4, 2, 2, 5
+    q = _randn(gen, batch, heads, nq * qb, dim).requires_grad_()
+    k = _randn(gen, batch, heads, nkv * kvb, dim).requires_grad_()
+    v = _randn(gen, batch, heads, nkv * kvb, dim).requires_grad_()
+    valid = torch.tensor([2, 1, 0, 2, 2])
+    block_mask = random_block_mask(gen, batch, heads, nq, nkv, 0.7)
+    layout = BlockSparseLayout.from_block_mask(block_mask, valid, (qb, kvb))
+    weight = _randn(gen, batch, heads, nq * qb, dim)
+    out, _ = block_sparse_attn(q, k, v, layout, qkv_format="bhsd")
+    got = torch.autograd.grad((out * weight).sum(), (q, k, v))
+    mask = token_mask(block_mask, valid, qb, kvb)
+    want_out, _ = masked_attention(*(t.transpose(1, 2) for t in (q, k, v)), mask, dim**-0.5)
+    want = torch.autograd.grad((want_out.transpose(1, 2) * weight).sum(), (q, k, v))
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("fmt", ["bshd", "bhsd"])
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float16, 3e-3), (torch.bfloat16, 2e-2)])
+def test_block_sparse_attn_low_precision(fmt, dtype, tol):
+    gen = _gen(12)
+    batch, heads, dim, qb, kvb, nq, nkv = 2, 2, 8, 4, 4, 3, 4
+    q, k, v = (
+        _randn(gen, batch, n * b, heads, dim, dtype=dtype)
+        for n, b in ((nq, qb), (nkv, kvb), (nkv, kvb))
+    )
+    valid = torch.tensor([4, 1, 3, 4])
+    block_mask = random_block_mask(gen, batch, heads, nq, nkv, 0.6)
+    block_mask[..., 0] = True
+    layout = BlockSparseLayout.from_block_mask(block_mask, valid, (qb, kvb))
+    want, _ = masked_attention(q, k, v, token_mask(block_mask, valid, qb, kvb), dim**-0.5)
+    if fmt == "bhsd":
+        q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+    out, lse = block_sparse_attn(q, k, v, layout, qkv_format=fmt)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    out = out if fmt == "bshd" else out.transpose(1, 2)
+    assert float((out.double() - want).norm() / want.norm()) < tol
+
+
+# ---- video_sparse_attn -------------------------------------------------------------------------
+def _clear_inputs(seed, batch, seq, heads, dim, valid, topk, garbage_padding=True):
+    """Random tile-order q, k, v whose top-k selection is unambiguous (float32 vs float64).
+
+    Deterministic: tries seeds from ``seed`` on until the naive k-th/(k+1)-th score gap is large.
+    """
+    num_tiles = len(valid)
+    tile_tokens = seq // num_tiles
+    for s in range(seed, seed + 100):
+        gen = _gen(s)
+        q, k, v = (_randn(gen, batch, seq, heads, dim) for _ in range(3))
+        if garbage_padding:
+            for t in (q, k, v):
+                for n, size in enumerate(valid.tolist()):
+                    t[:, n * tile_tokens + size : (n + 1) * tile_tokens] += 5.0
+        _, margin = naive_topk_mask(naive_pool(q, valid), naive_pool(k, valid), valid, topk)
+        if margin > 1e-4:
+            return q, k, v
+    raise AssertionError("no seed gave an unambiguous top-k selection")  # pragma: no cover
+
+
+def _real_query_rows(valid, tile_tokens):
+    """Token rows of non-empty query tiles (an empty tile's pooled query scores every key tile
+    equally, so its selection, and its rows' fine output, are not defined)."""
+    return torch.tensor([int(s) > 0 for s in valid]).repeat_interleave(tile_tokens)
+
+
+VSA_CASES = [
+    # (latent, tile, batch, heads, dim, topk)
+    ((3, 5, 6), (2, 2, 4), 2, 2, 4, 3),
+    ((2, 3, 3), (2, 2, 2), 1, 3, 3, 1),
+    ((4, 4, 4), (4, 4, 4), 1, 2, 4, 1),  # one tile
+    ((5, 3, 2), (2, 2, 2), 1, 1, 2, 6),  # topk = number of tiles
+]
+
+
+@pytest.mark.parametrize(("latent", "tile", "batch", "heads", "dim", "topk"), VSA_CASES)
+@pytest.mark.parametrize("gate_kind", ["none", "full", "broadcast"])
+@pytest.mark.parametrize("fmt", ["bshd", "bhsd"])
+def test_video_sparse_attn_tiling_matches_naive(
+    latent, tile, batch, heads, dim, topk, gate_kind, fmt
+):
+    tiling = VideoTiling(latent, tile)
+    valid = torch.tensor([len(m) for m in naive_tiling(latent, tile)[1]])
+    seq = tiling.padded_len
+    q, k, v = _clear_inputs(11, batch, seq, heads, dim, valid, topk)
+    gen = _gen(99)
+    gate = {
+        "none": None,
+        "full": _randn(gen, batch, seq, heads, dim),
+        "broadcast": _randn(gen, 1, 1, heads, 1),
+    }[gate_kind]
+    want, _, _ = naive_vsa(q, k, v, valid, topk, 0.45, gate)
+    if fmt == "bhsd":
+        q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+        gate = None if gate is None else gate.transpose(1, 2).contiguous()
+    with torch.no_grad():
+        out = video_sparse_attn(
+            q, k, v, topk=topk, tiling=tiling, coarse_gate=gate, scale=0.45, qkv_format=fmt
+        )
+    assert out.shape == q.shape and out.dtype == q.dtype
+    if fmt == "bhsd":
+        out = out.transpose(1, 2)
+    torch.testing.assert_close(out, want, rtol=0, atol=1e-10)
+
+
+@FEW
+@given(
+    num_tiles=st.integers(2, 7),
+    tile_tokens=st.sampled_from([2, 3, 4]),
+    heads=st.integers(1, 2),
+    dim=st.integers(2, 4),
+    seed=st.integers(0, 10**6),
+    data=st.data(),
+)
+def test_video_sparse_attn_kv_valid_sizes_matches_naive(
+    num_tiles, tile_tokens, heads, dim, seed, data
+):
+    gen = _gen(seed)
+    valid = torch.randint(0, tile_tokens + 1, (num_tiles,), generator=gen, dtype=torch.int32)
+    valid[0] = tile_tokens
+    valid[-1] = max(int(valid[-1]), 1)
+    non_empty = int((valid > 0).sum())
+    topk = data.draw(st.integers(1, non_empty))
+    seq = num_tiles * tile_tokens
+    q, k, v = _clear_inputs(seed, 2, seq, heads, dim, valid, topk)
+    gate = _randn(gen, 2, seq, heads, 1)
+    want, block_mask, _ = naive_vsa(q, k, v, valid, topk, dim**-0.5, gate)
+    # No empty key tile is ever selected while enough non-empty ones exist.
+    assert not bool(block_mask[..., valid == 0].any())
+    out = video_sparse_attn(q, k, v, topk=topk, kv_valid_sizes=valid, coarse_gate=gate)
+    rows = _real_query_rows(valid, tile_tokens)
+    torch.testing.assert_close(out[:, rows], want[:, rows], rtol=0, atol=1e-10)
+    assert bool(torch.isfinite(out).all())
+
+
+@pytest.mark.parametrize("fmt", ["bshd", "bhsd"])
+@pytest.mark.parametrize("with_gate", [False, True])
+def test_video_sparse_attn_raster_order(fmt, with_gate):
+    latent, tile, batch, heads, dim, topk = (3, 5, 6), (2, 2, 4), 2, 2, 4, 3
+    tiling = VideoTiling(latent, tile)
+    valid = torch.tensor([len(m) for m in naive_tiling(latent, tile)[1]])
+    q_t, k_t, v_t = _clear_inputs(5, batch, tiling.padded_len, heads, dim, valid, topk, False)
+    q, k, v = (naive_from_tiles(t, latent, tile) for t in (q_t, k_t, v_t))  # raster order
+    gate = _randn(_gen(3), batch, tiling.seq_len, heads, dim) if with_gate else None
+    gate_t = None if gate is None else naive_to_tiles(gate, latent, tile)
+    want_tiled, _, _ = naive_vsa(q_t, k_t, v_t, valid, topk, dim**-0.5, gate_t)
+    want = naive_from_tiles(want_tiled, latent, tile)
+
+    def fmt_in(x):
+        return None if x is None else (x if fmt == "bshd" else x.transpose(1, 2).contiguous())
+
+    def fmt_out(x):
+        return x if fmt == "bshd" else x.transpose(1, 2)
+
+    out = video_sparse_attn(
+        *(fmt_in(t) for t in (q, k, v)),
+        topk=topk,
+        tiling=tiling,
+        coarse_gate=fmt_in(gate),
+        qkv_format=fmt,
+        token_order="raster",
+    )
+    assert out.shape == fmt_in(q).shape
+    torch.testing.assert_close(fmt_out(out), want, rtol=0, atol=1e-10)
+    # ... and it is the untiled result of the tiled call on the tiled inputs.
+    tiled = video_sparse_attn(
+        *(fmt_in(t) for t in (q_t, k_t, v_t)),
+        topk=topk,
+        tiling=tiling,
+        coarse_gate=fmt_in(gate_t),
+        qkv_format=fmt,
+    )
+    torch.testing.assert_close(out, tiling.from_tiles(tiled, fmt), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("fmt", ["bshd", "bhsd"])
+@pytest.mark.parametrize("gate_kind", ["none", "full", "per_head"])
+def test_video_sparse_attn_grads_match_naive(fmt, gate_kind):
+    num_tiles, tile_tokens, batch, heads, dim, topk = 5, 4, 1, 2, 3, 2
+    valid = torch.tensor([4, 2, 0, 4, 1], dtype=torch.int32)
+    seq = num_tiles * tile_tokens
+    q, k, v = _clear_inputs(21, batch, seq, heads, dim, valid, topk)
+    gen = _gen(8)
+    gate = {
+        "none": None,
+        "full": _randn(gen, batch, seq, heads, dim),
+        "per_head": _randn(gen, 1, 1, heads, 1),
+    }[gate_kind]
+    rows = _real_query_rows(valid, tile_tokens)
+    weight = _randn(gen, batch, seq, heads, dim) * rows.view(1, -1, 1, 1)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    if gate is not None:
+        leaves.append(gate.clone().requires_grad_())
+    want_out, _, _ = naive_vsa(
+        *leaves[:3], valid, topk, 0.6, leaves[3] if gate is not None else None
+    )
+    want = torch.autograd.grad((want_out * weight).sum(), leaves)
+
+    def to_fmt(x):
+        return x if fmt == "bshd" else x.transpose(1, 2).contiguous()
+
+    op_leaves = [to_fmt(t.detach()).requires_grad_() for t in leaves]
+    out = video_sparse_attn(
+        *op_leaves[:3],
+        topk=topk,
+        kv_valid_sizes=valid,
+        coarse_gate=op_leaves[3] if gate is not None else None,
+        scale=0.6,
+        qkv_format=fmt,
+    )
+    assert out.requires_grad
+    got = torch.autograd.grad((out * to_fmt(weight)).sum(), op_leaves)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, to_fmt(w), rtol=0, atol=1e-10)
+    # The output is the same with and without autograd (in-place combine in no-grad mode).
+    with torch.no_grad():
+        out_ng = video_sparse_attn(
+            *op_leaves[:3],
+            topk=topk,
+            kv_valid_sizes=valid,
+            coarse_gate=op_leaves[3] if gate is not None else None,
+            scale=0.6,
+            qkv_format=fmt,
+        )
+    assert not out_ng.requires_grad
+    torch.testing.assert_close(out_ng, out.detach(), rtol=0, atol=1e-12)
+
+
+def test_video_sparse_attn_does_not_modify_inputs():
+    valid = torch.tensor([3, 3, 1], dtype=torch.int32)
+    q, k, v = _clear_inputs(2, 1, 9, 2, 2, valid, 2)
+    gate = _randn(_gen(0), 1, 9, 2, 2)
+    copies = [t.clone() for t in (q, k, v, gate)]
+    with torch.no_grad():
+        video_sparse_attn(q, k, v, topk=2, kv_valid_sizes=valid, coarse_gate=gate)
+    for t, c in zip((q, k, v, gate), copies, strict=True):
+        assert torch.equal(t, c)
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.float16, 5e-3)])
+def test_video_sparse_attn_low_precision(dtype, tol):
+    tiling = VideoTiling((2, 4, 4), (2, 2, 2))
+    valid = tiling.valid_sizes()
+    q, k, v = _clear_inputs(4, 1, tiling.padded_len, 2, 8, valid, 2)
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    out = video_sparse_attn(q, k, v, topk=2, tiling=tiling)
+    assert out.dtype == dtype
+    want, _, margin = naive_vsa(q, k, v, valid, 2, 8**-0.5)
+    assert margin > 1e-2  # the rounded inputs still select unambiguously
+    err = (out.double() - want).norm() / want.norm()
+    assert err < tol
+
+
+def test_video_sparse_attn_default_scale():
+    valid = torch.tensor([4, 4, 2], dtype=torch.int32)
+    q, k, v = _clear_inputs(6, 1, 12, 1, 9, valid, 2)
+    want, _, _ = naive_vsa(q, k, v, valid, 2, 1 / 3)
+    out = video_sparse_attn(q, k, v, topk=2, kv_valid_sizes=valid)
+    torch.testing.assert_close(out, want, rtol=0, atol=1e-10)
+
+
+# ---- validation errors -------------------------------------------------------------------------
+def _bsa_args():
+    q = torch.zeros(2, 8, 3, 4)
+    k = torch.zeros(2, 12, 3, 4)
+    v = torch.zeros(2, 12, 3, 4)
+    layout = BlockSparseLayout.from_block_mask(
+        torch.ones(2, 3, 2, 3, dtype=torch.bool), torch.full((3,), 4), (4, 4)
+    )
+    return {"q": q, "k": k, "v": v, "layout": layout}
+
+
+def _other_layout(batch=2, heads=3, nq=2, nkv=3, block=(4, 4)):
+    return BlockSparseLayout.from_block_mask(
+        torch.ones(batch, heads, nq, nkv, dtype=torch.bool), torch.full((nkv,), block[1]), block
+    )
+
+
+BSA_ERRORS = [
+    ({"q": torch.zeros(8, 3, 4)}, "q must be 4-D"),
+    ({"k": torch.zeros(2, 12, 3, 4, 1)}, "k must be 4-D"),
+    ({"v": torch.zeros(2, 12, 3)}, "v must be 4-D"),
+    ({"q": [[0.0]]}, "q must be a torch.Tensor"),
+    ({"q": torch.zeros(2, 8, 3, 4, dtype=torch.int32)}, "q must be float16"),
+    ({"k": torch.zeros(1, 12, 3, 4)}, "k must have q's batch size"),
+    ({"v": torch.zeros(3, 12, 3, 4)}, "v must have q's batch size"),
+    ({"k": torch.zeros(2, 12, 2, 4)}, "k must have q's number of heads"),
+    ({"v": torch.zeros(2, 12, 4, 4)}, "v must have q's number of heads"),
+    ({"k": torch.zeros(2, 12, 3, 5)}, "k must have q's head dim"),
+    ({"v": torch.zeros(2, 12, 3, 5)}, "v must have q's head dim"),
+    ({"v": torch.zeros(2, 8, 3, 4)}, "v must have k's sequence length"),
+    ({"k": torch.zeros(2, 12, 3, 4, dtype=torch.float64)}, "k must have q's dtype"),
+    ({"v": torch.zeros(2, 12, 3, 4, dtype=torch.float16)}, "v must have q's dtype"),
+    ({"k": torch.zeros(2, 12, 3, 4, device="meta")}, "k must be on q's device"),
+    ({"v": torch.zeros(2, 12, 3, 4, device="meta")}, "v must be on q's device"),
+    ({"layout": "dense"}, "layout must be a BlockSparseLayout"),
+    ({"layout": _other_layout(batch=1)}, "layout must have batch"),
+    ({"layout": _other_layout(heads=2)}, "layout must have heads"),
+    ({"layout": _other_layout(nq=3)}, r"layout must have q_len"),
+    ({"layout": _other_layout(nkv=2)}, r"layout must have kv_len"),
+    ({"layout": _other_layout(block=(2, 4), nq=3)}, r"layout must have q_len"),
+    ({"layout": _other_layout().to("meta")}, "layout must be on q's device"),
+    ({"scale": 0.0}, "scale must be a positive float"),
+    ({"scale": -1.0}, "scale must be a positive float"),
+    ({"scale": float("nan")}, "scale must be a positive float"),
+    ({"scale": float("inf")}, "scale must be a positive"),
+    ({"scale": "0.5"}, "scale must be a positive float"),
+    ({"scale": True}, "scale must be a positive float"),
+    ({"scale": torch.tensor(0.5)}, "scale must be a positive float"),
+    ({"qkv_format": "sbhd"}, "qkv_format must be 'bshd' or 'bhsd'"),
+    ({"qkv_format": "BSHD"}, "qkv_format must be 'bshd' or 'bhsd'"),
+]
+
+
+@pytest.mark.parametrize(("change", "message"), BSA_ERRORS)
+def test_block_sparse_attn_errors(change, message):
+    args = {**_bsa_args(), **change}
+    q, k, v, layout = (args.pop(n) for n in ("q", "k", "v", "layout"))
+    with pytest.raises(ValueError, match=message):
+        block_sparse_attn(q, k, v, layout, **args)
+
+
+def test_block_sparse_attn_bhsd_checks_heads_on_dim_1():
+    args = _bsa_args()
+    q, k, v = (t.transpose(1, 2) for t in (args["q"], args["k"], args["v"]))
+    block_sparse_attn(q, k, v, args["layout"], qkv_format="bhsd")  # valid
+    with pytest.raises(ValueError, match="k must have q's number of heads"):
+        block_sparse_attn(q, k[:, :2], v, args["layout"], qkv_format="bhsd")
+    # BSHD tensors read as BHSD: the sequence lengths become head counts.
+    with pytest.raises(ValueError, match="k must have q's number of heads 8"):
+        block_sparse_attn(args["q"], args["k"], args["v"], args["layout"], qkv_format="bhsd")
+
+
+TILING = VideoTiling((3, 4, 8), (2, 2, 2))  # 16 tiles of 8 slots, 96 real tokens, 128 padded
+
+
+def _vsa_args():
+    q = torch.zeros(1, 128, 2, 4)
+    return {"q": q, "k": q.clone(), "v": q.clone(), "topk": 2, "tiling": TILING}
+
+
+VSA_ERRORS = [
+    ({"q": torch.zeros(128, 2, 4)}, "q must be 4-D"),
+    ({"k": torch.zeros(2, 128, 2, 4)}, "k must have q's batch size"),
+    ({"v": torch.zeros(1, 128, 3, 4)}, "v must have q's number of heads"),
+    ({"k": torch.zeros(1, 128, 2, 8)}, "k must have q's head dim"),
+    ({"k": torch.zeros(1, 64, 2, 4), "v": torch.zeros(1, 64, 2, 4)}, "k must have q's sequence"),
+    ({"v": torch.zeros(1, 64, 2, 4)}, "v must have k's sequence length"),
+    ({"k": torch.zeros(1, 128, 2, 4, dtype=torch.float64)}, "k must have q's dtype"),
+    ({"v": torch.zeros(1, 128, 2, 4, device="meta")}, "v must be on q's device"),
+    ({"topk": 0}, r"topk must be an integer in \[1, 16\]"),
+    ({"topk": -1}, "topk must be an integer"),
+    ({"topk": 17}, r"topk must be an integer in \[1, 16\]"),
+    ({"topk": 2.0}, "topk must be an integer"),
+    ({"topk": True}, "topk must be an integer"),
+    ({"topk": "2"}, "topk must be an integer"),
+    ({"kv_valid_sizes": torch.full((16,), 8)}, "exactly one of tiling= and kv_valid_sizes="),
+    ({"tiling": None}, "exactly one of tiling= and kv_valid_sizes="),
+    ({"tiling": (3, 4, 4)}, "tiling must be a VideoTiling"),
+    ({"tiling": VideoTiling((3, 4, 5), (2, 2, 2))}, "q must have tiling.padded_len"),
+    ({"token_order": "raster"}, r"q must have tiling.seq_len \(T\*H\*W\) = 96"),
+    (
+        {"tiling": None, "kv_valid_sizes": torch.full((16,), 8), "token_order": "raster"},
+        "token_order='raster' needs tiling=",
+    ),
+    ({"token_order": "tile"}, "token_order must be 'tiled' or 'raster'"),
+    ({"qkv_format": "bsdh"}, "qkv_format must be 'bshd' or 'bhsd'"),
+    ({"coarse_gate": torch.zeros(1, 127, 2, 4)}, "coarse_gate must broadcast to q's shape"),
+    ({"coarse_gate": torch.zeros(1, 1, 1, 2, 4)}, "coarse_gate must broadcast to q's shape"),
+    ({"coarse_gate": torch.zeros(1, 128, 2, 4, dtype=torch.float64)}, "coarse_gate must have q's"),
+    ({"coarse_gate": torch.zeros(1, 128, 2, 4, device="meta")}, "coarse_gate must have q's"),
+    ({"coarse_gate": 0.5}, "coarse_gate must be a tensor or None"),
+    ({"scale": 0}, "scale must be a positive float"),
+    ({"scale": -0.5}, "scale must be a positive float"),
+    ({"scale": float("inf")}, "scale must be a positive"),
+    ({"scale": "1"}, "scale must be a positive float"),
+    ({"backend": "no-such-backend"}, "backend must be one of"),
+    ({"backend": 3}, "backend must be a backend name"),
+]
+
+KV_VALID_ERRORS = [
+    (torch.full((16,), 8.0), "kv_valid_sizes must be an integer tensor"),
+    (torch.full((16,), True), "kv_valid_sizes must be an integer tensor"),
+    (torch.full((4, 4), 8), "kv_valid_sizes must be a non-empty 1-D tensor"),
+    (torch.zeros(0, dtype=torch.int32), "kv_valid_sizes must be a non-empty 1-D tensor"),
+    (torch.full((16,), 8, device="meta"), "kv_valid_sizes must be on q's device"),
+    (torch.full((5,), 8), r"multiple of len\(kv_valid_sizes\) = 5"),
+    (torch.tensor([9] + [8] * 15), r"kv_valid_sizes values must lie in \[0, 8\]"),
+    (torch.tensor([-1] + [8] * 15), r"kv_valid_sizes values must lie in \[0, 8\]"),
+    ([8] * 16, "kv_valid_sizes must be a torch.Tensor"),
+]
+
+
+@pytest.mark.parametrize(("change", "message"), VSA_ERRORS)
+def test_video_sparse_attn_errors(change, message):
+    args = {**_vsa_args(), **change}
+    q, k, v = (args.pop(n) for n in ("q", "k", "v"))
+    with pytest.raises(ValueError, match=message):
+        video_sparse_attn(q, k, v, **args)
+
+
+@pytest.mark.parametrize(("kv_valid_sizes", "message"), KV_VALID_ERRORS)
+def test_video_sparse_attn_kv_valid_sizes_errors(kv_valid_sizes, message):
+    args = {**_vsa_args(), "tiling": None, "kv_valid_sizes": kv_valid_sizes}
+    q, k, v = (args.pop(n) for n in ("q", "k", "v"))
+    with pytest.raises(ValueError, match=message):
+        video_sparse_attn(q, k, v, **args)
+
+
+def test_video_sparse_attn_validate_false_skips_range_check():
+    q = torch.randn(1, 16, 1, 2)
+    sizes = torch.tensor([4, 4, 4, 5])  # 5 > tile size 4: only a data check catches it
+    with pytest.raises(ValueError, match="kv_valid_sizes values must lie in"):
+        video_sparse_attn(q, q, q, topk=1, kv_valid_sizes=sizes)
+    assert math.isfinite(
+        float(
+            video_sparse_attn(
+                q, q, q, topk=1, kv_valid_sizes=sizes[:3].repeat(2)[:4], validate=False
+            ).sum()
+        )
+    )
+    # Metadata checks still run without validate.
+    with pytest.raises(ValueError, match="kv_valid_sizes must be an integer tensor"):
+        video_sparse_attn(q, q, q, topk=1, kv_valid_sizes=sizes.float(), validate=False)
+
+
+def test_video_sparse_attn_bhsd_error_names_bhsd():
+    q = torch.zeros(1, 2, 128, 4)
+    video_sparse_attn(q, q, q, topk=1, tiling=TILING, qkv_format="bhsd")  # valid
+    with pytest.raises(ValueError, match=r"q must have tiling\.padded_len"):
+        video_sparse_attn(q, q, q, topk=1, tiling=TILING)  # read as BSHD: seq 2
+    with pytest.raises(ValueError, match="k must have q's number of heads"):
+        video_sparse_attn(q, q[:, :1], q[:, :1], topk=1, tiling=TILING, qkv_format="bhsd")
