@@ -38,32 +38,18 @@ def test_info_text(capsys):
 
 
 def test_demo_small_latent_reports_error_and_mass(capsys):
-    code = cli.main(
-        [
-            "demo",
-            "--latent",
-            "5",
-            "9",
-            "10",
-            "--heads",
-            "2",
-            "--head-dim",
-            "16",
-            "--topk",
-            "4",
-            "--device",
-            "cpu",
-            "--repeats",
-            "1",
-        ]
-    )
+    args = "demo --latent 5 9 10 --heads 2 --head-dim 16 --topk 4 --device cpu --repeats 1"
+    code = cli.main(args.split())
     assert code == 0
     lines = capsys.readouterr().out.splitlines()
     text = "\n".join(lines)
     assert "18 tiles, 450 tokens (1152 padded)" in text  # 2 x 3 x 3 tiles of 4x4x4
     assert "backend: reference" in text
-    error = float(next(ln for ln in lines if "max |error|" in ln).rsplit(" ", 1)[-1])
-    assert 0 <= error < 1e-4
+    accuracy = next(ln for ln in lines if "max |error|" in ln)
+    max_error = float(accuracy.split("max |error| ")[1].split(",")[0])
+    rel_l2 = float(accuracy.rsplit(" ", 1)[-1])
+    assert 0 <= max_error < 1e-4
+    assert 0 <= rel_l2 < 1e-5
     mass = next(ln for ln in lines if "capture" in ln)
     share = float(mass.split("capture ")[1].split("%")[0]) / 100
     assert 4 / 18 < share <= 1  # the coarse stage beats choosing tiles at random

@@ -190,8 +190,12 @@ def run_demo(args: argparse.Namespace) -> int:
     out, _ = block_sparse_attn(q, k, v, layout, backend=backend.name)
     ref, _ = block_sparse_attn(*(t.double() for t in (q, k, v)), layout, backend="reference")
     real = tiling.indices(device).nonpad_index
-    error = (out.double() - ref)[:, real].abs().max().item()
-    _say(f"fine attention max |error| vs float64 reference: {error:.2e}")
+    diff = (out.double() - ref)[:, real]
+    rel_l2 = (diff.norm() / ref[:, real].norm()).item()
+    _say(
+        f"fine attention vs float64 reference: max |error| {diff.abs().max().item():.2e}, "
+        f"relative L2 {rel_l2:.2e}"
+    )
 
     captured = attention_mass_captured(q, k, layout, tiling)
     _say(

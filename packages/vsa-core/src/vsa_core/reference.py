@@ -32,39 +32,42 @@ def reference_block_sparse_attn(
     assumed checked (see `vsa_core.ops`).
     """
     compute_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    batch, _, heads, dim = q.shape
-    # Per query block the chunk holds scores [qb, W*kvb] and gathered K/V [W*kvb, D] per head.
-    per_q_block = batch * heads * layout.width * layout.kv_block * (layout.q_block + 3 * dim) * 8
+    batch, q_len, heads, dim = q.shape
+    # Per query block a chunk holds the gathered K/V blocks (input dtype and compute dtype
+    # copies) and the scores, probabilities and mask of [qb, W * kvb] per head.
+    gathered = 2 * dim * (q.element_size() + torch.finfo(compute_dtype).bits // 8)
+    per_q_block = batch * heads * layout.width * layout.kv_block * (gathered + 13 * layout.q_block)
     chunk = max(1, min(layout.num_q_blocks, chunk_bytes // max(per_q_block, 1)))
-    # [B, H, NKV, kvb, D] views of the keys/values, in the compute dtype.
-    kb = _blocked(k, layout.kv_block, compute_dtype)
-    vb = _blocked(v, layout.kv_block, compute_dtype)
+    # [B, H, NKV, kvb, D] views of the keys/values (no copy; cast per chunk after the gather).
+    kb, vb = _blocked(k, layout.kv_block), _blocked(v, layout.kv_block)
     use_checkpoint = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    outs, lses = [], []
+    # Chunks are written into preallocated results: no list of chunks plus a concatenated copy.
+    out = q.new_empty(batch, q_len, heads, dim)
+    lse = torch.empty(batch, heads, q_len, dtype=compute_dtype, device=q.device)
     for start in range(0, layout.num_q_blocks, chunk):
         stop = min(start + chunk, layout.num_q_blocks)
-        q_chunk = q[:, start * layout.q_block : stop * layout.q_block]
+        rows = slice(start * layout.q_block, stop * layout.q_block)
         args = (
-            q_chunk,
+            q[:, rows],
             kb,
             vb,
             layout.kv_indices[:, :, start:stop],
             layout.kv_counts[:, :, start:stop],
             layout.kv_valid_sizes,
             scale,
+            compute_dtype,
         )
         if use_checkpoint:
-            out, lse = checkpoint(_attend_chunk, *args, use_reentrant=False)
+            out_chunk, lse_chunk = checkpoint(_attend_chunk, *args, use_reentrant=False)
         else:
-            out, lse = _attend_chunk(*args)
-        outs.append(out)
-        lses.append(lse)
-    return torch.cat(outs, dim=1).to(q.dtype), torch.cat(lses, dim=-1)
+            out_chunk, lse_chunk = _attend_chunk(*args)
+        out[:, rows] = out_chunk
+        lse[:, :, rows] = lse_chunk
+    return out, lse
 
 
-def _blocked(x: torch.Tensor, block: int, dtype: torch.dtype) -> torch.Tensor:
-    batch, seq, heads, dim = x.shape
-    return x.to(dtype).view(batch, seq // block, block, heads, dim).permute(0, 3, 1, 2, 4)
+def _blocked(x: torch.Tensor, block: int) -> torch.Tensor:
+    return x.unflatten(1, (x.shape[1] // block, block)).permute(0, 3, 1, 2, 4)
 
 
 def _attend_chunk(
@@ -75,17 +78,18 @@ def _attend_chunk(
     kv_counts: torch.Tensor,
     kv_valid_sizes: torch.Tensor,
     scale: float,
+    compute_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     batch, heads, _, kv_block, dim = kb.shape
     n_q, width = kv_indices.shape[2], kv_indices.shape[3]
     q_block = q.shape[1] // n_q
     # [B, H, n_q, qb, D]
-    qc = q.to(kb.dtype).view(batch, n_q, q_block, heads, dim).permute(0, 3, 1, 2, 4)
+    qc = q.to(compute_dtype).unflatten(1, (n_q, q_block)).permute(0, 3, 1, 2, 4)
     idx = kv_indices.long()
     flat = idx.reshape(batch, heads, n_q * width, 1, 1).expand(-1, -1, -1, kv_block, dim)
     # Gathered key/value blocks: [B, H, n_q, W * kvb, D]
-    k_sel = torch.gather(kb, 2, flat).view(batch, heads, n_q, width * kv_block, dim)
-    v_sel = torch.gather(vb, 2, flat).view(batch, heads, n_q, width * kv_block, dim)
+    k_sel = torch.gather(kb, 2, flat).to(compute_dtype).view(batch, heads, n_q, -1, dim)
+    v_sel = torch.gather(vb, 2, flat).to(compute_dtype).view(batch, heads, n_q, -1, dim)
 
     slot_used = torch.arange(width, device=q.device) < kv_counts.unsqueeze(-1)
     token_real = torch.arange(kv_block, device=q.device) < kv_valid_sizes[idx].unsqueeze(-1)

@@ -87,7 +87,7 @@ class VideoTiling:
 
     def indices(self, device: torch.device | str = "cpu") -> TilingIndices:
         """The index tensors of this tiling on ``device`` (built once per device, then cached)."""
-        return _tiling_indices(self.latent_shape, self.tile_shape, torch.device(device))
+        return _tiling_indices(self.latent_shape, self.tile_shape, _canonical(device))
 
     def valid_sizes(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """[num_tiles] int32 number of real tokens per tile."""
@@ -111,6 +111,15 @@ class VideoTiling:
         dim = _seq_dim(qkv_format)
         _check_seq_len("x", x, dim, self.padded_len, "padded_len")
         return x.index_select(dim, self.indices(x.device).raster_to_tile)
+
+
+def _canonical(device: torch.device | str) -> torch.device:
+    """ "cuda" and "cuda:0" (when current) are one device: give them one cache entry, so that a
+    cached tensor is never rebuilt (a host-to-device copy, i.e. a sync) under another name."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _seq_dim(qkv_format: str) -> int:
