@@ -1,10 +1,13 @@
 """Peak extra GPU memory of `video_sparse_attn` against dense attention, inference and training.
 
 "Extra" is what a call allocates beyond its inputs: peak allocated during the call minus the
-allocation before it (outputs included, since the caller holds them). Dense attention is
-PyTorch SDPA (flash backend) on the real, unpadded tokens; VSA runs on the tile-ordered padded
-sequence, the way a model calls it. Also checks that the op makes no host synchronization
-(``torch.cuda.set_sync_debug_mode("error")``) when given a tiling.
+allocation before it (outputs and input gradients included, since the caller holds them).
+Dense attention is PyTorch SDPA (flash) on the real tokens and, for comparison, on the padded
+tile-order sequence that VSA runs on. VSA runs once per fine backend: the requested one and
+``alloc-only``, a stand-in kernel that allocates and saves exactly what a fused kernel would
+and computes nothing, so that its row is the memory of the op's own composition (pooling,
+coarse stage, selection, combine) plus a kernel's outputs. Also checks that the op makes no
+host synchronization (``torch.cuda.set_sync_debug_mode("error")``) when given a tiling.
 
     python benchmarks/memory_vsa_op.py --out results.json   # Wan 2.1 720p latent, 40 heads
 """
@@ -16,23 +19,79 @@ import datetime
 import json
 import platform
 import sys
+from importlib.metadata import version
 
 import torch
 import torch.nn.functional as F
 
 from vsa_core import VideoTiling, video_sparse_attn
-from vsa_core.backends import AttentionCall, select_backend
+from vsa_core.backends import AttentionCall, Backend, register_backend, select_backend
 
 MiB = 2**20
 
 
-def peak_extra(fn) -> tuple[float, object]:
+class _AllocOnlyFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v):
+        batch, seq, heads, _ = q.shape
+        out = torch.zeros_like(q)
+        lse = torch.zeros(batch, heads, seq, device=q.device, dtype=torch.float32)
+        ctx.save_for_backward(q, k, v, out, lse)  # what a fused kernel's backward needs
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        q, k, v, _, _ = ctx.saved_tensors
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+
+
+class AllocOnlyBackend(Backend):
+    """A fine-attention stand-in with a fused kernel's memory footprint and no work."""
+
+    name = "alloc-only"
+    priority = -100
+
+    def supports(self, call):
+        return None
+
+    def forward(self, q, k, v, layout, scale):
+        return _AllocOnlyFn.apply(q, k, v)
+
+
+def peak_extra_mib(fn) -> float:
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
-    result = fn()
+    fn()
     torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - before) / MiB, result
+    return (torch.cuda.max_memory_allocated() - before) / MiB
+
+
+def inference(fn):
+    def run():
+        with torch.no_grad():
+            fn()  # the output is freed on return, after the peak was taken
+
+    return run
+
+
+def training(fn, inputs):
+    def run():
+        out = fn()
+        out.backward(torch.ones_like(out))
+        del out
+        grads = [t.grad for t in inputs]  # held by the caller until the step ends
+        for t in inputs:
+            t.grad = None
+        del grads
+
+    return run
+
+
+def measure(fn) -> float:
+    fn()  # warm-up: caches, cuBLAS/cuDNN workspaces
+    return peak_extra_mib(fn)
 
 
 def main() -> int:
@@ -48,65 +107,60 @@ def main() -> int:
         print("memory_vsa_op: needs a CUDA device", file=sys.stderr)
         return 2
 
+    register_backend(AllocOnlyBackend())
     dev, dtype = torch.device("cuda"), torch.bfloat16
     tiling = VideoTiling(tuple(args.latent))
     topk = max(1, round((1 - args.sparsity) * tiling.num_tiles))
-    shape = (1, tiling.padded_len, args.heads, args.head_dim)
-    q, k, v = (torch.randn(shape, device=dev, dtype=dtype) for _ in range(3))
-    dense_shape = (1, args.heads, tiling.seq_len, args.head_dim)
-    dq, dk, dv = (torch.randn(dense_shape, device=dev, dtype=dtype) for _ in range(3))
-    gate = torch.randn(shape, device=dev, dtype=dtype)
+    call = AttentionCall(dev, dtype, args.head_dim, (tiling.tile_tokens,) * 2, True)
+    backend = select_backend(call, args.backend).name
 
-    def vsa(gate_t=None):
-        return video_sparse_attn(
-            q, k, v, tiling=tiling, topk=topk, coarse_gate=gate_t, backend=args.backend
+    def tensors(seq, layout):
+        shape = (1, seq, args.heads, args.head_dim)
+        if layout == "bhsd":
+            shape = (1, args.heads, seq, args.head_dim)
+        return [torch.randn(shape, device=dev, dtype=dtype, requires_grad=True) for _ in range(4)]
+
+    q, k, v, gate = tensors(tiling.padded_len, "bshd")
+    dense_real = tensors(tiling.seq_len, "bhsd")[:3]
+    dense_padded = tensors(tiling.padded_len, "bhsd")[:3]
+
+    def vsa(name):
+        return lambda: video_sparse_attn(
+            q, k, v, tiling=tiling, topk=topk, coarse_gate=gate, backend=name
         )
 
-    def dense():
-        return F.scaled_dot_product_attention(dq, dk, dv)
+    def dense(qkv):
+        return lambda: F.scaled_dot_product_attention(*qkv)
 
     rows = {}
     with torch.no_grad():
-        vsa(), dense()  # warm-up: caches, cuBLAS/cuDNN workspaces
+        vsa(backend)()
+        torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            vsa(gate)
+            vsa(backend)()
             rows["host_sync_free"] = True
         except RuntimeError as exc:
             rows["host_sync_free"] = f"no: {exc}"
         finally:
             torch.cuda.set_sync_debug_mode("default")
-        rows["inference_vsa_mib"], out = peak_extra(vsa)
-        del out
-        rows["inference_vsa_gate_mib"], out = peak_extra(lambda: vsa(gate))
-        del out
-        rows["inference_dense_mib"], out = peak_extra(dense)
-        del out
+    arms = {
+        f"vsa[{backend}]": (vsa(backend), [q, k, v, gate]),
+        "vsa[alloc-only]": (vsa("alloc-only"), [q, k, v, gate]),
+        "dense_real_tokens": (dense(dense_real), dense_real),
+        "dense_padded_tokens": (dense(dense_padded), dense_padded),
+    }
+    for arm, (fn, inputs) in arms.items():
+        print(f"[memory] {arm}", flush=True)
+        rows[arm] = {
+            "inference_mib": measure(inference(fn)),
+            "training_mib": measure(training(fn, inputs)),
+        }
+    base = rows["dense_real_tokens"]
+    for arm in arms:
+        for mode in ("inference", "training"):
+            rows[arm][f"{mode}_vs_dense_real"] = rows[arm][f"{mode}_mib"] / base[f"{mode}_mib"]
 
-    for t in (q, k, v, dq, dk, dv, gate):
-        t.requires_grad_(True)
-
-    def train(fn):
-        def step():
-            out = fn()
-            out.backward(torch.ones_like(out))
-            return None
-
-        return step
-
-    train(lambda: vsa(gate))()  # warm-up
-    for t in (q, k, v, dq, dk, dv, gate):
-        t.grad = None
-    rows["training_vsa_gate_mib"], _ = peak_extra(train(lambda: vsa(gate)))
-    for t in (q, k, v, gate):
-        t.grad = None  # the grads are part of the extra; free them before the dense run
-    train(dense)()
-    dq.grad = dk.grad = dv.grad = None
-    rows["training_dense_mib"], _ = peak_extra(train(dense))
-
-    rows["inference_ratio"] = rows["inference_vsa_gate_mib"] / rows["inference_dense_mib"]
-    rows["training_ratio"] = rows["training_vsa_gate_mib"] / rows["training_dense_mib"]
-    call = AttentionCall(dev, dtype, args.head_dim, (tiling.tile_tokens,) * 2, True)
     result = {
         "benchmark": "memory_vsa_op",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -115,16 +169,18 @@ def main() -> int:
             "python": platform.python_version(),
             "torch": torch.__version__,
             "cuda": torch.version.cuda,
+            "vsa-core": version("vsa-core"),
         },
         "command": " ".join(sys.argv),
+        "dtype": "bfloat16",
         "latent": args.latent,
         "heads": args.heads,
         "head_dim": args.head_dim,
         "tokens_real": tiling.seq_len,
         "tokens_padded": tiling.padded_len,
-        "topk": topk,
         "num_tiles": tiling.num_tiles,
-        "backend": select_backend(call, args.backend).name,
+        "topk": topk,
+        "coarse_gate": True,
         "results": rows,
     }
     print(json.dumps(result, indent=2))
