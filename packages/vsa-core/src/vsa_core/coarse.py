@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from vsa_core.layout import BlockSparseLayout
 
 # Scores of the top-k selection are computed a group of heads at a time, within this budget.
-SELECTION_CHUNK_BYTES = 64 * 2**20
+SELECTION_CHUNK_BYTES = 16 * 2**20
 
 
 def pool_tiles(x: torch.Tensor, valid_sizes: torch.Tensor) -> torch.Tensor:
