@@ -280,22 +280,7 @@ class BlockSparseLayout:
     @functools.cached_property
     def kv_to_q(self) -> KVToQLists:
         """The transposed lists for key-block-owned backward passes (built once, sync-free)."""
-        num_q, num_kv, width = self.num_q_blocks, self.num_kv_blocks, self.width
-        lead = self.kv_counts.shape[:2]
-        q_of_slot = torch.arange(num_q, device=self.device, dtype=torch.int64).view(num_q, 1)
-        kv = torch.where(self.slot_mask(), self.kv_indices.long(), num_kv)
-        # Sort by (key block, query block); unused slots carry key block NKV and sort last.
-        keys = (kv * num_q + q_of_slot).reshape(*lead, num_q * width)
-        keys = torch.sort(keys, dim=-1).values
-        sorted_kv = keys // num_q
-        live = sorted_kv < num_kv
-        q_indices = torch.where(live, keys % num_q, 0).to(torch.int32)
-        counts = torch.zeros(*lead, num_kv + 1, dtype=torch.int32, device=self.device)
-        counts.scatter_add_(-1, sorted_kv, torch.ones_like(sorted_kv, dtype=torch.int32))
-        counts = counts[..., :num_kv]
-        offsets = torch.zeros(*lead, num_kv + 1, dtype=torch.int32, device=self.device)
-        offsets[..., 1:] = torch.cumsum(counts, dim=-1)
-        return KVToQLists(q_indices, offsets, counts)
+        return transpose_kv_lists(self.kv_indices, self.kv_counts, self.num_kv_blocks)
 
     def refine(self, block_shape: tuple[int, int]) -> BlockSparseLayout:
         """The same token pairs at finer blocks (e.g. logical 256x256 -> physical 64x64).
@@ -336,3 +321,30 @@ class BlockSparseLayout:
         counts = self.kv_counts.view(*lead, -1, group)
         same_lists = (lists == lists[..., :1, :]).all(-1).all(-1)
         return same_lists & (counts == counts[..., :1]).all(-1)
+
+
+def transpose_kv_lists(
+    kv_indices: torch.Tensor, kv_counts: torch.Tensor, num_kv: int
+) -> KVToQLists:
+    """kv -> q transpose of compact key lists ([B, H, NQ, W] indices, [B, H, NQ] counts).
+
+    Sync-free and O(B * H * NQ * W): a sort of (key block, query block) keys. Backends call it
+    on raw tensors (e.g. inside a custom op's backward); layouts cache it as `kv_to_q`.
+    """
+    *lead, num_q, width = kv_indices.shape
+    device = kv_indices.device
+    slots = torch.arange(width, device=device, dtype=torch.int32)
+    q_of_slot = torch.arange(num_q, device=device, dtype=torch.int64).view(num_q, 1)
+    kv = torch.where(slots < kv_counts.unsqueeze(-1), kv_indices.long(), num_kv)
+    # Sort by (key block, query block); unused slots carry key block NKV and sort last.
+    keys = (kv * num_q + q_of_slot).reshape(*lead, num_q * width)
+    keys = torch.sort(keys, dim=-1).values
+    sorted_kv = keys // num_q
+    live = sorted_kv < num_kv
+    q_indices = torch.where(live, keys % num_q, 0).to(torch.int32)
+    counts = torch.zeros(*lead, num_kv + 1, dtype=torch.int32, device=device)
+    counts.scatter_add_(-1, sorted_kv, torch.ones_like(sorted_kv, dtype=torch.int32))
+    counts = counts[..., :num_kv]
+    offsets = torch.zeros(*lead, num_kv + 1, dtype=torch.int32, device=device)
+    offsets[..., 1:] = torch.cumsum(counts, dim=-1)
+    return KVToQLists(q_indices, offsets, counts)

@@ -1,51 +1,66 @@
-"""The ``triton`` backend of vsa-core (a stub until the Triton kernels land).
+"""The ``triton`` backend of vsa-core: portable Triton block-sparse attention.
 
-Registered under the ``vsa.backends`` entry-point group as ``triton``. This release ships no
-kernels, so the backend refuses every call with a reason instead of pretending to run. Triton is
-imported lazily, inside ``availability()`` only, never when this module is imported.
+Registered under the ``vsa.backends`` entry-point group. Triton and the kernels are imported
+lazily (on the first call), never when this module is imported. ``supports()`` says exactly
+why it refuses a call. Under ``TRITON_INTERPRET=1`` the kernels run in Triton's interpreter on
+CPU tensors (for tests on machines without a GPU; fp16 only, bf16 dot products are wrong there).
 """
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from vsa_core.backends.base import AttentionCall, Backend
-from vsa_triton import __version__
 
 if TYPE_CHECKING:
     from vsa_core.layout import BlockSparseLayout
 
-NO_KERNELS = f"vsa-triton {__version__} ships no kernels yet"
+BLOCK_SHAPES = ((64, 64), (128, 64), (128, 128), (64, 128))
+HEAD_DIMS = (64, 128)
+GPU_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def _machine_report() -> str:
-    """What this machine offers the future kernels: triton importable? a CUDA device?"""
-    try:
-        import triton  # lazy: only when someone asks about availability
-    except Exception as exc:  # a broken install is as unusable as a missing one
-        found = f"triton not importable ({type(exc).__name__}: {exc})"
-    else:
-        found = f"triton {getattr(triton, '__version__', '(unknown version)')} importable"
-    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
-        device = f"CUDA device {torch.cuda.get_device_name(0)!r}"
-    else:
-        device = "no CUDA device"
-    return f"{found}, {device}"
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 class TritonBackend(Backend):
-    """Portable Triton block-sparse attention (forward and backward): not shipped yet."""
+    """Block-sparse attention forward and backward in Triton (CUDA, sm_80 and newer)."""
 
     name: ClassVar[str] = "triton"
     priority: ClassVar[int] = 10
 
-    def supports(self, call: AttentionCall) -> str | None:
-        return NO_KERNELS
-
     def availability(self) -> str | None:
-        return f"{NO_KERNELS} ({_machine_report()})"
+        if importlib.util.find_spec("triton") is None:
+            return "triton is not installed"
+        if not torch.cuda.is_available() and not interpreting():
+            return "no CUDA device (set TRITON_INTERPRET=1 to run the kernels on the CPU, slowly)"
+        return None
+
+    def supports(self, call: AttentionCall) -> str | None:
+        if importlib.util.find_spec("triton") is None:
+            return "triton is not installed"
+        if call.block_shape not in BLOCK_SHAPES:
+            shapes = ", ".join(f"{q}x{k}" for q, k in BLOCK_SHAPES)
+            return f"block shape {call.block_shape[0]}x{call.block_shape[1]} not in {shapes}"
+        if call.head_dim not in HEAD_DIMS:
+            return f"head dim {call.head_dim} not in {HEAD_DIMS}"
+        if call.device.type == "cpu" and interpreting():
+            if call.dtype != torch.float16:
+                return "the Triton interpreter runs float16 only (its bf16 dot is wrong)"
+            return None
+        if call.device.type != "cuda":
+            return f"needs a CUDA device, got {call.device.type}"
+        if call.dtype not in GPU_DTYPES:
+            return f"dtype {call.dtype} not supported (float16, bfloat16)"
+        capability = call.capability
+        if capability is not None and capability < (8, 0):
+            return f"needs sm_80 or newer, got sm_{capability[0]}{capability[1]}"
+        return None
 
     def forward(
         self,
@@ -55,4 +70,9 @@ class TritonBackend(Backend):
         layout: BlockSparseLayout,
         scale: float,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        raise NotImplementedError(NO_KERNELS)
+        from vsa_triton.ops import block_sparse_fwd
+
+        return block_sparse_fwd(
+            q, k, v, layout.kv_indices, layout.kv_counts, layout.kv_valid_sizes,
+            scale, layout.q_block, layout.kv_block,
+        )  # fmt: skip

@@ -1,0 +1,50 @@
+"""Launch configurations of the Triton kernels, keyed on (q_block, kv_block, head_dim).
+
+Chosen by measurement on an H200 (see the package README for the run); a shape not listed gets
+the generic default. The key tile is 128 rows whatever the key block (64-token blocks are
+gathered two per tile), because 64-wide dot products leave Hopper's tensor cores half idle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ForwardConfig:
+    tile: int  # key rows per inner-loop step (a multiple of kv_block)
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class BackwardConfig:
+    tile_dkdv: int  # query rows per step of the dK/dV kernel (a multiple of q_block)
+    num_warps_dkdv: int
+    num_stages_dkdv: int
+    tile_dq: int  # key rows per step of the dQ kernel (a multiple of kv_block)
+    num_warps_dq: int
+    num_stages_dq: int
+
+
+_FORWARD: dict[tuple[int, int, int], ForwardConfig] = {}
+_BACKWARD: dict[tuple[int, int, int], BackwardConfig] = {}
+
+
+def forward_config(q_block: int, kv_block: int, head_dim: int) -> ForwardConfig:
+    default = ForwardConfig(
+        tile=max(128, kv_block), num_warps=4 if q_block == 64 else 8, num_stages=3
+    )
+    return _FORWARD.get((q_block, kv_block, head_dim), default)
+
+
+def backward_config(q_block: int, kv_block: int, head_dim: int) -> BackwardConfig:
+    default = BackwardConfig(
+        tile_dkdv=max(64, q_block),
+        num_warps_dkdv=4 if kv_block == 64 else 8,
+        num_stages_dkdv=2,
+        tile_dq=max(64, kv_block),
+        num_warps_dq=4 if q_block == 64 else 8,
+        num_stages_dq=2,
+    )
+    return _BACKWARD.get((q_block, kv_block, head_dim), default)

@@ -1,0 +1,282 @@
+"""Triton kernels of block-sparse attention over vsa-core's layouts.
+
+Conventions shared by every kernel:
+
+- q/k/v/out/dout are [B, S, H, D] addressed through strides, the head dim contiguous, so BSHD
+  and BHSD tensors both run without copies. lse and delta are [B, H, S] float32, contiguous.
+- The forward and dQ kernels own one query block and walk its key list ``kv_indices[b, h, i,
+  :count]``. Key blocks are loaded ``TILE_N // KV_BLOCK`` at a time into one TILE_N-row tile
+  (a gathered load: each row's address comes from its block's index), so 64-token key blocks
+  still feed 128-wide dot products. A tile's rows past the list end, or past a block's valid
+  size, are masked.
+- The dK/dV kernel owns one key block and walks its query list (the CSR transpose,
+  `vsa_core.layout.KVToQLists`), gathering ``TILE_M // Q_BLOCK`` query blocks per tile.
+- Softmax runs in base 2: ``qk_scale = scale * log2(e)``; the stored lse is natural-log.
+  A row that sees no real key keeps m = -inf, l = 0 and ends with out = 0, lse = -inf, and
+  contributes zero gradients (its lse is treated as +inf in backward, so p = 0).
+- Masked loads replace padding with 0, so garbage (even NaN) in padding slots never leaks.
+- Loops over lists are ``for j in range(0, count, step)`` (software-pipelined on the GPU);
+  Triton's interpreter cannot take a loaded bound there, so with ``INTERPRET`` the same step
+  function runs under a ``while`` loop instead.
+"""
+
+# fmt: off
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E: tl.constexpr = 1.4426950408889634
+LN2: tl.constexpr = 0.6931471805599453
+
+
+@triton.jit
+def _gather_kv_rows(idx_row, kv_valid_ptr, j, count, offs_n, KV_BLOCK: tl.constexpr):
+    """Rows of the key tile that starts at list slot j: (sequence row, row is real)."""
+    slot = j + offs_n // KV_BLOCK
+    in_list = slot < count
+    block = tl.load(idx_row + slot, mask=in_list, other=0)
+    valid = tl.load(kv_valid_ptr + block, mask=in_list, other=0)
+    within = offs_n % KV_BLOCK
+    return block * KV_BLOCK + within, within < valid
+
+
+@triton.jit
+def _load_rows(base, rows, stride, offs_d, row_mask):
+    return tl.load(base + rows[:, None] * stride + offs_d[None, :], mask=row_mask[:, None],
+                   other=0.0)
+
+
+@triton.jit
+def _fwd_step(q, k_base, v_base, idx_row, kv_valid_ptr, j, count, offs_n, offs_d, stride_ks,
+              stride_vs, qk_scale, m_i, l_i, acc, KV_BLOCK: tl.constexpr):
+    """One key tile of the online softmax."""
+    rows, real = _gather_kv_rows(idx_row, kv_valid_ptr, j, count, offs_n, KV_BLOCK)
+    k = _load_rows(k_base, rows, stride_ks, offs_d, real)
+    v = _load_rows(v_base, rows, stride_vs, offs_d, real)
+    s = tl.dot(q, tl.trans(k)) * qk_scale
+    s = tl.where(real[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no -inf - -inf on empty rows
+    p = tl.math.exp2(s - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def fwd_kernel(
+    Q, K, V, Out, Lse, kv_idx_ptr, kv_cnt_ptr, kv_valid_ptr,
+    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh,
+    stride_ib, stride_ih, stride_iq, stride_cb, stride_ch,
+    num_heads, seq_q, qk_scale,
+    Q_BLOCK: tl.constexpr, KV_BLOCK: tl.constexpr, TILE_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    q_blk = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // num_heads).to(tl.int64)
+    h = (bh % num_heads).to(tl.int64)
+    offs_m = q_blk * Q_BLOCK + tl.arange(0, Q_BLOCK)
+    offs_n = tl.arange(0, TILE_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+
+    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :])
+    k_base = K + b * stride_kb + h * stride_kh
+    v_base = V + b * stride_vb + h * stride_vh
+    count = tl.load(kv_cnt_ptr + b * stride_cb + h * stride_ch + q_blk)
+    idx_row = kv_idx_ptr + b * stride_ib + h * stride_ih + q_blk * stride_iq
+
+    m_i = tl.full([Q_BLOCK], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([Q_BLOCK], dtype=tl.float32)
+    acc = tl.zeros([Q_BLOCK, HEAD_DIM], dtype=tl.float32)
+    step = TILE_N // KV_BLOCK
+    if INTERPRET:
+        j = 0
+        while j < count:
+            m_i, l_i, acc = _fwd_step(q, k_base, v_base, idx_row, kv_valid_ptr, j, count, offs_n,
+                                      offs_d, stride_ks, stride_vs, qk_scale, m_i, l_i, acc,
+                                      KV_BLOCK)
+            j += step
+    else:
+        for j in range(0, count, step):
+            m_i, l_i, acc = _fwd_step(q, k_base, v_base, idx_row, kv_valid_ptr, j, count, offs_n,
+                                      offs_d, stride_ks, stride_vs, qk_scale, m_i, l_i, acc,
+                                      KV_BLOCK)
+
+    seen = l_i > 0
+    l_safe = tl.where(seen, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    lse = tl.where(seen, (m_i + tl.math.log2(l_safe)) * LN2, float("-inf"))
+    tl.store(Out + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :],
+             out.to(Out.dtype.element_ty))
+    tl.store(Lse + bh.to(tl.int64) * seq_q + offs_m, lse)
+
+
+@triton.jit
+def bwd_delta_kernel(
+    Out, DOut, Delta,
+    stride_ob, stride_os, stride_oh, stride_db, stride_ds, stride_dh,
+    num_heads, seq_q,
+    ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    """delta = rowsum(out * dout), the softmax-backward correction term."""
+    row_blk = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // num_heads).to(tl.int64)
+    h = (bh % num_heads).to(tl.int64)
+    offs_m = row_blk * ROWS + tl.arange(0, ROWS)
+    offs_d = tl.arange(0, HEAD_DIM)
+    in_seq = offs_m < seq_q
+    o = _load_rows(Out + b * stride_ob + h * stride_oh, offs_m, stride_os, offs_d, in_seq)
+    do = _load_rows(DOut + b * stride_db + h * stride_dh, offs_m, stride_ds, offs_d, in_seq)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(Delta + bh.to(tl.int64) * seq_q + offs_m, delta, mask=in_seq)
+
+
+@triton.jit
+def _lse_log2(Lse, rows, row_mask):
+    """lse in base 2 for p = exp2(s - lse2); rows that saw nothing (-inf) give +inf: p = 0."""
+    lse = tl.load(Lse + rows, mask=row_mask, other=float("inf"))
+    return tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+
+
+@triton.jit
+def _dkdv_step(k, v, real_k, q_base, do_base, idx_row, Lse, Delta, j, end, offs_m, offs_d,
+               stride_qs, stride_ds, qk_scale, dk, dv, Q_BLOCK: tl.constexpr):
+    """One gathered query tile of a key block's dK/dV (computed transposed: keys x queries)."""
+    slot = j + offs_m // Q_BLOCK
+    in_list = slot < end
+    q_block = tl.load(idx_row + slot, mask=in_list, other=0)
+    rows = q_block * Q_BLOCK + offs_m % Q_BLOCK
+    q = _load_rows(q_base, rows, stride_qs, offs_d, in_list)
+    do = _load_rows(do_base, rows, stride_ds, offs_d, in_list)
+    lse2 = _lse_log2(Lse, rows, in_list)
+    delta = tl.load(Delta + rows, mask=in_list, other=0.0)
+    s_t = tl.dot(k, tl.trans(q)) * qk_scale
+    p_t = tl.math.exp2(s_t - lse2[None, :])
+    p_t = tl.where(real_k[:, None] & in_list[None, :], p_t, 0.0)
+    dv += tl.dot(p_t.to(do.dtype), do)
+    dp_t = tl.dot(v, tl.trans(do))
+    ds_t = p_t * (dp_t - delta[None, :])
+    dk += tl.dot(ds_t.to(q.dtype), q)
+    return dk, dv
+
+
+@triton.jit
+def bwd_dkdv_kernel(
+    Q, K, V, DOut, Lse, Delta, DK, DV, q_idx_ptr, q_off_ptr, kv_valid_ptr,
+    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh, stride_db, stride_ds, stride_dh,
+    stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
+    stride_qib, stride_qih, stride_qob, stride_qoh,
+    num_heads, seq_q, qk_scale, sm_scale,
+    Q_BLOCK: tl.constexpr, KV_BLOCK: tl.constexpr, TILE_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    kv_blk = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // num_heads).to(tl.int64)
+    h = (bh % num_heads).to(tl.int64)
+    offs_n = kv_blk * KV_BLOCK + tl.arange(0, KV_BLOCK)
+    offs_m = tl.arange(0, TILE_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    real_k = tl.arange(0, KV_BLOCK) < tl.load(kv_valid_ptr + kv_blk)
+
+    k = _load_rows(K + b * stride_kb + h * stride_kh, offs_n, stride_ks, offs_d, real_k)
+    v = _load_rows(V + b * stride_vb + h * stride_vh, offs_n, stride_vs, offs_d, real_k)
+    q_base = Q + b * stride_qb + h * stride_qh
+    do_base = DOut + b * stride_db + h * stride_dh
+    lse_row = Lse + bh.to(tl.int64) * seq_q
+    delta_row = Delta + bh.to(tl.int64) * seq_q
+    off_row = q_off_ptr + b * stride_qob + h * stride_qoh + kv_blk
+    start = tl.load(off_row)
+    end = tl.load(off_row + 1)
+    idx_row = q_idx_ptr + b * stride_qib + h * stride_qih
+
+    dk = tl.zeros([KV_BLOCK, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([KV_BLOCK, HEAD_DIM], dtype=tl.float32)
+    step = TILE_M // Q_BLOCK
+    if INTERPRET:
+        j = start
+        while j < end:
+            dk, dv = _dkdv_step(k, v, real_k, q_base, do_base, idx_row, lse_row, delta_row, j,
+                                end, offs_m, offs_d, stride_qs, stride_ds, qk_scale, dk, dv,
+                                Q_BLOCK)
+            j += step
+    else:
+        for j in range(start, end, step):
+            dk, dv = _dkdv_step(k, v, real_k, q_base, do_base, idx_row, lse_row, delta_row, j,
+                                end, offs_m, offs_d, stride_qs, stride_ds, qk_scale, dk, dv,
+                                Q_BLOCK)
+
+    tl.store(DK + b * stride_dkb + h * stride_dkh + offs_n[:, None] * stride_dks
+             + offs_d[None, :], (dk * sm_scale).to(DK.dtype.element_ty))
+    tl.store(DV + b * stride_dvb + h * stride_dvh + offs_n[:, None] * stride_dvs
+             + offs_d[None, :], dv.to(DV.dtype.element_ty))
+
+
+@triton.jit
+def _dq_step(q, do, lse2, delta, k_base, v_base, idx_row, kv_valid_ptr, j, count, offs_n, offs_d,
+             stride_ks, stride_vs, qk_scale, dq, KV_BLOCK: tl.constexpr):
+    """One gathered key tile of a query block's dQ."""
+    rows, real = _gather_kv_rows(idx_row, kv_valid_ptr, j, count, offs_n, KV_BLOCK)
+    k = _load_rows(k_base, rows, stride_ks, offs_d, real)
+    v = _load_rows(v_base, rows, stride_vs, offs_d, real)
+    s = tl.dot(q, tl.trans(k)) * qk_scale
+    p = tl.math.exp2(s - lse2[:, None])
+    p = tl.where(real[None, :], p, 0.0)
+    dp = tl.dot(do, tl.trans(v))
+    ds = p * (dp - delta[:, None])
+    dq += tl.dot(ds.to(k.dtype), k)
+    return dq
+
+
+@triton.jit
+def bwd_dq_kernel(
+    Q, K, V, DOut, Lse, Delta, DQ, kv_idx_ptr, kv_cnt_ptr, kv_valid_ptr,
+    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh, stride_db, stride_ds, stride_dh,
+    stride_dqb, stride_dqs, stride_dqh,
+    stride_ib, stride_ih, stride_iq, stride_cb, stride_ch,
+    num_heads, seq_q, qk_scale, sm_scale,
+    Q_BLOCK: tl.constexpr, KV_BLOCK: tl.constexpr, TILE_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    q_blk = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // num_heads).to(tl.int64)
+    h = (bh % num_heads).to(tl.int64)
+    offs_m = q_blk * Q_BLOCK + tl.arange(0, Q_BLOCK)
+    offs_n = tl.arange(0, TILE_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+
+    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :])
+    do = tl.load(DOut + b * stride_db + h * stride_dh + offs_m[:, None] * stride_ds
+                 + offs_d[None, :])
+    all_rows = offs_m < seq_q
+    lse2 = _lse_log2(Lse + bh.to(tl.int64) * seq_q, offs_m, all_rows)
+    delta = tl.load(Delta + bh.to(tl.int64) * seq_q + offs_m)
+    k_base = K + b * stride_kb + h * stride_kh
+    v_base = V + b * stride_vb + h * stride_vh
+    count = tl.load(kv_cnt_ptr + b * stride_cb + h * stride_ch + q_blk)
+    idx_row = kv_idx_ptr + b * stride_ib + h * stride_ih + q_blk * stride_iq
+
+    dq = tl.zeros([Q_BLOCK, HEAD_DIM], dtype=tl.float32)
+    step = TILE_N // KV_BLOCK
+    if INTERPRET:
+        j = 0
+        while j < count:
+            dq = _dq_step(q, do, lse2, delta, k_base, v_base, idx_row, kv_valid_ptr, j, count,
+                          offs_n, offs_d, stride_ks, stride_vs, qk_scale, dq, KV_BLOCK)
+            j += step
+    else:
+        for j in range(0, count, step):
+            dq = _dq_step(q, do, lse2, delta, k_base, v_base, idx_row, kv_valid_ptr, j, count,
+                          offs_n, offs_d, stride_ks, stride_vs, qk_scale, dq, KV_BLOCK)
+
+    tl.store(DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqs
+             + offs_d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty))
+# fmt: on

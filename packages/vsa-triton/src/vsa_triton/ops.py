@@ -1,0 +1,169 @@
+"""Torch-facing block-sparse attention ops: ``torch.ops.vsa_triton.fwd`` / ``bwd``.
+
+Registered with `torch.library.custom_op`, with fake (meta) implementations and autograd, so
+that `torch.compile(fullgraph=True)` traces through them and CUDA graphs capture them: nothing
+here reads device data on the host. Triton is imported on first use, not with this module.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from vsa_triton.config import backward_config, forward_config
+
+LOG2E = 1.0 / math.log(2.0)
+
+
+@functools.cache
+def _kernels():
+    from vsa_triton import kernels  # lazy: triton is imported on the first launch
+
+    return kernels
+
+
+def _interpreting() -> bool:
+    from vsa_triton.backend import interpreting
+
+    return interpreting()
+
+
+def _bshd_strides(t: torch.Tensor) -> tuple[int, int, int]:
+    """(batch, seq, head) strides of a [B, S, H, D] tensor."""
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _head_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+@torch.library.custom_op("vsa_triton::fwd", mutates_args=())
+def block_sparse_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_counts: torch.Tensor,
+    kv_valid_sizes: torch.Tensor,
+    scale: float,
+    q_block: int,
+    kv_block: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-sparse attention forward on [B, S, H, D] views; returns (out, lse [B, H, S])."""
+    q, k, v = (_head_dim_contiguous(t) for t in (q, k, v))
+    batch, seq_q, heads, dim = q.shape
+    out = torch.empty_like(q)
+    lse = torch.empty(batch, heads, seq_q, device=q.device, dtype=torch.float32)
+    kv_indices, kv_counts = kv_indices.contiguous(), kv_counts.contiguous()
+    cfg = forward_config(q_block, kv_block, dim)
+    grid = (seq_q // q_block, batch * heads)
+    _kernels().fwd_kernel[grid](
+        q, k, v, out, lse,
+        kv_indices, kv_counts, kv_valid_sizes,
+        *_bshd_strides(q), *_bshd_strides(k), *_bshd_strides(v), *_bshd_strides(out),
+        kv_indices.stride(0), kv_indices.stride(1), kv_indices.stride(2),
+        kv_counts.stride(0), kv_counts.stride(1),
+        heads, seq_q, scale * LOG2E,
+        Q_BLOCK=q_block, KV_BLOCK=kv_block, TILE_N=cfg.tile, HEAD_DIM=dim,
+        INTERPRET=_interpreting(),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out, lse
+
+
+@block_sparse_fwd.register_fake
+def _(q, k, v, kv_indices, kv_counts, kv_valid_sizes, scale, q_block, kv_block):
+    batch, seq_q, heads, _ = q.shape
+    return torch.empty_like(q), q.new_empty((batch, heads, seq_q), dtype=torch.float32)
+
+
+@torch.library.custom_op("vsa_triton::bwd", mutates_args=())
+def block_sparse_bwd(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_counts: torch.Tensor,
+    kv_valid_sizes: torch.Tensor,
+    scale: float,
+    q_block: int,
+    kv_block: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients (dq, dk, dv): dK/dV owned per key block, dQ per query block, no atomics."""
+    from vsa_core.layout import transpose_kv_lists
+
+    dout, q, k, v, out = (_head_dim_contiguous(t) for t in (dout, q, k, v, out))
+    batch, seq_q, heads, dim = q.shape
+    num_kv = k.shape[1] // kv_block
+    kv_indices, kv_counts = kv_indices.contiguous(), kv_counts.contiguous()
+    lists = transpose_kv_lists(kv_indices, kv_counts, num_kv)
+    kern = _kernels()
+    cfg = backward_config(q_block, kv_block, dim)
+
+    delta = torch.empty(batch, heads, seq_q, device=q.device, dtype=torch.float32)
+    rows = 64
+    kern.bwd_delta_kernel[(triton_cdiv(seq_q, rows), batch * heads)](
+        out, dout, delta, *_bshd_strides(out), *_bshd_strides(dout), heads, seq_q,
+        ROWS=rows, HEAD_DIM=dim, num_warps=4,
+    )  # fmt: skip
+
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    kern.bwd_dkdv_kernel[(num_kv, batch * heads)](
+        q, k, v, dout, lse, delta, dk, dv,
+        lists.q_indices, lists.q_offsets, kv_valid_sizes,
+        *_bshd_strides(q), *_bshd_strides(k), *_bshd_strides(v), *_bshd_strides(dout),
+        *_bshd_strides(dk), *_bshd_strides(dv),
+        lists.q_indices.stride(0), lists.q_indices.stride(1),
+        lists.q_offsets.stride(0), lists.q_offsets.stride(1),
+        heads, seq_q, scale * LOG2E, scale,
+        Q_BLOCK=q_block, KV_BLOCK=kv_block, TILE_M=cfg.tile_dkdv, HEAD_DIM=dim,
+        INTERPRET=_interpreting(),
+        num_warps=cfg.num_warps_dkdv, num_stages=cfg.num_stages_dkdv,
+    )  # fmt: skip
+    kern.bwd_dq_kernel[(seq_q // q_block, batch * heads)](
+        q, k, v, dout, lse, delta, dq,
+        kv_indices, kv_counts, kv_valid_sizes,
+        *_bshd_strides(q), *_bshd_strides(k), *_bshd_strides(v), *_bshd_strides(dout),
+        *_bshd_strides(dq),
+        kv_indices.stride(0), kv_indices.stride(1), kv_indices.stride(2),
+        kv_counts.stride(0), kv_counts.stride(1),
+        heads, seq_q, scale * LOG2E, scale,
+        Q_BLOCK=q_block, KV_BLOCK=kv_block, TILE_N=cfg.tile_dq, HEAD_DIM=dim,
+        INTERPRET=_interpreting(),
+        num_warps=cfg.num_warps_dq, num_stages=cfg.num_stages_dq,
+    )  # fmt: skip
+    return dq, dk, dv
+
+
+@block_sparse_bwd.register_fake
+def _(dout, q, k, v, out, lse, kv_indices, kv_counts, kv_valid_sizes, scale, q_block, kv_block):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, kv_indices, kv_counts, kv_valid_sizes, scale, q_block, kv_block = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, kv_indices, kv_counts, kv_valid_sizes)
+    ctx.attrs = (scale, q_block, kv_block)
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, dout, _dlse):
+    q, k, v, out, lse, kv_indices, kv_counts, kv_valid_sizes = ctx.saved_tensors
+    scale, q_block, kv_block = ctx.attrs
+    dq, dk, dv = block_sparse_bwd(
+        dout, q, k, v, out, lse, kv_indices, kv_counts, kv_valid_sizes, scale, q_block, kv_block
+    )
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+block_sparse_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
