@@ -94,6 +94,10 @@ def _attend_chunk(
     slot_used = torch.arange(width, device=q.device) < kv_counts.unsqueeze(-1)
     token_real = torch.arange(kv_block, device=q.device) < kv_valid_sizes[idx].unsqueeze(-1)
     keep = (slot_used.unsqueeze(-1) & token_real).view(batch, heads, n_q, 1, width * kv_block)
+    # Padding slots may hold anything, even NaN (torch.empty): zero them, since 0 * NaN = NaN.
+    keep_rows = keep.transpose(-1, -2)
+    k_sel = torch.where(keep_rows, k_sel, 0.0)
+    v_sel = torch.where(keep_rows, v_sel, 0.0)
 
     scores = torch.matmul(qc, k_sel.transpose(-1, -2)) * scale
     scores = scores.masked_fill(~keep, float("-inf"))
