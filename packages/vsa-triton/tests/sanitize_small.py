@@ -4,6 +4,7 @@ compute-sanitizer --tool memcheck python3 packages/vsa-triton/tests/sanitize_sma
 """
 
 import torch
+
 from vsa_core import BlockSparseLayout, block_sparse_attn
 
 for shape in ((64, 64), (128, 64), (128, 128), (64, 128)):
