@@ -160,3 +160,25 @@ def test_custom_op_registration_passes_opcheck():
         args,
         test_utils=("test_schema", "test_faketensor", "test_autograd_registration"),
     )
+
+
+@pytest.mark.parametrize(
+    ("forward", "backward"),
+    [
+        ((64, False), (64, 64)),  # one scalar-indexed block per step everywhere
+        ((128, False), (128, 128)),  # gathered two-block tiles everywhere
+        ((128, True), (64, 128)),  # dual-dot forward
+    ],
+)
+def test_every_tiling_mode_matches_reference(monkeypatch, forward, backward):
+    from vsa_triton import config
+
+    tile, dual = forward
+    tile_dkdv, tile_dq = backward
+    key = (64, 64, 64)
+    monkeypatch.setitem(config._FORWARD, key, config.ForwardConfig(tile, 4, 2, dual))
+    monkeypatch.setitem(
+        config._BACKWARD, key, config.BackwardConfig(tile_dkdv, 4, 2, tile_dq, 4, 2)
+    )
+    layout = _layout((64, 64), n_q=3, n_kv=5, seed=13)
+    _check_against_reference(layout, dim=64, seed=14)

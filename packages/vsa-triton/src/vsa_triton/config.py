@@ -15,6 +15,7 @@ class ForwardConfig:
     tile: int  # key rows per inner-loop step (a multiple of kv_block)
     num_warps: int
     num_stages: int
+    dual: bool = False  # two key blocks per step, scalar-indexed, two dots (tile = 2 kv_block)
 
 
 @dataclass(frozen=True)

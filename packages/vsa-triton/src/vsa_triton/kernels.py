@@ -26,19 +26,38 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-LOG2E: tl.constexpr = 1.4426950408889634
-LN2: tl.constexpr = 0.6931471805599453
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
-def _gather_kv_rows(idx_row, kv_valid_ptr, j, count, offs_n, KV_BLOCK: tl.constexpr):
-    """Rows of the key tile that starts at list slot j: (sequence row, row is real)."""
-    slot = j + offs_n // KV_BLOCK
-    in_list = slot < count
+def _gather_rows(idx_row, valid_ptr, j, end, offs, BLOCK: tl.constexpr, TILE: tl.constexpr):
+    """Rows of the key tile that starts at list slot j: (sequence row, row is real).
+
+    A tile of one block takes a scalar index, so the compiler sees contiguous rows; a tile of
+    several blocks gathers (each row's block index is loaded).
+    """
+    if TILE == BLOCK:
+        block = tl.load(idx_row + j)
+        return block * BLOCK + offs, offs < tl.load(valid_ptr + block)
+    slot = j + offs // BLOCK
+    in_list = slot < end
     block = tl.load(idx_row + slot, mask=in_list, other=0)
-    valid = tl.load(kv_valid_ptr + block, mask=in_list, other=0)
-    within = offs_n % KV_BLOCK
-    return block * KV_BLOCK + within, within < valid
+    valid = tl.load(valid_ptr + block, mask=in_list, other=0)
+    within = offs % BLOCK
+    return block * BLOCK + within, within < valid
+
+
+@triton.jit
+def _gather_q_rows(idx_row, j, end, offs, BLOCK: tl.constexpr, TILE: tl.constexpr):
+    """Rows of the query tile that starts at list slot j: (sequence row, row is in the list)."""
+    if TILE == BLOCK:
+        block = tl.load(idx_row + j)
+        return block * BLOCK + offs, offs < BLOCK
+    slot = j + offs // BLOCK
+    in_list = slot < end
+    block = tl.load(idx_row + slot, mask=in_list, other=0)
+    return block * BLOCK + offs % BLOCK, in_list
 
 
 @triton.jit
@@ -49,9 +68,36 @@ def _load_rows(base, rows, stride, offs_d, row_mask):
 
 @triton.jit
 def _fwd_step(q, k_base, v_base, idx_row, kv_valid_ptr, j, count, offs_n, offs_d, stride_ks,
-              stride_vs, qk_scale, m_i, l_i, acc, KV_BLOCK: tl.constexpr):
-    """One key tile of the online softmax."""
-    rows, real = _gather_kv_rows(idx_row, kv_valid_ptr, j, count, offs_n, KV_BLOCK)
+              stride_vs, qk_scale, m_i, l_i, acc, KV_BLOCK: tl.constexpr, TILE_N: tl.constexpr,
+              DUAL: tl.constexpr):
+    """One key tile of the online softmax.
+
+    DUAL: two key blocks per step, each with a scalar index (contiguous loads) and its own dot
+    products, sharing one softmax rescale; otherwise one tile of TILE_N rows (see _gather_rows).
+    """
+    if DUAL:
+        rows, real = _gather_rows(idx_row, kv_valid_ptr, j, count, offs_n, KV_BLOCK, KV_BLOCK)
+        has_second = j + 1 < count
+        second = tl.load(idx_row + j + 1, mask=has_second, other=0)
+        valid2 = tl.load(kv_valid_ptr + second, mask=has_second, other=0)
+        rows2 = second * KV_BLOCK + offs_n
+        real2 = offs_n < valid2
+        k = _load_rows(k_base, rows, stride_ks, offs_d, real)
+        k2 = _load_rows(k_base, rows2, stride_ks, offs_d, real2)
+        s = tl.where(real[None, :], tl.dot(q, tl.trans(k)) * qk_scale, float("-inf"))
+        s2 = tl.where(real2[None, :], tl.dot(q, tl.trans(k2)) * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.maximum(tl.max(s, 1), tl.max(s2, 1)))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no -inf - -inf on empty rows
+        p = tl.math.exp2(s - m_safe[:, None])
+        p2 = tl.math.exp2(s2 - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1) + tl.sum(p2, 1)
+        v = _load_rows(v_base, rows, stride_vs, offs_d, real)
+        v2 = _load_rows(v_base, rows2, stride_vs, offs_d, real2)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc + tl.dot(p2.to(v2.dtype), v2)
+        return m_new, l_i, acc
+    rows, real = _gather_rows(idx_row, kv_valid_ptr, j, count, offs_n, KV_BLOCK, TILE_N)
     k = _load_rows(k_base, rows, stride_ks, offs_d, real)
     v = _load_rows(v_base, rows, stride_vs, offs_d, real)
     s = tl.dot(q, tl.trans(k)) * qk_scale
@@ -73,14 +119,14 @@ def fwd_kernel(
     stride_ib, stride_ih, stride_iq, stride_cb, stride_ch,
     num_heads, seq_q, qk_scale,
     Q_BLOCK: tl.constexpr, KV_BLOCK: tl.constexpr, TILE_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, INTERPRET: tl.constexpr,
+    HEAD_DIM: tl.constexpr, INTERPRET: tl.constexpr, DUAL: tl.constexpr,
 ):
     q_blk = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // num_heads).to(tl.int64)
     h = (bh % num_heads).to(tl.int64)
     offs_m = q_blk * Q_BLOCK + tl.arange(0, Q_BLOCK)
-    offs_n = tl.arange(0, TILE_N)
+    offs_n = tl.arange(0, KV_BLOCK if DUAL else TILE_N)
     offs_d = tl.arange(0, HEAD_DIM)
 
     q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :])
@@ -92,19 +138,19 @@ def fwd_kernel(
     m_i = tl.full([Q_BLOCK], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([Q_BLOCK], dtype=tl.float32)
     acc = tl.zeros([Q_BLOCK, HEAD_DIM], dtype=tl.float32)
-    step = TILE_N // KV_BLOCK
+    step = 2 if DUAL else TILE_N // KV_BLOCK
     if INTERPRET:
         j = 0
         while j < count:
             m_i, l_i, acc = _fwd_step(q, k_base, v_base, idx_row, kv_valid_ptr, j, count, offs_n,
                                       offs_d, stride_ks, stride_vs, qk_scale, m_i, l_i, acc,
-                                      KV_BLOCK)
+                                      KV_BLOCK, TILE_N, DUAL)
             j += step
     else:
         for j in range(0, count, step):
             m_i, l_i, acc = _fwd_step(q, k_base, v_base, idx_row, kv_valid_ptr, j, count, offs_n,
                                       offs_d, stride_ks, stride_vs, qk_scale, m_i, l_i, acc,
-                                      KV_BLOCK)
+                                      KV_BLOCK, TILE_N, DUAL)
 
     seen = l_i > 0
     l_safe = tl.where(seen, l_i, 1.0)
@@ -145,12 +191,10 @@ def _lse_log2(Lse, rows, row_mask):
 
 @triton.jit
 def _dkdv_step(k, v, real_k, q_base, do_base, idx_row, Lse, Delta, j, end, offs_m, offs_d,
-               stride_qs, stride_ds, qk_scale, dk, dv, Q_BLOCK: tl.constexpr):
+               stride_qs, stride_ds, qk_scale, dk, dv, Q_BLOCK: tl.constexpr,
+               TILE_M: tl.constexpr):
     """One gathered query tile of a key block's dK/dV (computed transposed: keys x queries)."""
-    slot = j + offs_m // Q_BLOCK
-    in_list = slot < end
-    q_block = tl.load(idx_row + slot, mask=in_list, other=0)
-    rows = q_block * Q_BLOCK + offs_m % Q_BLOCK
+    rows, in_list = _gather_q_rows(idx_row, j, end, offs_m, Q_BLOCK, TILE_M)
     q = _load_rows(q_base, rows, stride_qs, offs_d, in_list)
     do = _load_rows(do_base, rows, stride_ds, offs_d, in_list)
     lse2 = _lse_log2(Lse, rows, in_list)
@@ -204,13 +248,13 @@ def bwd_dkdv_kernel(
         while j < end:
             dk, dv = _dkdv_step(k, v, real_k, q_base, do_base, idx_row, lse_row, delta_row, j,
                                 end, offs_m, offs_d, stride_qs, stride_ds, qk_scale, dk, dv,
-                                Q_BLOCK)
+                                Q_BLOCK, TILE_M)
             j += step
     else:
         for j in range(start, end, step):
             dk, dv = _dkdv_step(k, v, real_k, q_base, do_base, idx_row, lse_row, delta_row, j,
                                 end, offs_m, offs_d, stride_qs, stride_ds, qk_scale, dk, dv,
-                                Q_BLOCK)
+                                Q_BLOCK, TILE_M)
 
     tl.store(DK + b * stride_dkb + h * stride_dkh + offs_n[:, None] * stride_dks
              + offs_d[None, :], (dk * sm_scale).to(DK.dtype.element_ty))
@@ -220,9 +264,9 @@ def bwd_dkdv_kernel(
 
 @triton.jit
 def _dq_step(q, do, lse2, delta, k_base, v_base, idx_row, kv_valid_ptr, j, count, offs_n, offs_d,
-             stride_ks, stride_vs, qk_scale, dq, KV_BLOCK: tl.constexpr):
+             stride_ks, stride_vs, qk_scale, dq, KV_BLOCK: tl.constexpr, TILE_N: tl.constexpr):
     """One gathered key tile of a query block's dQ."""
-    rows, real = _gather_kv_rows(idx_row, kv_valid_ptr, j, count, offs_n, KV_BLOCK)
+    rows, real = _gather_rows(idx_row, kv_valid_ptr, j, count, offs_n, KV_BLOCK, TILE_N)
     k = _load_rows(k_base, rows, stride_ks, offs_d, real)
     v = _load_rows(v_base, rows, stride_vs, offs_d, real)
     s = tl.dot(q, tl.trans(k)) * qk_scale
@@ -270,12 +314,12 @@ def bwd_dq_kernel(
         j = 0
         while j < count:
             dq = _dq_step(q, do, lse2, delta, k_base, v_base, idx_row, kv_valid_ptr, j, count,
-                          offs_n, offs_d, stride_ks, stride_vs, qk_scale, dq, KV_BLOCK)
+                          offs_n, offs_d, stride_ks, stride_vs, qk_scale, dq, KV_BLOCK, TILE_N)
             j += step
     else:
         for j in range(0, count, step):
             dq = _dq_step(q, do, lse2, delta, k_base, v_base, idx_row, kv_valid_ptr, j, count,
-                          offs_n, offs_d, stride_ks, stride_vs, qk_scale, dq, KV_BLOCK)
+                          offs_n, offs_d, stride_ks, stride_vs, qk_scale, dq, KV_BLOCK, TILE_N)
 
     tl.store(DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqs
              + offs_d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty))

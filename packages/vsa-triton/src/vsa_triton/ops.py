@@ -67,7 +67,7 @@ def block_sparse_fwd(
         kv_counts.stride(0), kv_counts.stride(1),
         heads, seq_q, scale * LOG2E,
         Q_BLOCK=q_block, KV_BLOCK=kv_block, TILE_N=cfg.tile, HEAD_DIM=dim,
-        INTERPRET=_interpreting(),
+        INTERPRET=_interpreting(), DUAL=cfg.dual,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out, lse
