@@ -1,8 +1,7 @@
 """Launch configurations of the Triton kernels, keyed on (q_block, kv_block, head_dim).
 
-Chosen by measurement on an H200 (see the package README for the run); a shape not listed gets
-the generic default. The key tile is 128 rows whatever the key block (64-token blocks are
-gathered two per tile), because 64-wide dot products leave Hopper's tensor cores half idle.
+Chosen by measurement on an H200 (see the package README for the runs); the tables override
+the defaults per shape, and benchmarks override them to sweep alternatives.
 """
 
 from __future__ import annotations
@@ -33,19 +32,16 @@ _BACKWARD: dict[tuple[int, int, int], BackwardConfig] = {}
 
 
 def forward_config(q_block: int, kv_block: int, head_dim: int) -> ForwardConfig:
-    default = ForwardConfig(
-        tile=max(128, kv_block), num_warps=4 if q_block == 64 else 8, num_stages=3
-    )
+    # One scalar-indexed key block per step: its rows are contiguous and its index prefetched,
+    # so the loads pipeline. Gathered 128-row tiles for 64-token blocks measured slower on the
+    # H200 (register spills of the per-row addresses), see the package README.
+    default = ForwardConfig(tile=kv_block, num_warps=4 if q_block == 64 else 8, num_stages=3)
     return _FORWARD.get((q_block, kv_block, head_dim), default)
 
 
 def backward_config(q_block: int, kv_block: int, head_dim: int) -> BackwardConfig:
     default = BackwardConfig(
-        tile_dkdv=max(64, q_block),
-        num_warps_dkdv=4 if kv_block == 64 else 8,
-        num_stages_dkdv=2,
-        tile_dq=max(64, kv_block),
-        num_warps_dq=4 if q_block == 64 else 8,
-        num_stages_dq=2,
-    )
+        tile_dkdv=q_block, num_warps_dkdv=4 if kv_block == 64 else 8, num_stages_dkdv=2,
+        tile_dq=kv_block, num_warps_dq=4 if q_block == 64 else 8, num_stages_dq=2,
+    )  # fmt: skip
     return _BACKWARD.get((q_block, kv_block, head_dim), default)

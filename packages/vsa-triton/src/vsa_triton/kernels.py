@@ -98,6 +98,14 @@ def _fwd_step(q, k_base, v_base, idx_row, kv_valid_ptr, j, count, offs_n, offs_d
         acc = acc + tl.dot(p2.to(v2.dtype), v2)
         return m_new, l_i, acc
     rows, real = _gather_rows(idx_row, kv_valid_ptr, j, count, offs_n, KV_BLOCK, TILE_N)
+    return _fwd_tile(q, k_base, v_base, rows, real, offs_d, stride_ks, stride_vs, qk_scale, m_i,
+                     l_i, acc)
+
+
+@triton.jit
+def _fwd_tile(q, k_base, v_base, rows, real, offs_d, stride_ks, stride_vs, qk_scale, m_i, l_i,
+              acc):
+    """Online-softmax update with the key rows ``rows`` (``real`` masks padding)."""
     k = _load_rows(k_base, rows, stride_ks, offs_d, real)
     v = _load_rows(v_base, rows, stride_vs, offs_d, real)
     s = tl.dot(q, tl.trans(k)) * qk_scale
@@ -146,6 +154,19 @@ def fwd_kernel(
                                       offs_d, stride_ks, stride_vs, qk_scale, m_i, l_i, acc,
                                       KV_BLOCK, TILE_N, DUAL)
             j += step
+    elif TILE_N == KV_BLOCK and not DUAL:
+        # The next block's index and valid size are loaded one iteration ahead: the K/V loads
+        # then take their addresses from loop-carried values, which lets the loop pipeline.
+        block = tl.load(idx_row, mask=count > 0, other=0)
+        valid = tl.load(kv_valid_ptr + block, mask=count > 0, other=0)
+        for j in range(0, count):
+            more = j + 1 < count
+            next_block = tl.load(idx_row + j + 1, mask=more, other=0)
+            next_valid = tl.load(kv_valid_ptr + next_block, mask=more, other=0)
+            m_i, l_i, acc = _fwd_tile(q, k_base, v_base, block * KV_BLOCK + offs_n, offs_n < valid,
+                                      offs_d, stride_ks, stride_vs, qk_scale, m_i, l_i, acc)
+            block = next_block
+            valid = next_valid
     else:
         for j in range(0, count, step):
             m_i, l_i, acc = _fwd_step(q, k_base, v_base, idx_row, kv_valid_ptr, j, count, offs_n,
@@ -195,6 +216,14 @@ def _dkdv_step(k, v, real_k, q_base, do_base, idx_row, Lse, Delta, j, end, offs_
                TILE_M: tl.constexpr):
     """One gathered query tile of a key block's dK/dV (computed transposed: keys x queries)."""
     rows, in_list = _gather_q_rows(idx_row, j, end, offs_m, Q_BLOCK, TILE_M)
+    return _dkdv_tile(k, v, real_k, q_base, do_base, Lse, Delta, rows, in_list, offs_d, stride_qs,
+                      stride_ds, qk_scale, dk, dv)
+
+
+@triton.jit
+def _dkdv_tile(k, v, real_k, q_base, do_base, Lse, Delta, rows, in_list, offs_d, stride_qs,
+               stride_ds, qk_scale, dk, dv):
+    """dK/dV contribution of the query rows ``rows`` (``in_list`` masks unused rows)."""
     q = _load_rows(q_base, rows, stride_qs, offs_d, in_list)
     do = _load_rows(do_base, rows, stride_ds, offs_d, in_list)
     lse2 = _lse_log2(Lse, rows, in_list)
@@ -250,6 +279,14 @@ def bwd_dkdv_kernel(
                                 end, offs_m, offs_d, stride_qs, stride_ds, qk_scale, dk, dv,
                                 Q_BLOCK, TILE_M)
             j += step
+    elif TILE_M == Q_BLOCK:
+        block = tl.load(idx_row + start, mask=start < end, other=0)  # prefetched: see fwd_kernel
+        for j in range(start, end):
+            next_block = tl.load(idx_row + j + 1, mask=j + 1 < end, other=0)
+            dk, dv = _dkdv_tile(k, v, real_k, q_base, do_base, lse_row, delta_row,
+                                block * Q_BLOCK + offs_m, offs_m < Q_BLOCK, offs_d, stride_qs,
+                                stride_ds, qk_scale, dk, dv)
+            block = next_block
     else:
         for j in range(start, end, step):
             dk, dv = _dkdv_step(k, v, real_k, q_base, do_base, idx_row, lse_row, delta_row, j,
@@ -267,6 +304,14 @@ def _dq_step(q, do, lse2, delta, k_base, v_base, idx_row, kv_valid_ptr, j, count
              stride_ks, stride_vs, qk_scale, dq, KV_BLOCK: tl.constexpr, TILE_N: tl.constexpr):
     """One gathered key tile of a query block's dQ."""
     rows, real = _gather_rows(idx_row, kv_valid_ptr, j, count, offs_n, KV_BLOCK, TILE_N)
+    return _dq_tile(q, do, lse2, delta, k_base, v_base, rows, real, offs_d, stride_ks, stride_vs,
+                    qk_scale, dq)
+
+
+@triton.jit
+def _dq_tile(q, do, lse2, delta, k_base, v_base, rows, real, offs_d, stride_ks, stride_vs,
+             qk_scale, dq):
+    """dQ contribution of the key rows ``rows``."""
     k = _load_rows(k_base, rows, stride_ks, offs_d, real)
     v = _load_rows(v_base, rows, stride_vs, offs_d, real)
     s = tl.dot(q, tl.trans(k)) * qk_scale
@@ -316,6 +361,17 @@ def bwd_dq_kernel(
             dq = _dq_step(q, do, lse2, delta, k_base, v_base, idx_row, kv_valid_ptr, j, count,
                           offs_n, offs_d, stride_ks, stride_vs, qk_scale, dq, KV_BLOCK, TILE_N)
             j += step
+    elif TILE_N == KV_BLOCK:
+        block = tl.load(idx_row, mask=count > 0, other=0)  # prefetched: see fwd_kernel
+        valid = tl.load(kv_valid_ptr + block, mask=count > 0, other=0)
+        for j in range(0, count):
+            more = j + 1 < count
+            next_block = tl.load(idx_row + j + 1, mask=more, other=0)
+            next_valid = tl.load(kv_valid_ptr + next_block, mask=more, other=0)
+            dq = _dq_tile(q, do, lse2, delta, k_base, v_base, block * KV_BLOCK + offs_n,
+                          offs_n < valid, offs_d, stride_ks, stride_vs, qk_scale, dq)
+            block = next_block
+            valid = next_valid
     else:
         for j in range(0, count, step):
             dq = _dq_step(q, do, lse2, delta, k_base, v_base, idx_row, kv_valid_ptr, j, count,
