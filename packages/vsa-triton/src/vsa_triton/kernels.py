@@ -82,24 +82,32 @@ def _fwd_step(q, k_base, v_base, idx_row, kv_valid_ptr, j, count, offs_n, offs_d
         valid2 = tl.load(kv_valid_ptr + second, mask=has_second, other=0)
         rows2 = second * KV_BLOCK + offs_n
         real2 = offs_n < valid2
-        k = _load_rows(k_base, rows, stride_ks, offs_d, real)
-        k2 = _load_rows(k_base, rows2, stride_ks, offs_d, real2)
-        s = tl.where(real[None, :], tl.dot(q, tl.trans(k)) * qk_scale, float("-inf"))
-        s2 = tl.where(real2[None, :], tl.dot(q, tl.trans(k2)) * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.maximum(tl.max(s, 1), tl.max(s2, 1)))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no -inf - -inf on empty rows
-        p = tl.math.exp2(s - m_safe[:, None])
-        p2 = tl.math.exp2(s2 - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1) + tl.sum(p2, 1)
-        v = _load_rows(v_base, rows, stride_vs, offs_d, real)
-        v2 = _load_rows(v_base, rows2, stride_vs, offs_d, real2)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        acc = acc + tl.dot(p2.to(v2.dtype), v2)
-        return m_new, l_i, acc
+        return _fwd_dual_tile(q, k_base, v_base, rows, real, rows2, real2, offs_d, stride_ks,
+                              stride_vs, qk_scale, m_i, l_i, acc)
     rows, real = _gather_rows(idx_row, kv_valid_ptr, j, count, offs_n, KV_BLOCK, TILE_N)
     return _fwd_tile(q, k_base, v_base, rows, real, offs_d, stride_ks, stride_vs, qk_scale, m_i,
                      l_i, acc)
+
+
+@triton.jit
+def _fwd_dual_tile(q, k_base, v_base, rows, real, rows2, real2, offs_d, stride_ks, stride_vs,
+                   qk_scale, m_i, l_i, acc):
+    """Online-softmax update with two key blocks, two dots each, one shared rescale."""
+    k = _load_rows(k_base, rows, stride_ks, offs_d, real)
+    k2 = _load_rows(k_base, rows2, stride_ks, offs_d, real2)
+    s = tl.where(real[None, :], tl.dot(q, tl.trans(k)) * qk_scale, float("-inf"))
+    s2 = tl.where(real2[None, :], tl.dot(q, tl.trans(k2)) * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.maximum(tl.max(s, 1), tl.max(s2, 1)))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no -inf - -inf on empty rows
+    p = tl.math.exp2(s - m_safe[:, None])
+    p2 = tl.math.exp2(s2 - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1) + tl.sum(p2, 1)
+    v = _load_rows(v_base, rows, stride_vs, offs_d, real)
+    v2 = _load_rows(v_base, rows2, stride_vs, offs_d, real2)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    acc = acc + tl.dot(p2.to(v2.dtype), v2)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -167,6 +175,24 @@ def fwd_kernel(
                                       offs_d, stride_ks, stride_vs, qk_scale, m_i, l_i, acc)
             block = next_block
             valid = next_valid
+    elif DUAL:
+        # Two prefetched (index, valid size) pairs, as in the single-block loop above.
+        block = tl.load(idx_row, mask=count > 0, other=0)
+        valid = tl.load(kv_valid_ptr + block, mask=count > 0, other=0)
+        block2 = tl.load(idx_row + 1, mask=count > 1, other=0)
+        valid2 = tl.load(kv_valid_ptr + block2, mask=count > 1, other=0)
+        for j in range(0, count, 2):
+            more = j + 2 < count
+            next_block = tl.load(idx_row + j + 2, mask=more, other=0)
+            next_valid = tl.load(kv_valid_ptr + next_block, mask=more, other=0)
+            more2 = j + 3 < count
+            next_block2 = tl.load(idx_row + j + 3, mask=more2, other=0)
+            next_valid2 = tl.load(kv_valid_ptr + next_block2, mask=more2, other=0)
+            m_i, l_i, acc = _fwd_dual_tile(q, k_base, v_base, block * KV_BLOCK + offs_n,
+                                           offs_n < valid, block2 * KV_BLOCK + offs_n,
+                                           offs_n < valid2, offs_d, stride_ks, stride_vs,
+                                           qk_scale, m_i, l_i, acc)
+            block, valid, block2, valid2 = next_block, next_valid, next_block2, next_valid2
     else:
         for j in range(0, count, step):
             m_i, l_i, acc = _fwd_step(q, k_base, v_base, idx_row, kv_valid_ptr, j, count, offs_n,
