@@ -148,7 +148,6 @@ def main() -> int:
         configs_f = [cfgmod.forward_config(*shape, D)]
         configs_b = [cfgmod.backward_config(*shape, D)]
         if args.sweep and shape == (64, 64) and args.sweep in ("fwd", "all"):
-            b0 = configs_b[0]
             configs_f += [
                 cfgmod.ForwardConfig(t, w, st, dual)
                 for (t, dual), w, st in itertools.product(
@@ -157,6 +156,7 @@ def main() -> int:
             ]
         if args.sweep and shape == (64, 64) and args.sweep in ("bwd", "all"):
             # dK/dV and dQ kernels are independent: sweep one with the other at its default
+            b0 = configs_b[0]
             configs_b += [
                 dataclasses.replace(b0, tile_dkdv=t, num_warps_dkdv=w, num_stages_dkdv=st)
                 for t, w, st in itertools.product((64, 128), (4, 8), (2, 3))
