@@ -24,7 +24,7 @@ PACKAGES = [
 EXPECTED_BACKENDS = ["reference", "triton", "fa4"]
 
 # Backends registered by this workspace whose kernels are not written yet.
-STUB_BACKENDS = ["vsa_triton.backend:TritonBackend", "vsa_fa4.backend:FA4Backend"]
+STUB_BACKENDS = ["vsa_fa4.backend:FA4Backend"]
 
 HEAVY_MODULES = ("triton", "cutlass", "flash_attn")
 
@@ -103,3 +103,10 @@ def test_stub_backend_refuses_honestly(target):
     q = torch.zeros(1, 64, 1, 128, dtype=torch.bfloat16)
     with pytest.raises(NotImplementedError):
         backend.forward(q, q, q, layout=None, scale=1.0)  # type: ignore[arg-type]
+
+
+def test_triton_backend_refuses_a_cpu_call_without_the_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    backend = _load("vsa_triton.backend:TritonBackend")()
+    reason = backend.supports(_cpu_call())
+    assert isinstance(reason, str) and "CUDA" in reason

@@ -6,11 +6,19 @@ tests run compiled.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from vsa_core import BlockSparseLayout, block_sparse_attn
 from vsa_triton.backend import TritonBackend
+
+# Without a GPU these run only in the child process of test_interpreter.py (see conftest.py).
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
+    reason="no GPU: run under the Triton interpreter by test_interpreter.py",
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SHAPES = [(64, 64), (128, 64), (128, 128), (64, 128)]

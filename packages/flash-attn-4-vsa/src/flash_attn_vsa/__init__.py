@@ -5,6 +5,11 @@ top of upstream FlashAttention-4 (PyPI ``flash-attn-4``, ``flash_attn/cute`` in
 github.com/Dao-AILab/flash-attention). Upstream is pinned exactly; ``UPSTREAM.md`` at the
 repository root records the pin, our deltas and the refresh procedure. No kernels ship yet.
 
+The pin is kept checkable by three tools: ``flash_attn_vsa.fingerprint`` (the recorded API of
+the upstream symbols we rely on), ``flash_attn_vsa.compile_gate`` (every kernel configuration
+we use compiles for sm_90a on a CPU) and ``flash_attn_vsa.refresh`` (the ``fa4-refresh``
+command that moves the pin and runs both).
+
 Importing this package does not import ``flash_attn`` or ``cutlass``.
 """
 

@@ -1,0 +1,784 @@
+"""Full-op benchmark: `video_sparse_attn` at real video latents against dense attention.
+
+The op (coarse pooling, coarse attention, top-k selection, fine block-sparse attention, combine)
+runs forward and forward+backward on tile-order inputs with partial tiles: Wan-2.1 480p
+(21x30x52, 12 heads) and 720p (21x45x80, 40 heads), HunyuanVideo 720p (33x45x80, 24 heads),
+tile (4,4,4), D=128, at 87.5% and 90% sparsity (top-k = round((1 - sparsity) * tiles)). The dense
+baseline is FA4 ``flash_attn_func`` when available, else PyTorch SDPA (cuDNN, else flash), on
+the real (unpadded) tokens.
+
+Reported per cell: op and dense median times, speedup, the padding-limited ideal speedup
+((real tokens / padded tokens)^2 / kept fraction) and the fraction of it reached, the time of
+the op's pieces (pool_tiles x3, coarse_attention, select_topk, fine attention) and the share of
+coarse+select in the op, and the peak GPU memory of op vs dense (max_memory_allocated beyond
+what was allocated before the call; forward under no_grad, forward+backward including grads).
+
+Correctness gates, before timing: the op's output (and q/k/v gradients) on real tokens against
+a float32 composition of the same stages on the same selection (vsa-core's reference fine
+attention); the dense baseline's output on 128 sampled query rows against float32 attention,
+its gradients for finiteness. On a CPU it runs the reference backend on a tiny latent.
+
+    python benchmarks/bench_video.py --out results/bench_video.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_common as bc
+import bench_vsa
+
+from vsa_core import VideoTiling, block_sparse_attn, video_sparse_attn
+from vsa_core.backends import AttentionCall, get_backend, select_backend
+from vsa_core.coarse import coarse_attention, pool_tiles, select_topk
+from vsa_core.reference import reference_block_sparse_attn
+
+PRESETS: dict[str, tuple[tuple[int, int, int], int]] = {
+    "wan480p": ((21, 30, 52), 12),
+    "wan720p": ((21, 45, 80), 40),
+    "hunyuan720p": ((33, 45, 80), 24),
+    "tiny": ((6, 7, 9), 2),
+}
+GPU_DEFAULTS = {
+    "shapes": ["wan480p", "wan720p", "hunyuan720p"],
+    "head_dim": 128,
+    "warmup": 3,
+    "reps": 10,
+    "budget_s": 3.0,
+}
+CPU_DEFAULTS = {"shapes": ["tiny"], "head_dim": 32, "warmup": 1, "reps": 3, "budget_s": 1.0}
+DENSE_SAMPLE_ROWS = 128
+
+KEY_FIELDS = ("shape", "heads", "sparsity", "mode")
+VALUE_FIELDS = (
+    "op_ms",
+    "dense_ms",
+    "pool_ms",
+    "coarse_ms",
+    "select_ms",
+    "fine_ms",
+    "op_peak_mib",
+    "dense_peak_mib",
+)
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    latent: tuple[int, int, int]
+    heads: int
+
+
+def parse_shape(text: str) -> Shape:
+    """A preset name, or TxHxW[:heads] (heads default 12)."""
+    if text in PRESETS:
+        latent, heads = PRESETS[text]
+        return Shape(text, latent, heads)
+    dims, _, heads = text.partition(":")
+    try:
+        t, h, w = (int(x) for x in dims.lower().split("x"))
+        n_heads = int(heads) if heads else 12
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"shape must be one of {', '.join(PRESETS)} or TxHxW[:heads], got {text!r}"
+        ) from None
+    return Shape(f"{t}x{h}x{w}", (t, h, w), n_heads)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="bench_video.py",
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    g = p.add_argument_group("what to run")
+    g.add_argument(
+        "--shapes",
+        type=parse_shape,
+        nargs="+",
+        help="presets (wan480p, wan720p, hunyuan720p, tiny) or TxHxW[:heads]; "
+        "default: wan480p wan720p hunyuan720p (CPU: tiny)",
+    )
+    g.add_argument("--heads", type=int, help="override every shape's head count")
+    g.add_argument("--head-dim", type=int, help="default 128 (CPU: 32)")
+    g.add_argument("--batch", type=int, default=1)
+    g.add_argument("--tile", type=int, nargs=3, default=(4, 4, 4), metavar=("T", "H", "W"))
+    g.add_argument(
+        "--sparsities",
+        type=bench_vsa.parse_sparsity,
+        nargs="+",
+        default=[0.875, 0.9],
+        help="fractions of key tiles skipped (default: 0.875 0.9)",
+    )
+    g.add_argument(
+        "--backend",
+        default="auto",
+        help="fine-attention backend: auto, reference, triton, fa4, ... (default auto)",
+    )
+    g.add_argument(
+        "--modes",
+        type=bc.parse_mode,
+        nargs="+",
+        default=["fwd", "fwd+bwd"],
+        help="fwd and/or fwd+bwd (alias fwdbwd); default both",
+    )
+    g.add_argument(
+        "--dense",
+        choices=("auto", "fa4", "sdpa"),
+        default="auto",
+        help="dense baseline: auto = FA4 when available, else SDPA",
+    )
+    g.add_argument("--no-coarse-gate", action="store_true", help="run without a coarse gate")
+    g.add_argument("--dtype", choices=sorted(bc.DTYPES), default="bf16")
+    t = p.add_argument_group("timing")
+    t.add_argument("--warmup", type=int, help="default 3 (CPU: 1)")
+    t.add_argument("--reps", type=int, help="timed calls, at most (default 10; CPU: 3)")
+    t.add_argument("--budget-s", type=float, help="about this many seconds per timing (default 3)")
+    t.add_argument(
+        "--time-budget-min",
+        type=float,
+        help="stop starting new cells after this many minutes; the rest are reported 'not_run'",
+    )
+    o = p.add_argument_group("output")
+    o.add_argument("--out", type=Path, help="JSON path; the .md table goes beside it")
+    o.add_argument("--seed", type=int, default=0)
+    o.add_argument("--device", default="auto", help="auto (cuda if available), cuda, cuda:N, cpu")
+    o.add_argument(
+        "--replica-timeout-s",
+        type=float,
+        default=7200.0,
+        help="under torchrun, how long rank 0 waits for the other ranks' files (default 7200)",
+    )
+    return p
+
+
+@dataclass
+class Config:
+    shapes: list[Shape]
+    head_dim: int
+    batch: int
+    tile: tuple[int, int, int]
+    sparsities: list[float]
+    backend: str
+    modes: list[str]
+    dense: str
+    coarse_gate: bool
+    dtype: torch.dtype
+    warmup: int
+    reps: int
+    budget_s: float
+    time_budget_min: float | None
+    seed: int
+    out: Path | None
+    replica_timeout_s: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "shapes": [
+                {"name": s.name, "latent": list(s.latent), "heads": s.heads} for s in self.shapes
+            ],
+            "head_dim": self.head_dim,
+            "batch": self.batch,
+            "tile": list(self.tile),
+            "sparsities": self.sparsities,
+            "backend": self.backend,
+            "modes": self.modes,
+            "dense": self.dense,
+            "coarse_gate": self.coarse_gate,
+            "dtype": bc.DTYPE_NAMES[self.dtype],
+            "warmup": self.warmup,
+            "reps": self.reps,
+            "budget_s": self.budget_s,
+            "time_budget_min": self.time_budget_min,
+            "seed": self.seed,
+        }
+
+
+def make_config(args: argparse.Namespace, device: torch.device) -> Config:
+    defaults = GPU_DEFAULTS if device.type == "cuda" else CPU_DEFAULTS
+
+    def pick(name: str) -> Any:
+        value = getattr(args, name)
+        return defaults[name] if value is None else value
+
+    shapes = []
+    for item in pick("shapes"):
+        shape = item if isinstance(item, Shape) else parse_shape(item)
+        if args.heads is not None:
+            shape = Shape(shape.name, shape.latent, args.heads)
+        shapes.append(shape)
+    if any(m == "bwd" for m in args.modes):
+        raise SystemExit("bench_video runs fwd and fwd+bwd (the op's backward needs its forward)")
+    return Config(
+        shapes=shapes,
+        head_dim=pick("head_dim"),
+        batch=args.batch,
+        tile=tuple(args.tile),
+        sparsities=list(dict.fromkeys(args.sparsities)),
+        backend=args.backend,
+        modes=list(dict.fromkeys(args.modes)),
+        dense=args.dense,
+        coarse_gate=not args.no_coarse_gate,
+        dtype=bc.DTYPES[args.dtype],
+        warmup=pick("warmup"),
+        reps=pick("reps"),
+        budget_s=pick("budget_s"),
+        time_budget_min=args.time_budget_min,
+        seed=args.seed,
+        out=args.out,
+        replica_timeout_s=args.replica_timeout_s,
+    )
+
+
+# ---- metrics --------------------------------------------------------------------------------
+def topk_for(sparsity: float, num_tiles: int) -> int:
+    return max(1, min(num_tiles, round((1 - sparsity) * num_tiles)))
+
+
+def ideal_speedup(tokens_real: int, tokens_padded: int, kept_fraction: float) -> float:
+    """Speedup over dense attention on the real tokens if the op cost only its fine attention
+    over the padded sequence: (real / padded)^2 / kept fraction."""
+    return (tokens_real / tokens_padded) ** 2 / kept_fraction
+
+
+def derive(rec: dict[str, Any]) -> None:
+    """Speedup, fraction of ideal, coarse+select share, memory ratio (in place)."""
+    op, dense = rec.get("op_ms"), rec.get("dense_ms")
+    if rec.get("status") == "ok" and isinstance(op, (int, float)):
+        pieces = [rec.get(k) for k in ("pool_ms", "coarse_ms", "select_ms")]
+        if all(isinstance(p, (int, float)) for p in pieces):
+            rec["coarse_select_ms"] = sum(pieces)
+            rec["coarse_select_share"] = rec["coarse_select_ms"] / op
+        if isinstance(dense, (int, float)):
+            rec["speedup"] = dense / op
+            rec["fraction_of_ideal"] = rec["speedup"] / rec["ideal_speedup"]
+    op_mem, dense_mem = rec.get("op_peak_mib"), rec.get("dense_peak_mib")
+    if isinstance(op_mem, (int, float)) and isinstance(dense_mem, (int, float)) and dense_mem > 0:
+        rec["peak_mem_ratio"] = op_mem / dense_mem
+
+
+# ---- the op, its reference and its pieces ---------------------------------------------------
+@dataclass
+class OpInputs:
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    gate: torch.Tensor | None
+    dout: torch.Tensor
+    scale: float
+
+
+def make_op_inputs(cfg: Config, tiling: VideoTiling, heads: int, device: torch.device) -> OpInputs:
+    gen = torch.Generator().manual_seed(cfg.seed * 7919 + tiling.padded_len * 31 + heads)
+    shape = (cfg.batch, tiling.padded_len, heads, cfg.head_dim)
+
+    def rand() -> torch.Tensor:
+        return torch.randn(shape, generator=gen).to(device=device, dtype=cfg.dtype)
+
+    q, k, v, dout = rand(), rand(), rand(), rand()
+    gate = rand() if cfg.coarse_gate else None
+    return OpInputs(q, k, v, gate, dout, cfg.head_dim**-0.5)
+
+
+def op_runner(
+    inputs: OpInputs, tiling: VideoTiling, topk: int, backend: str, mode: str
+) -> bc.Runner:
+    tensors = [inputs.q, inputs.k, inputs.v] + ([inputs.gate] if inputs.gate is not None else [])
+    leaves = bc.make_leaves(tensors, mode, lambda t: t)
+    scale = inputs.scale
+
+    def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *gate: torch.Tensor) -> Any:
+        return video_sparse_attn(
+            q,
+            k,
+            v,
+            tiling=tiling,
+            topk=topk,
+            coarse_gate=gate[0] if gate else None,
+            backend=backend,
+            scale=scale,
+            validate=False,
+        )
+
+    names = ("dq", "dk", "dv", "dgate")[: len(leaves)]
+    return bc.autograd_runner(forward, leaves, inputs.dout, mode, names=names)
+
+
+def op_reference(
+    inputs: OpInputs, tiling: VideoTiling, topk: int, need_grads: bool
+) -> dict[str, torch.Tensor]:
+    """Float32 composition of the op on the op's own selection (the same bf16 coarse scores,
+    hence the same top-k): reference fine attention + coarse attention, combined."""
+    device = inputs.q.device
+    valid = tiling.valid_sizes(device)
+    tile_tokens = tiling.tile_tokens
+    with torch.no_grad():
+        layout = select_topk(
+            pool_tiles(inputs.q, valid), pool_tiles(inputs.k, valid), valid, topk, tile_tokens
+        )
+    q32, k32, v32 = (
+        t.detach().float().requires_grad_(need_grads) for t in (inputs.q, inputs.k, inputs.v)
+    )
+    gate32 = None if inputs.gate is None else inputs.gate.detach().float()
+    with bc.ieee_fp32_matmul(), torch.set_grad_enabled(need_grads):
+        fine, _ = reference_block_sparse_attn(q32, k32, v32, layout, inputs.scale)
+        pooled = [pool_tiles(t, valid) for t in (q32, k32, v32)]
+        coarse = coarse_attention(*pooled, valid, inputs.scale)
+        batch, seq, heads, dim = fine.shape
+        per_tile = (batch, seq // tile_tokens, tile_tokens, heads, dim)
+        add = coarse.unsqueeze(2)
+        if gate32 is not None:
+            add = gate32.view(per_tile) * add
+        out = (fine.view(per_tile) + add).view(batch, seq, heads, dim)
+        result = {"out": out.detach()}
+        if need_grads:
+            grads = torch.autograd.grad(out, (q32, k32, v32), inputs.dout.float())
+            result.update(dq=grads[0], dk=grads[1], dv=grads[2])
+    return result
+
+
+def piece_runners(
+    inputs: OpInputs, tiling: VideoTiling, topk: int, backend: str, mode: str
+) -> dict[str, bc.Runner]:
+    """The op's stages as separate runners: pool (q, k, v), coarse, select, fine."""
+    device = inputs.q.device
+    valid = tiling.valid_sizes(device)
+    tile_tokens, scale = tiling.tile_tokens, inputs.scale
+    with torch.no_grad():
+        pooled = [pool_tiles(t, valid) for t in (inputs.q, inputs.k, inputs.v)]
+        layout = select_topk(pooled[0], pooled[1], valid, topk, tile_tokens)
+
+    def select(_: Any) -> dict[str, torch.Tensor]:
+        return {"indices": select_topk(pooled[0], pooled[1], valid, topk, tile_tokens).kv_indices}
+
+    def fine(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return block_sparse_attn(q, k, v, layout, backend=backend, scale=scale)[0]
+
+    def coarse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return coarse_attention(q, k, v, valid, scale)
+
+    runners = {"select": bc.Runner(select)}
+    qkv = (inputs.q, inputs.k, inputs.v)
+    runners["fine"] = bc.autograd_runner(
+        fine, bc.make_leaves(qkv, mode, lambda t: t), inputs.dout, mode
+    )
+    d_pooled = torch.randn_like(pooled[0])
+    runners["coarse"] = bc.autograd_runner(
+        coarse, bc.make_leaves(pooled, mode, lambda t: t), d_pooled, mode
+    )
+    leaves = bc.make_leaves(qkv, mode, lambda t: t)
+    if mode == "fwd":
+
+        def pool(_: Any) -> dict[str, torch.Tensor]:
+            with torch.no_grad():
+                return {f"p{i}": pool_tiles(t, valid) for i, t in enumerate(leaves)}
+
+    else:
+
+        def pool(_: Any) -> dict[str, torch.Tensor]:
+            with torch.enable_grad():
+                outs = [pool_tiles(t, valid) for t in leaves]
+            grads = torch.autograd.grad(outs, leaves, [d_pooled] * 3)
+            return {f"g{i}": g for i, g in enumerate(grads)}
+
+    runners["pool"] = bc.Runner(pool)
+    return runners
+
+
+def resolve_fine_backend(
+    name: str, device: torch.device, dtype: torch.dtype, head_dim: int, tile: int, mode: str
+) -> tuple[str | None, str | None]:
+    """(backend that will run the fine attention, None) or (None, why it cannot)."""
+    call = AttentionCall(device, dtype, head_dim, (tile, tile), mode != "fwd")
+    try:
+        if name == "auto":
+            return select_backend(call, "auto").name, None
+        reason = get_backend(name).supports(call)
+    except ValueError as exc:
+        return None, str(exc)
+    return (name, None) if reason is None else (None, f"{name} backend refuses: {reason}")
+
+
+# ---- dense baseline -------------------------------------------------------------------------
+def dense_arms(choice: str, device: torch.device) -> list[bench_vsa.Arm]:
+    fa4, sdpa = bench_vsa.Fa4DenseArm(), bench_vsa.SdpaArm(allow_cpu=True)
+    return {"fa4": [fa4], "sdpa": [sdpa]}.get(choice, [fa4, sdpa])
+
+
+def run_dense(
+    cfg: Config, shape: Shape, tokens: int, mode: str, device: torch.device
+) -> dict[str, Any]:
+    """Dense attention on the real tokens: the first arm that is available and passes its
+    gate is timed. Returns a record with dense_ms, dense_peak_mib, the arm and its gate."""
+    gen = torch.Generator().manual_seed(cfg.seed * 7919 + tokens * 17 + shape.heads + 1)
+    dims = (cfg.batch, tokens, shape.heads, cfg.head_dim)
+    q, k, v, dout = (
+        torch.randn(dims, generator=gen).to(device=device, dtype=cfg.dtype) for _ in range(4)
+    )
+    inputs = bench_vsa.Inputs(q, k, v, dout, cfg.head_dim**-0.5)
+    cell = bench_vsa.Cell(tokens, mode, None, None, None, cfg.batch * shape.heads * tokens**2)
+    rows = torch.randperm(tokens, generator=gen)[:DENSE_SAMPLE_ROWS].sort().values.to(device)
+    tried: list[str] = []
+    for arm in dense_arms(cfg.dense, device):
+        why = arm.unavailable(device)
+        if why:
+            tried.append(f"{arm.name}: {why}")
+            continue
+        runner = None
+        try:
+            runner = arm.prepare(inputs, cell)
+            outputs = runner.once()
+            bc.synchronize(device)
+            ref = bc.masked_attention_reference(q.index_select(1, rows), k, v, inputs.scale)
+            gate = bc.gate_check({"out": outputs["out"].index_select(1, rows)}, ref, cfg.dtype)
+            for name in ("dq", "dk", "dv"):
+                if name in outputs:
+                    finite = bool(torch.isfinite(outputs[name]).all())
+                    gate.tensors[name] = {"finite": finite, "checked": "finite only"}
+                    if not finite:
+                        gate.passed = False
+                        gate.reason = f"{gate.reason}; {name}: non-finite".lstrip("; ")
+            del outputs
+            if not gate.passed:
+                tried.append(f"{arm.name}: failed its gate ({gate.reason})")
+                continue
+            timing = bc.time_fn(
+                runner.run,
+                device,
+                setup=runner.setup,
+                warmup=cfg.warmup,
+                reps=cfg.reps,
+                budget_s=cfg.budget_s,
+            )
+            return {
+                "dense_status": "ok",
+                "dense_arm": arm.name,
+                "dense_info": runner.info,
+                "dense_gate": gate.as_dict(),
+                "dense_ms": timing.median_ms,
+                "dense_timing": timing.as_dict(),
+                "dense_peak_mib": bc.peak_extra_mib(runner.once, device),
+                "dense_tried": tried,
+            }
+        except Exception as exc:
+            tried.append(f"{arm.name}: {bc.error_text(exc, 500)}")
+            bc.recover_after_error(device)
+        finally:
+            del runner
+    return {"dense_status": "unavailable", "dense_tried": tried}
+
+
+# ---- the run --------------------------------------------------------------------------------
+def base_record(cfg: Config, shape: Shape, tiling: VideoTiling, sparsity: float, mode: str):
+    topk = topk_for(sparsity, tiling.num_tiles)
+    kept = topk / tiling.num_tiles
+    return {
+        "shape": shape.name,
+        "latent": list(shape.latent),
+        "tile": list(tiling.tile_shape),
+        "heads": shape.heads,
+        "head_dim": cfg.head_dim,
+        "batch": cfg.batch,
+        "dtype": bc.DTYPE_NAMES[cfg.dtype],
+        "sparsity": sparsity,
+        "mode": mode,
+        "num_tiles": tiling.num_tiles,
+        "topk": topk,
+        "kept_fraction": kept,
+        "tokens_real": tiling.seq_len,
+        "tokens_padded": tiling.padded_len,
+        "ideal_speedup": ideal_speedup(tiling.seq_len, tiling.padded_len, kept),
+        "backend": cfg.backend,
+        "coarse_gate": cfg.coarse_gate,
+        "status": None,
+    }
+
+
+def run_op_cell(
+    cfg: Config,
+    rec: dict[str, Any],
+    inputs: OpInputs,
+    tiling: VideoTiling,
+    device: torch.device,
+    log: Callable[[str], None],
+) -> None:
+    """Gate, time, measure and split one op cell into ``rec`` (in place); never raises."""
+    mode, topk = rec["mode"], rec["topk"]
+    fine, why = resolve_fine_backend(
+        cfg.backend, device, cfg.dtype, cfg.head_dim, tiling.tile_tokens, mode
+    )
+    rec["fine_backend"] = fine
+    if fine is None:
+        rec.update(status="skipped", reason=why)
+        return
+    runner = None
+    try:
+        log("gate")
+        need_grads = mode != "fwd"
+        ref = op_reference(inputs, tiling, topk, need_grads)
+        runner = op_runner(inputs, tiling, topk, fine, mode)
+        outputs = runner.once()
+        bc.synchronize(device)
+        wanted = ("out", "dq", "dk", "dv") if need_grads else ("out",)
+        rows = tiling.indices(device).nonpad_index
+        gate = bc.gate_check({n: outputs[n] for n in wanted}, ref, cfg.dtype, rows=rows)
+        del outputs, ref
+        rec["op_gate"] = gate.as_dict()
+        if not gate.passed:
+            rec.update(status="failed", reason=f"correctness gate: {gate.reason}")
+            return
+        log("time op")
+        timing = bc.time_fn(
+            runner.run,
+            device,
+            setup=runner.setup,
+            warmup=cfg.warmup,
+            reps=cfg.reps,
+            budget_s=cfg.budget_s,
+        )
+        rec["op_ms"] = timing.median_ms
+        rec["op_timing"] = timing.as_dict()
+        rec["op_peak_mib"] = bc.peak_extra_mib(runner.once, device)
+        del runner
+        runner = None
+        log("time pieces")
+        pieces = piece_runners(inputs, tiling, topk, fine, mode)
+        for name, piece in pieces.items():
+            t = bc.time_fn(
+                piece.run,
+                device,
+                setup=piece.setup,
+                warmup=cfg.warmup,
+                reps=cfg.reps,
+                budget_s=cfg.budget_s,
+            )
+            rec[f"{name}_ms"] = t.median_ms
+        del pieces
+        rec["status"] = "ok"
+    except Exception as exc:
+        rec.update(
+            status="error",
+            reason=bc.first_line(bc.error_text(exc)),
+            error=bc.error_text(exc),
+            traceback=bc.traceback_tail(exc),
+        )
+        bc.recover_after_error(device)
+    finally:
+        del runner
+
+
+def run_benchmark(
+    cfg: Config,
+    device: torch.device,
+    *,
+    replica: bc.Replica | None = None,
+    on_result: Callable[[list[dict[str, Any]]], None] | None = None,
+) -> list[dict[str, Any]]:
+    torch.manual_seed(cfg.seed)
+    total = len(cfg.shapes) * len(cfg.modes) * len(cfg.sparsities)
+    results: list[dict[str, Any]] = []
+    started = time.monotonic()
+    for shape in cfg.shapes:
+        tiling = VideoTiling(shape.latent, cfg.tile)
+        inputs: OpInputs | None = None
+        for mode in cfg.modes:
+            dense: dict[str, Any] | None = None
+            for sparsity in cfg.sparsities:
+                rec = base_record(cfg, shape, tiling, sparsity, mode)
+                label = (
+                    f"[{len(results) + 1}/{total}] {shape.name} x{shape.heads} heads "
+                    f"{sparsity * 100:g}% {mode}"
+                )
+
+                def log(step: str, label: str = label) -> None:
+                    bc.log(f"{label}: {step}", replica=replica)
+
+                if cfg.time_budget_min is not None and (
+                    time.monotonic() - started > cfg.time_budget_min * 60
+                ):
+                    rec.update(
+                        status="not_run", reason=f"--time-budget-min {cfg.time_budget_min} spent"
+                    )
+                else:
+                    if dense is None:
+                        log(f"dense baseline on {tiling.seq_len} real tokens")
+                        dense = run_dense(cfg, shape, tiling.seq_len, mode, device)
+                    rec.update(dense)
+                    if inputs is None:
+                        inputs = make_op_inputs(cfg, tiling, shape.heads, device)
+                    run_op_cell(cfg, rec, inputs, tiling, device, log)
+                derive(rec)
+                results.append(rec)
+                log(summary_line(rec))
+                if on_result is not None:
+                    on_result(results)
+        del inputs
+        bc.recover_after_error(device)
+    return results
+
+
+def summary_line(rec: dict[str, Any]) -> str:
+    if rec["status"] != "ok":
+        return f"{rec['status']}: {bc.first_line(rec.get('reason'), 200)}"
+    text = f"op {rec['op_ms']:.3f} ms"
+    if "speedup" in rec:
+        text += (
+            f", dense {rec['dense_ms']:.3f} ms, speedup {rec['speedup']:.2f}x of ideal "
+            f"{rec['ideal_speedup']:.2f}x"
+        )
+    return text
+
+
+# ---- reporting ------------------------------------------------------------------------------
+def _fmt(value: Any, spec: str, suffix: str = "") -> str:
+    return "" if not isinstance(value, (int, float)) else f"{value:{spec}}{suffix}"
+
+
+def render_markdown(doc: dict[str, Any]) -> str:
+    meta, cfg, results = doc["metadata"], doc["config"], doc["results"]
+    dev = meta["device"]
+    lines = [
+        "# bench_video: video_sparse_attn vs dense attention",
+        "",
+        f"- device: {dev.get('name')} ({dev.get('type')}), driver "
+        f"{meta['driver'].get('driver_version')}",
+        f"- date (UTC): {meta['date_utc']}; seed {meta['seed']}",
+        f"- command: `{meta['command']}`",
+        f"- tile {tuple(cfg['tile'])}, D={cfg['head_dim']}, B={cfg['batch']}, {cfg['dtype']}, "
+        f"coarse gate: {cfg['coarse_gate']}; fine backend requested: {cfg['backend']}",
+        "- speedup = dense time / op time; ideal = (real/padded tokens)^2 / kept fraction; "
+        "coarse+select = pool_tiles x3 + coarse_attention + select_topk, timed apart; "
+        "peak = max_memory_allocated beyond the inputs",
+        "",
+    ]
+    headers = [
+        "latent",
+        "heads",
+        "sparsity",
+        "mode",
+        "fine",
+        "op ms",
+        "dense ms",
+        "speedup",
+        "ideal",
+        "of ideal",
+        "coarse+select",
+        "peak MiB op / dense",
+        "status",
+    ]
+    rows = []
+    for r in results:
+        mem = ""
+        if isinstance(r.get("op_peak_mib"), (int, float)):
+            mem = f"{r['op_peak_mib']:.0f} / {_fmt(r.get('dense_peak_mib'), '.0f')}"
+            if "peak_mem_ratio" in r:
+                mem += f" ({r['peak_mem_ratio']:.2f}x)"
+        dense = _fmt(r.get("dense_ms"), ".3f")
+        if dense and r.get("dense_arm"):
+            dense += f" ({r['dense_arm']})"
+        status = r["status"] if r["status"] == "ok" else f"{r['status']}: {r.get('reason', '')}"
+        rows.append(
+            [
+                "x".join(str(x) for x in r["latent"]),
+                r["heads"],
+                f"{r['sparsity'] * 100:g}% (k={r['topk']}/{r['num_tiles']})",
+                r["mode"],
+                r.get("fine_backend") or "",
+                _fmt(r.get("op_ms"), ".3f"),
+                dense,
+                _fmt(r.get("speedup"), ".2f", "x"),
+                _fmt(r.get("ideal_speedup"), ".2f", "x"),
+                _fmt(r.get("fraction_of_ideal"), ".0%"),
+                _fmt(r.get("coarse_select_share"), ".1%"),
+                mem,
+                bc.first_line(status, 200),
+            ]
+        )
+    lines.append(bc.markdown_table(headers, rows))
+    unavailable = {"; ".join(r.get("dense_tried") or []) for r in results if r.get("dense_tried")}
+    if unavailable:
+        lines += ["", "Dense arms passed over: " + " | ".join(sorted(unavailable))]
+    return "\n".join(lines) + "\n"
+
+
+def finish_doc(doc: dict[str, Any], out: Path | None) -> str:
+    for rec in doc["results"]:
+        derive(rec)
+    text = render_markdown(doc)
+    if out is not None:
+        bc.write_json(out, doc)
+        out.with_suffix(".md").write_text(text)
+    return text
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    replica = bc.replica_from_env()
+    device = bc.pick_device(args.device, replica)
+    cfg = make_config(args, device)
+    started_unix = time.time()
+    command = sys.argv if argv is None else ["bench_video.py", *argv]
+    meta = bc.collect_metadata(device, seed=cfg.seed, argv=command, replica=replica)
+    doc: dict[str, Any] = {
+        "benchmark": "bench_video",
+        "schema": 1,
+        "complete": False,
+        "started_unix": started_unix,
+        "metadata": meta,
+        "config": cfg.as_dict(),
+        "results": [],
+    }
+    write_to = cfg.out
+    if replica is not None and cfg.out is not None:
+        write_to = bc.rank_path(cfg.out, replica.rank)
+
+    last_write = [0.0]
+
+    def checkpoint(results: list[dict[str, Any]]) -> None:
+        """Rewrite the (incomplete) JSON at most every few seconds: a killed run keeps it."""
+        if write_to is not None and time.monotonic() - last_write[0] > 5:
+            doc["results"] = results
+            bc.write_json(write_to, doc)
+            last_write[0] = time.monotonic()
+
+    bc.log(f"bench_video on {meta['device'].get('name')} ({device})", replica=replica)
+    doc["results"] = run_benchmark(cfg, device, replica=replica, on_result=checkpoint)
+    doc["complete"] = True
+    doc["finished_unix"] = time.time()
+    if replica is None or cfg.out is None:
+        if replica is None or replica.rank == 0:
+            print(finish_doc(doc, cfg.out))
+        return 0
+    bc.write_json(write_to, doc)
+    if replica.rank != 0:
+        return 0
+    docs, missing = bc.wait_for_ranks(
+        cfg.out, replica, started_at=started_unix, timeout_s=cfg.replica_timeout_s
+    )
+    agg = dict(doc)
+    agg["results"] = bc.aggregate_replicas(docs, KEY_FIELDS, VALUE_FIELDS)
+    for r in agg["results"]:
+        for name in ("speedup", "fraction_of_ideal", "coarse_select_ms", "coarse_select_share"):
+            r.pop(name, None)
+        r.pop("peak_mem_ratio", None)
+    agg["replicas_found"] = sorted(docs)
+    agg["replicas_missing"] = missing
+    agg["rank_files"] = [str(bc.rank_path(cfg.out, r)) for r in sorted(docs)]
+    print(finish_doc(agg, cfg.out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+"""Runs the kernel tests under the Triton interpreter in a child process (CPU machines)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the kernel tests run compiled")
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"), reason="already interpreting"
+)
+def test_kernel_suite_under_the_triton_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    tests = Path(__file__).with_name("test_kernels_cpu.py")
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tests)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    assert " passed" in summary and "skipped" not in summary, summary
+    print(summary)

@@ -1,0 +1,458 @@
+"""CPU tests of the benchmark harness: benchmarks/bench_vsa.py, bench_video.py, bench_common.py.
+
+Tiny grids, reference arm only (every CUDA arm is skipped with a reason on a CPU): the JSON
+structure, the correctness gate (a wrong arm is reported failing and is not timed), exact256
+masks, the TFLOP/s formula, the markdown table, plots, torchrun replica files, and the Python
+paths of the FlexAttention / SDPA / FA4 arms that can run (or be checked) without a GPU.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import sys
+from collections import namedtuple
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+if str(BENCHMARKS) not in sys.path:
+    sys.path.insert(0, str(BENCHMARKS))
+
+import bench_common as bc  # noqa: E402
+import bench_video  # noqa: E402
+import bench_vsa  # noqa: E402
+
+from vsa_core.backends import AttentionCall, get_backend  # noqa: E402
+
+CPU = torch.device("cpu")
+TINY = ["--device", "cpu", "--seq-lens", "512", "--heads", "2", "--head-dim", "32"]
+FAST = ["--warmup", "0", "--reps", "2", "--budget-s", "0.2"]
+STATUSES = {"ok", "failed", "skipped", "error", "not_run"}
+
+
+@pytest.fixture(autouse=True)
+def _no_torchrun_env(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture(scope="module")
+def vsa_run(tmp_path_factory):
+    """One tiny default-arm run on the CPU, shared by the structure tests."""
+    out = tmp_path_factory.mktemp("bench_vsa") / "bench_vsa.json"
+    argv = [
+        *TINY,
+        *FAST,
+        "--sparsities",
+        "dense",
+        "0.5",
+        "--block-shapes",
+        "256x256",
+        "64x64",
+        "--modes",
+        "fwd",
+        "fwd+bwd",
+        "--out",
+        str(out),
+    ]
+    assert bench_vsa.main(argv) == 0
+    return out, json.loads(out.read_text())
+
+
+# ---- bench_vsa: output structure ------------------------------------------------------------
+def test_json_has_metadata_config_and_one_result_per_cell(vsa_run):
+    _, doc = vsa_run
+    assert doc["benchmark"] == "bench_vsa" and doc["complete"] is True
+    meta = doc["metadata"]
+    for key in ("date_utc", "command", "device", "driver", "versions", "seed", "env"):
+        assert key in meta, key
+    assert meta["device"]["type"] == "cpu"
+    assert "bench_vsa.py" in meta["command"] and "--seq-lens" in meta["command"]
+    for dist in (
+        "torch",
+        "triton",
+        "flash-attn-4",
+        "nvidia-cutlass-dsl",
+        "vsa-core",
+        "vsa-triton",
+        "vsa-fa4",
+        "flash-attn-4-vsa",
+    ):
+        assert dist in meta["versions"], dist
+    assert meta["versions"]["torch"] == torch.__version__.split("+")[0]
+    cfg = doc["config"]
+    assert cfg["seq_lens"] == [512] and cfg["masks"] == "exact256"
+    arms = cfg["arms"]
+    assert set(bench_vsa.KNOWN_ARMS) <= set(arms)
+    sparse = [a for a in arms if a not in bench_vsa.DENSE_ARMS]
+    expected = 2 * (len(bench_vsa.DENSE_ARMS) + len(sparse) * 2 * 2)
+    assert len(doc["results"]) == expected
+    keys = {tuple(r[f] for f in bench_vsa.KEY_FIELDS) for r in doc["results"]}
+    assert len(keys) == expected, "each (S, mode, sparsity, block, arm) appears once"
+    for r in doc["results"]:
+        assert r["status"] in STATUSES
+        if r["status"] != "ok":
+            assert r["reason"], r
+
+
+def test_reference_arm_is_gated_and_timed(vsa_run):
+    _, doc = vsa_run
+    ref = [r for r in doc["results"] if r["arm"] == "reference"]
+    assert ref and all(r["status"] == "ok" for r in ref), [r.get("reason") for r in ref]
+    for r in ref:
+        assert r["gate"]["passed"] is True
+        wanted = {"out"} if r["mode"] == "fwd" else {"out", "dq", "dk", "dv"}
+        assert set(r["gate"]["tensors"]) == wanted
+        assert r["median_ms"] > 0 and len(r["times_ms"]) == r["reps"] >= 1
+        assert r["tflops"] == pytest.approx(
+            bc.tflops(r["head_dim"], r["total_pairs"], r["mode"], r["median_ms"])
+        )
+        assert r["peak_mem_mib"] is None  # CPU: no CUDA memory statistics
+
+
+def test_cuda_arms_are_skipped_with_reasons_on_cpu(vsa_run):
+    _, doc = vsa_run
+    by_arm: dict[str, list[dict]] = {}
+    for r in doc["results"]:
+        by_arm.setdefault(r["arm"], []).append(r)
+    for arm in ("fa4_raw", "flex", "fa4_dense", "sdpa"):
+        assert all(r["status"] == "skipped" for r in by_arm[arm]), arm
+        assert all("CUDA" in r["reason"] for r in by_arm[arm]), arm
+    for arm in ("triton", "fa4"):  # the backend's own refusal, verbatim
+        backend = get_backend(arm)
+        for r in by_arm[arm]:
+            q_block, kv_block = (int(x) for x in r["block_shape"].split("x"))
+            call = AttentionCall(CPU, torch.bfloat16, 32, (q_block, kv_block), r["mode"] != "fwd")
+            assert r["status"] == "skipped"
+            assert r["reason"] == backend.supports(call)
+
+
+def test_markdown_table_on_stdout_and_in_md_file(vsa_run):
+    out, doc = vsa_run
+    text = out.with_suffix(".md").read_text()
+    assert "| S | mode | sparsity | block |" in text
+    assert "| 512 | fwd | dense | 256x256 |" in text
+    assert "## Notes" in text and "`fa4_raw` skipped" in text
+    assert text == bench_vsa.render_markdown(doc)
+
+
+def test_plot_files_are_written(vsa_run):
+    pytest.importorskip("matplotlib")
+    _, doc = vsa_run
+    files = doc["plots"]["files"]
+    assert sorted(Path(f).name for f in files) == ["bench_vsa.fwd.png", "bench_vsa.fwd_bwd.png"]
+    for f in files:
+        assert Path(f).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_missing_matplotlib_skips_plots_with_a_reason(vsa_run, tmp_path, monkeypatch, capsys):
+    _, doc = vsa_run
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import now raises ImportError
+    plt, why = bc.load_pyplot()
+    assert plt is None and "matplotlib unavailable" in why
+    doc = json.loads(json.dumps(doc))
+    out = tmp_path / "again.json"
+    text = bench_vsa.finish_doc(doc, out, want_plots=True)
+    assert doc["plots"]["skipped"].startswith("matplotlib unavailable")
+    assert "Plots skipped: matplotlib unavailable" in text
+    assert "plots skipped" in capsys.readouterr().err
+    assert json.loads(out.read_text())["plots"] == doc["plots"]
+
+
+# ---- the correctness gate -------------------------------------------------------------------
+class WrongArm(bench_vsa.VsaBackendArm):
+    """The reference backend with a deliberately wrong output; counts its calls."""
+
+    def __init__(self, damage):
+        super().__init__("reference", arm_name="wrong")
+        self.damage, self.calls = damage, 0
+
+    def prepare(self, inputs, cell):
+        runner = super().prepare(inputs, cell)
+        inner = runner.run
+
+        def run(state):
+            self.calls += 1
+            return {name: self.damage(t) for name, t in inner(state).items()}
+
+        return bc.Runner(run, runner.setup, runner.info)
+
+
+class RaisingArm(bench_vsa.Arm):
+    name = "raises"
+
+    def prepare(self, inputs, cell):
+        raise RuntimeError("kernel exploded")
+
+
+def _run_arms(arms, tmp_path, *extra):
+    out = tmp_path / "gate.json"
+    argv = [*TINY, *FAST, "--sparsities", "0.5", "--block-shapes", "128x64", "--out", str(out)]
+    assert bench_vsa.main([*argv, "--no-plots", *extra], arms=arms) == 0
+    return {(r["arm"], r["mode"]): r for r in json.loads(out.read_text())["results"]}
+
+
+def test_wrong_arm_fails_the_gate_and_is_not_timed(tmp_path):
+    wrong = WrongArm(lambda t: t + 0.1)
+    nan = WrongArm(lambda t: torch.full_like(t, float("nan")))
+    nan.name = "nan"
+    arms = [bench_vsa.VsaBackendArm("reference"), wrong, RaisingArm(), nan]
+    results = _run_arms(arms, tmp_path, "--modes", "fwd", "fwd+bwd")
+    for mode in ("fwd", "fwd+bwd"):
+        assert results[("reference", mode)]["status"] == "ok"
+        bad = results[("wrong", mode)]
+        assert bad["status"] == "failed" and bad["gate"]["passed"] is False
+        assert "correctness gate" in bad["reason"] and "max abs err" in bad["reason"]
+        assert "median_ms" not in bad and "tflops" not in bad and "times_ms" not in bad
+        assert results[("nan", mode)]["status"] == "failed"
+        assert "non-finite" in results[("nan", mode)]["reason"]
+        err = results[("raises", mode)]
+        assert err["status"] == "error" and "kernel exploded" in err["error"]
+    assert wrong.calls == 2, "one gate call per mode, never a timed call"
+
+
+def test_gate_tolerance_is_rounding_floor_based():
+    ref = torch.linspace(-300, 300, 1001)
+    rounded = ref.to(torch.bfloat16)
+    gate = bc.gate_check({"out": rounded}, {"out": ref}, torch.bfloat16)
+    floor = bc.rounding_floor(ref, torch.bfloat16)
+    assert gate.passed and floor > 0.1
+    assert gate.tensors["out"]["tol"] == pytest.approx(max(1e-2, 8 * floor))
+    assert not bc.gate_check({"out": ref + 9 * floor}, {"out": ref}, torch.bfloat16).passed
+    small = torch.zeros(10)
+    assert bc.gate_check({"out": small + 0.009}, {"out": small}, torch.bfloat16).passed
+    assert not bc.gate_check({"out": small + 0.011}, {"out": small}, torch.bfloat16).passed
+
+
+def test_float32_reference_matches_float64_autograd():
+    torch.manual_seed(0)
+    batch, seq, heads, dim, block = 1, 96, 2, 8, 32
+    q, k, v, dout = (torch.randn(batch, seq, heads, dim, dtype=torch.float64) for _ in range(4))
+    block_mask = torch.rand(batch, heads, 3, 3) < 0.6
+    block_mask[0, 0, 1] = False  # a query block that sees nothing
+    valid = torch.tensor([32, 20, 0])  # a partial and an empty key block
+    got = bc.masked_attention_reference(
+        q,
+        k,
+        v,
+        0.3,
+        block_mask=block_mask,
+        block_shape=(block, block),
+        kv_valid_sizes=valid,
+        dout=dout,
+        chunk_bytes=4096,  # several row chunks
+    )
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    ql, kl, vl = (t.transpose(1, 2) for t in leaves)
+    keep = block_mask.repeat_interleave(block, 2).repeat_interleave(block, 3)
+    keep = keep & (torch.arange(block) < valid.view(-1, 1)).reshape(-1)
+    scores = (ql @ kl.transpose(-1, -2) * 0.3).masked_fill(~keep, float("-inf"))
+    probs = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)
+    out = (probs @ vl).transpose(1, 2)
+    grads = torch.autograd.grad(out, leaves, dout)
+    want = {"out": out, "dq": grads[0], "dk": grads[1], "dv": grads[2]}
+    for name, ref in want.items():
+        torch.testing.assert_close(got[name].double(), ref.detach(), atol=1e-5, rtol=1e-4)
+    assert bool((got["out"][:, 32:64, 0] == 0).all())
+
+
+# ---- masks ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("sparsity", [0.0, 0.5, 0.875, 0.95])
+def test_exact256_masks_select_the_same_token_pairs_at_every_block_shape(sparsity):
+    args = bench_vsa.build_parser().parse_args(
+        [*TINY, "--seq-lens", "2048", "--block-shapes", "256x256", "128x128", "128x64", "64x64"]
+    )
+    cfg = bench_vsa.make_config(args, CPU)
+    layouts, refs = bench_vsa.cell_layouts(cfg, 2048, sparsity)
+    base = layouts[(256, 256)]
+    base_tokens = bench_vsa.token_mask(base)
+    base_pairs = int(base.selected_token_pairs())
+    for shape, layout in layouts.items():
+        assert layout.block_shape == shape
+        assert torch.equal(bench_vsa.token_mask(layout), base_tokens), shape
+        assert int(layout.selected_token_pairs()) == base_pairs
+        assert refs[shape][0] == refs[(256, 256)][0]
+    blocks = base.to_block_mask()
+    diagonal = torch.arange(base.num_q_blocks)
+    assert bool(blocks[:, :, diagonal, diagonal].all()), "every row keeps its diagonal anchor"
+    kept = max(1, round((1 - sparsity) * 8))
+    assert bool((base.kv_counts == kept).all())
+
+
+def test_native_masks_are_sampled_per_block_shape():
+    args = bench_vsa.build_parser().parse_args(
+        [*TINY, "--masks", "native", "--block-shapes", "128x64", "64x64"]
+    )
+    cfg = bench_vsa.make_config(args, CPU)
+    layouts, refs = bench_vsa.cell_layouts(cfg, 512, 0.75)
+    assert refs[(128, 64)][0] != refs[(64, 64)][0]
+    for (q_block, kv_block), layout in layouts.items():
+        assert layout.block_shape == (q_block, kv_block)
+        assert bool((layout.kv_counts == round(0.25 * 512 / kv_block)).all())
+
+
+# ---- metrics --------------------------------------------------------------------------------
+def test_tflops_formula_and_derived_metrics():
+    batch, heads, dim, seq = 1, 12, 128, 32768
+    pairs = batch * heads * seq * seq
+    dense = 4 * batch * heads * dim * seq * seq / 1e-3 / 1e12
+    assert bc.tflops(dim, pairs, "fwd", 1.0) == pytest.approx(dense)
+    assert bc.tflops(dim, pairs, "bwd", 1.0) == pytest.approx(2.5 * dense)
+    assert bc.tflops(dim, pairs, "fwd+bwd", 1.0) == pytest.approx(3.5 * dense)
+    base = {"seq_len": seq, "mode": "fwd", "head_dim": dim, "status": "ok"}
+    results = [
+        {**base, "arm": "fa4_dense", "total_pairs": pairs, "median_ms": 2.0},
+        {**base, "arm": "fa4_raw", "total_pairs": pairs // 10, "median_ms": 0.25},
+        {**base, "arm": "flex", "total_pairs": pairs // 10, "status": "failed"},
+    ]
+    bench_vsa.derive_metrics(results, peak=989.0)
+    fa4, raw, flex = results
+    assert raw["tflops"] == pytest.approx(dense / 10 / 0.25)
+    assert raw["mfu"] == pytest.approx(raw["tflops"] / 989.0)
+    assert raw["efficiency_vs_fa4_dense"] == pytest.approx(raw["tflops"] / fa4["tflops"])
+    assert raw["speedup_vs_fa4_dense"] == pytest.approx(8.0)
+    assert "tflops" not in flex
+
+
+def test_peak_tflops_by_device_name():
+    assert bc.peak_tflops_for("NVIDIA H200") == 989.0
+    assert bc.peak_tflops_for("NVIDIA H100 80GB HBM3") == 989.0
+    assert bc.peak_tflops_for("NVIDIA B200") == 2250.0
+    assert bc.peak_tflops_for("NVIDIA GB200") == 2500.0
+    assert bc.peak_tflops_for("x86_64") is None
+    assert bc.peak_tflops_for("NVIDIA H200", override=700) == 700.0
+
+
+# ---- GPU arms' Python paths that run (or can be checked) on a CPU ---------------------------
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_flex_and_sdpa_arms_pass_the_gate_eagerly_on_cpu(tmp_path):
+    flex = bench_vsa.FlexArm(compile=False, allow_cpu=True)
+    sdpa = bench_vsa.SdpaArm(allow_cpu=True)
+    arms = [flex, sdpa]
+    results = _run_arms(arms, tmp_path, "--modes", "fwd", "--seq-lens", "256")
+    assert results[("flex", "fwd")]["status"] == "ok", results[("flex", "fwd")]
+    assert results[("sdpa", "fwd")]["status"] == "ok", results[("sdpa", "fwd")]
+    assert results[("sdpa", "fwd")]["info"]["sdpa_backend"] == "math"
+
+
+def test_fa4_block_sparse_tensors_describe_the_layout():
+    stand_in = namedtuple(
+        "BlockSparseTensorsTorch",
+        "mask_block_cnt mask_block_idx full_block_cnt full_block_idx block_size",
+    )
+    layout = bench_vsa.sample_layout(1024, 1, 2, 0.75, (128, 64), seed=3)
+    fwd, bwd = bench_vsa.fa4_block_sparse_tensors(stand_in, layout, need_backward=True)
+    assert fwd.block_size == (128, 64) and bwd.block_size == (128, 64)
+    for t in (fwd, bwd):
+        assert all(x.dtype == torch.int32 and x.is_contiguous() for x in t[:4])
+        assert int(t.mask_block_cnt.abs().sum()) == 0  # everything is a full block
+    dense = layout.to_block_mask()  # [B, H, NQ, NKV]
+    rebuilt = torch.zeros_like(dense)
+    for b, h, i in itertools.product(*map(range, fwd.full_block_cnt.shape)):
+        rebuilt[b, h, i, fwd.full_block_idx[b, h, i, : fwd.full_block_cnt[b, h, i]].long()] = True
+    assert torch.equal(rebuilt, dense)
+    transposed = torch.zeros_like(dense.transpose(-1, -2))
+    for b, h, j in itertools.product(*map(range, bwd.full_block_cnt.shape)):
+        rows = bwd.full_block_idx[b, h, j, : bwd.full_block_cnt[b, h, j]].long()
+        transposed[b, h, j, rows] = True
+    assert torch.equal(transposed, dense.transpose(-1, -2))
+    assert bwd.full_block_idx.shape[-1] <= layout.num_q_blocks
+
+
+def test_time_budget_marks_cells_not_run(tmp_path):
+    arms = [bench_vsa.VsaBackendArm("reference")]
+    results = _run_arms(arms, tmp_path, "--modes", "fwd", "--time-budget-min", "0")
+    assert {r["status"] for r in results.values()} == {"not_run"}
+
+
+# ---- torchrun replicas ----------------------------------------------------------------------
+def test_replica_mode_writes_rank_files_and_an_aggregate(tmp_path, monkeypatch):
+    out = tmp_path / "rep.json"
+    argv = [*TINY, *FAST, "--sparsities", "0.5", "--block-shapes", "256x256", "--modes", "fwd"]
+    argv += ["--out", str(out), "--no-plots", "--replica-timeout-s", "30"]
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test-run")
+    for rank in (1, 0):  # rank 0 last: it waits for rank 1's file, then aggregates
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("LOCAL_RANK", str(rank))
+        assert bench_vsa.main(argv, arms=[bench_vsa.VsaBackendArm("reference")]) == 0
+    for rank in (0, 1):
+        doc = json.loads(bc.rank_path(out, rank).read_text())
+        assert doc["complete"] and doc["metadata"]["replica"]["rank"] == rank
+    agg = json.loads(out.read_text())
+    assert agg["replicas_found"] == [0, 1] and agg["replicas_missing"] == []
+    (res,) = agg["results"]
+    assert res["status"] == "ok" and set(res["replica_values"]["median_ms"]) == {"0", "1"}
+    assert res["median_ms"] == pytest.approx(
+        sorted(res["replica_values"]["median_ms"].values())[0] / 2
+        + sorted(res["replica_values"]["median_ms"].values())[1] / 2
+    )
+    assert res["tflops"] > 0
+    assert out.with_suffix(".md").exists()
+
+
+def test_replica_env_parsing():
+    env = {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "3", "TORCHELASTIC_RUN_ID": "abc"}
+    rep = bc.replica_from_env(env)
+    assert rep == bc.Replica(3, 8, 3, "abc")
+    assert bc.replica_from_env({}) is None
+    assert bc.rank_path(Path("/x/bench.json"), 3) == Path("/x/bench.rank3.json")
+
+
+# ---- bench_video ----------------------------------------------------------------------------
+def test_ideal_speedup_matches_the_issue():
+    tiling = bench_video.VideoTiling((21, 45, 80))
+    topk = bench_video.topk_for(0.875, tiling.num_tiles)
+    ideal = bench_video.ideal_speedup(tiling.seq_len, tiling.padded_len, topk / tiling.num_tiles)
+    assert (tiling.seq_len, tiling.padded_len) == (75600, 92160)
+    assert ideal == pytest.approx(5.38, abs=0.01)
+
+
+def test_bench_video_runs_the_reference_on_a_tiny_latent(tmp_path):
+    out = tmp_path / "video.json"
+    argv = ["--device", "cpu", *FAST, "--out", str(out)]
+    assert bench_video.main(argv) == 0
+    doc = json.loads(out.read_text())
+    assert doc["complete"] and doc["metadata"]["versions"]["vsa-core"]
+    assert len(doc["results"]) == 4  # tiny latent x 2 sparsities x 2 modes
+    for r in doc["results"]:
+        assert r["status"] == "ok", r.get("reason")
+        assert r["fine_backend"] == "reference" and r["dense_arm"] == "sdpa"
+        assert any("fa4_dense" in t and "CUDA" in t for t in r["dense_tried"])
+        assert r["op_gate"]["passed"] and r["dense_gate"]["passed"]
+        assert set(r["op_gate"]["tensors"]) == (
+            {"out"} if r["mode"] == "fwd" else {"out", "dq", "dk", "dv"}
+        )
+        assert r["tokens_real"] == 6 * 7 * 9 and r["tokens_padded"] == 12 * 64
+        kept = r["topk"] / r["num_tiles"]
+        assert r["ideal_speedup"] == pytest.approx((378 / 768) ** 2 / kept)
+        assert r["speedup"] == pytest.approx(r["dense_ms"] / r["op_ms"])
+        assert r["fraction_of_ideal"] == pytest.approx(r["speedup"] / r["ideal_speedup"])
+        pieces = r["pool_ms"] + r["coarse_ms"] + r["select_ms"]
+        assert r["coarse_select_share"] == pytest.approx(pieces / r["op_ms"])
+        assert r["fine_ms"] > 0 and math.isfinite(r["coarse_select_share"])
+        assert r["op_peak_mib"] is None and r["dense_peak_mib"] is None
+    text = out.with_suffix(".md").read_text()
+    assert "| latent | heads | sparsity | mode |" in text and "| 6x7x9 | 2 |" in text
+
+
+def test_bench_video_skips_a_refusing_backend(tmp_path):
+    out = tmp_path / "video.json"
+    argv = ["--device", "cpu", *FAST, "--out", str(out), "--backend", "fa4", "--modes", "fwd"]
+    assert bench_video.main(argv) == 0
+    for r in json.loads(out.read_text())["results"]:
+        assert r["status"] == "skipped" and r["reason"].startswith("fa4 backend refuses")
+
+
+# ---- command lines --------------------------------------------------------------------------
+@pytest.mark.parametrize(("module", "flag"), [(bench_vsa, "--seq-lens"), (bench_video, "--shapes")])
+def test_help(module, flag, capsys):
+    with pytest.raises(SystemExit) as exc:
+        module.main(["--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    assert flag in text and "--out" in text and "--modes" in text
