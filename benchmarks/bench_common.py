@@ -1,4 +1,5 @@
-"""Shared machinery of the benchmark scripts `bench_vsa.py` and `bench_video.py`.
+"""Shared machinery of the benchmark scripts `bench_vsa.py` and `bench_video.py` (and the
+result header of the standalone GPU scripts `bench_triton_kernels.py` and `memory_vsa_op.py`).
 
 Everything that needs a GPU library (triton, flash_attn, cutlass, matplotlib) is imported inside
 the function that uses it, so this module imports on any machine with torch. Nothing here
@@ -12,6 +13,8 @@ decides what to benchmark; it times, checks, describes the machine and writes re
 - `collect_metadata`: device, driver, versions, seed, environment, command line, UTC date.
 - `Replica`: one independent replica per GPU under ``torchrun``, rank-suffixed JSON files and
   an aggregate written by rank 0 once every rank's file is there (no process group needed).
+- `result_doc` / `run_and_report`: a run's JSON document, rewritten as results come in, then
+  printed and written once complete (under ``torchrun``: per rank, then rank 0's aggregate).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -108,6 +111,15 @@ def error_text(exc: BaseException, limit: int = 2000) -> str:
 def traceback_tail(exc: BaseException, lines: int = 12) -> str:
     formatted = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     return "\n".join(formatted.rstrip().splitlines()[-lines:])
+
+
+def error_fields(exc: BaseException) -> dict[str, str]:
+    """A result record's fields for an exception: one-line reason, full text, traceback tail."""
+    return {
+        "reason": first_line(error_text(exc)),
+        "error": error_text(exc),
+        "traceback": traceback_tail(exc),
+    }
 
 
 def first_line(text: str | None, limit: int = 160) -> str:
@@ -268,6 +280,26 @@ class Runner:
 
     def once(self) -> dict[str, torch.Tensor]:
         return self.run(self.setup() if self.setup is not None else None)
+
+
+class TimingSettings(Protocol):
+    """What ``time_runner`` reads from a benchmark's config."""
+
+    warmup: int
+    reps: int
+    budget_s: float
+
+
+def time_runner(runner: Runner, device: torch.device, settings: TimingSettings) -> Timing:
+    """``time_fn`` of ``runner`` (its setup untimed) with the config's warm-up, reps, budget."""
+    return time_fn(
+        runner.run,
+        device,
+        setup=runner.setup,
+        warmup=settings.warmup,
+        reps=settings.reps,
+        budget_s=settings.budget_s,
+    )
 
 
 def make_leaves(
@@ -603,6 +635,16 @@ def collect_metadata(
     }
 
 
+def gpu_result_header(benchmark: str) -> dict[str, Any]:
+    """The first fields of a standalone GPU script's result: its name, UTC date, device name."""
+    return {"benchmark": benchmark, "date": utc_now(), "device": torch.cuda.get_device_name()}
+
+
+def runtime_versions(extra: dict[str, str | None] | None = None) -> dict[str, str | None]:
+    """Python and torch versions, then ``extra`` (a standalone GPU script's ``versions``)."""
+    return {"python": platform.python_version(), "torch": torch.__version__, **(extra or {})}
+
+
 # ---- output: JSON, markdown, plots ----------------------------------------------------------
 def jsonable(value: Any) -> Any:
     """Non-finite floats become strings (strict JSON), tuples lists, tensors/dtypes strings."""
@@ -628,6 +670,12 @@ def write_json(path: Path, doc: dict[str, Any]) -> None:
         json.dump(jsonable(doc), f, indent=1, allow_nan=False)
         f.write("\n")
     os.replace(tmp, path)
+
+
+def write_json_and_markdown(out: Path, doc: dict[str, Any], markdown: str) -> None:
+    """``doc`` as JSON at ``out`` and ``markdown`` beside it (same name, ``.md``)."""
+    write_json(out, doc)
+    out.with_suffix(".md").write_text(markdown)
 
 
 def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
@@ -782,3 +830,113 @@ def aggregate_replicas(
             base["note"] = f"statuses per rank: {base['replica_statuses']}"
         merged.append(base)
     return merged
+
+
+# ---- a run's document: checkpoints, completion, replica aggregate ---------------------------
+def add_run_options(group: Any) -> None:
+    """--seed, --device and --replica-timeout-s (an argparse group of a benchmark's parser)."""
+    group.add_argument("--seed", type=int, default=0)
+    group.add_argument(
+        "--device", default="auto", help="auto (cuda if available), cuda, cuda:N, cpu"
+    )
+    group.add_argument(
+        "--replica-timeout-s",
+        type=float,
+        default=7200.0,
+        help="under torchrun, how long rank 0 waits for the other ranks' files (default 7200)",
+    )
+
+
+def result_doc(
+    benchmark: str,
+    *,
+    started_unix: float,
+    metadata: dict[str, Any],
+    config: dict[str, Any],
+    **extra: Any,
+) -> dict[str, Any]:
+    """A run's (still incomplete) JSON document; ``extra`` fields come before ``results``."""
+    return {
+        "benchmark": benchmark,
+        "schema": 1,
+        "complete": False,
+        "started_unix": started_unix,
+        "metadata": metadata,
+        "config": config,
+        **extra,
+        "results": [],
+    }
+
+
+ResultsCallback = Callable[[list[dict[str, Any]]], None]
+
+
+def run_and_report(
+    doc: dict[str, Any],
+    run: Callable[[ResultsCallback], list[dict[str, Any]]],
+    finish: Callable[[dict[str, Any], Path | None], str],
+    *,
+    out: Path | None,
+    replica: Replica | None,
+    replica_timeout_s: float,
+    key_fields: Sequence[str],
+    value_fields: Sequence[str],
+    drop_fields: Sequence[str] = (),
+    before_rank_write: Callable[[dict[str, Any]], None] | None = None,
+    on_aggregate: Callable[[dict[str, Any], dict[int, dict[str, Any]], list[int]], None]
+    | None = None,
+) -> int:
+    """Run a benchmark into ``doc`` and report it; returns the exit status (0).
+
+    ``run(checkpoint)`` returns the results; ``checkpoint(results)`` rewrites the incomplete
+    JSON (``out``, under ``torchrun`` its rank file) at most every 5 s, so a killed run keeps
+    what it measured. Then the document is marked complete and ``finish(doc, out)`` (derive,
+    render, write; returns the markdown) is printed. Under ``torchrun`` every rank writes its
+    complete rank file (after ``before_rank_write(doc)``) and only rank 0 reports: without
+    ``out`` its own document, else the aggregate over the ranks' files (``aggregate_replicas``
+    on ``key_fields`` / ``value_fields``; ``drop_fields`` removed from each result, to be
+    derived again by ``finish``; ``on_aggregate(agg, docs, missing)`` adds to it).
+    """
+    write_to = out
+    if replica is not None and out is not None:
+        write_to = rank_path(out, replica.rank)
+
+    last_write = [0.0]
+
+    def checkpoint(results: list[dict[str, Any]]) -> None:
+        """Rewrite the (incomplete) JSON at most every few seconds: a killed run keeps it."""
+        if write_to is not None and time.monotonic() - last_write[0] > 5:
+            doc["results"] = results
+            write_json(write_to, doc)
+            last_write[0] = time.monotonic()
+
+    doc["results"] = run(checkpoint)
+    doc["complete"] = True
+    doc["finished_unix"] = time.time()
+    if replica is None:
+        print(finish(doc, out))
+        return 0
+    if write_to is not None:
+        if before_rank_write is not None:
+            before_rank_write(doc)
+        write_json(write_to, doc)
+    if replica.rank != 0:
+        return 0
+    if out is None:
+        print(finish(doc, None))
+        return 0
+    docs, missing = wait_for_ranks(
+        out, replica, started_at=doc["started_unix"], timeout_s=replica_timeout_s
+    )
+    agg = dict(doc)
+    agg["results"] = aggregate_replicas(docs, key_fields, value_fields)
+    for r in agg["results"]:
+        for name in drop_fields:
+            r.pop(name, None)
+    agg["replicas_found"] = sorted(docs)
+    agg["replicas_missing"] = missing
+    agg["rank_files"] = [str(rank_path(out, r)) for r in sorted(docs)]
+    if on_aggregate is not None:
+        on_aggregate(agg, docs, missing)
+    print(finish(agg, out))
+    return 0

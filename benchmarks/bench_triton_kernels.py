@@ -13,26 +13,22 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import functools
 import itertools
 import json
-import platform
 import sys
-from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 
 import torch
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_common as bc
 
 from vsa_core import BlockSparseLayout, block_sparse_attn
 
 SHAPES = ((64, 64), (128, 64), (128, 128))
-
-
-def _version(name):
-    try:
-        return version(name)
-    except PackageNotFoundError:
-        return None
 
 
 def bench_ms(fn, reps=20, warmup=5):
@@ -200,18 +196,13 @@ def main() -> int:
         if "tflops" in r and r["mode"] in dense:
             r["vs_fa4_dense"] = r["tflops"] / dense[r["mode"]]
     result = {
-        "benchmark": "bench_triton_kernels",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(),
+        **bc.gpu_result_header("bench_triton_kernels"),
         "command": " ".join(sys.argv),
-        "versions": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            **{
-                n: _version(n)
-                for n in ("triton", "flash-attn-4", "nvidia-cutlass-dsl", "vsa-core", "vsa-triton")
-            },
-        },
+        "versions": bc.runtime_versions(
+            bc.distribution_versions(
+                ("triton", "flash-attn-4", "nvidia-cutlass-dsl", "vsa-core", "vsa-triton")
+            )
+        ),
         "setup": {
             "B": B,
             "S": S,

@@ -153,14 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     o = p.add_argument_group("output")
     o.add_argument("--out", type=Path, help="JSON path; the .md table goes beside it")
-    o.add_argument("--seed", type=int, default=0)
-    o.add_argument("--device", default="auto", help="auto (cuda if available), cuda, cuda:N, cpu")
-    o.add_argument(
-        "--replica-timeout-s",
-        type=float,
-        default=7200.0,
-        help="under torchrun, how long rank 0 waits for the other ranks' files (default 7200)",
-    )
+    bc.add_run_options(o)
     return p
 
 
@@ -454,14 +447,7 @@ def run_dense(
             if not gate.passed:
                 tried.append(f"{arm.name}: failed its gate ({gate.reason})")
                 continue
-            timing = bc.time_fn(
-                runner.run,
-                device,
-                setup=runner.setup,
-                warmup=cfg.warmup,
-                reps=cfg.reps,
-                budget_s=cfg.budget_s,
-            )
+            timing = bc.time_runner(runner, device, cfg)
             return {
                 "dense_status": "ok",
                 "dense_arm": arm.name,
@@ -540,14 +526,7 @@ def run_op_cell(
             rec.update(status="failed", reason=f"correctness gate: {gate.reason}")
             return
         log("time op")
-        timing = bc.time_fn(
-            runner.run,
-            device,
-            setup=runner.setup,
-            warmup=cfg.warmup,
-            reps=cfg.reps,
-            budget_s=cfg.budget_s,
-        )
+        timing = bc.time_runner(runner, device, cfg)
         rec["op_ms"] = timing.median_ms
         rec["op_timing"] = timing.as_dict()
         rec["op_peak_mib"] = bc.peak_extra_mib(runner.once, device)
@@ -556,24 +535,11 @@ def run_op_cell(
         log("time pieces")
         pieces = piece_runners(inputs, tiling, topk, fine, mode)
         for name, piece in pieces.items():
-            t = bc.time_fn(
-                piece.run,
-                device,
-                setup=piece.setup,
-                warmup=cfg.warmup,
-                reps=cfg.reps,
-                budget_s=cfg.budget_s,
-            )
-            rec[f"{name}_ms"] = t.median_ms
+            rec[f"{name}_ms"] = bc.time_runner(piece, device, cfg).median_ms
         del pieces
         rec["status"] = "ok"
     except Exception as exc:
-        rec.update(
-            status="error",
-            reason=bc.first_line(bc.error_text(exc)),
-            error=bc.error_text(exc),
-            traceback=bc.traceback_tail(exc),
-        )
+        rec.update(status="error", **bc.error_fields(exc))
         bc.recover_after_error(device)
     finally:
         del runner
@@ -718,8 +684,7 @@ def finish_doc(doc: dict[str, Any], out: Path | None) -> str:
         derive(rec)
     text = render_markdown(doc)
     if out is not None:
-        bc.write_json(out, doc)
-        out.with_suffix(".md").write_text(text)
+        bc.write_json_and_markdown(out, doc, text)
     return text
 
 
@@ -731,53 +696,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     started_unix = time.time()
     command = sys.argv if argv is None else ["bench_video.py", *argv]
     meta = bc.collect_metadata(device, seed=cfg.seed, argv=command, replica=replica)
-    doc: dict[str, Any] = {
-        "benchmark": "bench_video",
-        "schema": 1,
-        "complete": False,
-        "started_unix": started_unix,
-        "metadata": meta,
-        "config": cfg.as_dict(),
-        "results": [],
-    }
-    write_to = cfg.out
-    if replica is not None and cfg.out is not None:
-        write_to = bc.rank_path(cfg.out, replica.rank)
-
-    last_write = [0.0]
-
-    def checkpoint(results: list[dict[str, Any]]) -> None:
-        """Rewrite the (incomplete) JSON at most every few seconds: a killed run keeps it."""
-        if write_to is not None and time.monotonic() - last_write[0] > 5:
-            doc["results"] = results
-            bc.write_json(write_to, doc)
-            last_write[0] = time.monotonic()
-
-    bc.log(f"bench_video on {meta['device'].get('name')} ({device})", replica=replica)
-    doc["results"] = run_benchmark(cfg, device, replica=replica, on_result=checkpoint)
-    doc["complete"] = True
-    doc["finished_unix"] = time.time()
-    if replica is None or cfg.out is None:
-        if replica is None or replica.rank == 0:
-            print(finish_doc(doc, cfg.out))
-        return 0
-    bc.write_json(write_to, doc)
-    if replica.rank != 0:
-        return 0
-    docs, missing = bc.wait_for_ranks(
-        cfg.out, replica, started_at=started_unix, timeout_s=cfg.replica_timeout_s
+    doc = bc.result_doc(
+        "bench_video", started_unix=started_unix, metadata=meta, config=cfg.as_dict()
     )
-    agg = dict(doc)
-    agg["results"] = bc.aggregate_replicas(docs, KEY_FIELDS, VALUE_FIELDS)
-    for r in agg["results"]:
-        for name in ("speedup", "fraction_of_ideal", "coarse_select_ms", "coarse_select_share"):
-            r.pop(name, None)
-        r.pop("peak_mem_ratio", None)
-    agg["replicas_found"] = sorted(docs)
-    agg["replicas_missing"] = missing
-    agg["rank_files"] = [str(bc.rank_path(cfg.out, r)) for r in sorted(docs)]
-    print(finish_doc(agg, cfg.out))
-    return 0
+    bc.log(f"bench_video on {meta['device'].get('name')} ({device})", replica=replica)
+    return bc.run_and_report(
+        doc,
+        lambda checkpoint: run_benchmark(cfg, device, replica=replica, on_result=checkpoint),
+        finish_doc,
+        out=cfg.out,
+        replica=replica,
+        replica_timeout_s=cfg.replica_timeout_s,
+        key_fields=KEY_FIELDS,
+        value_fields=VALUE_FIELDS,
+        drop_fields=(
+            "speedup",
+            "fraction_of_ideal",
+            "coarse_select_ms",
+            "coarse_select_share",
+            "peak_mem_ratio",
+        ),
+    )
 
 
 if __name__ == "__main__":

@@ -237,14 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         help="dense bf16 peak for MFU (default by device: H100/H200 989, B200 2250, GB200 2500)",
     )
-    o.add_argument("--seed", type=int, default=0)
-    o.add_argument("--device", default="auto", help="auto (cuda if available), cuda, cuda:N, cpu")
-    o.add_argument(
-        "--replica-timeout-s",
-        type=float,
-        default=7200.0,
-        help="under torchrun, how long rank 0 waits for the other ranks' files (default 7200)",
-    )
+    bc.add_run_options(o)
     return p
 
 
@@ -854,14 +847,7 @@ def run_cell(
         if not gate.passed:
             rec.update(status="failed", reason=f"correctness gate: {gate.reason}")
             return rec
-        timing = bc.time_fn(
-            runner.run,
-            device,
-            setup=runner.setup,
-            warmup=cfg.warmup,
-            reps=cfg.reps,
-            budget_s=cfg.budget_s,
-        )
+        timing = bc.time_runner(runner, device, cfg)
         rec.update(timing.as_dict())
         rec["peak_mem_mib"] = bc.peak_extra_mib(runner.once, device)
         rec["status"] = "ok"
@@ -872,12 +858,7 @@ def run_cell(
         if skip is not None:
             rec.update(status="skipped", reason=skip)
         else:
-            rec.update(
-                status="error",
-                reason=bc.first_line(bc.error_text(exc)),
-                error=bc.error_text(exc),
-                traceback=bc.traceback_tail(exc),
-            )
+            rec.update(status="error", **bc.error_fields(exc))
         bc.recover_after_error(device)
     finally:
         del runner
@@ -1192,8 +1173,7 @@ def finish_doc(doc: dict[str, Any], out: Path | None, want_plots: bool) -> str:
         doc["plots"] = {"skipped": "no --out given"}
     text = render_markdown(doc)
     if out is not None:
-        bc.write_json(out, doc)
-        out.with_suffix(".md").write_text(text)
+        bc.write_json_and_markdown(out, doc, text)
     return text
 
 
@@ -1208,63 +1188,42 @@ def main(argv: Sequence[str] | None = None, arms: Sequence[Arm] | None = None) -
     command = sys.argv if argv is None else ["bench_vsa.py", *argv]
     meta = bc.collect_metadata(device, seed=cfg.seed, argv=command, replica=replica)
     peak = bc.peak_tflops_for(meta["device"].get("name"), cfg.peak_tflops)
-    doc: dict[str, Any] = {
-        "benchmark": "bench_vsa",
-        "schema": 1,
-        "complete": False,
-        "started_unix": started_unix,
-        "metadata": meta,
-        "config": cfg.as_dict(),
-        "peak_tflops": peak if device.type == "cuda" or cfg.peak_tflops else None,
-        "results": [],
-    }
-    write_to = cfg.out
-    if replica is not None and cfg.out is not None:
-        write_to = bc.rank_path(cfg.out, replica.rank)
+    doc = bc.result_doc(
+        "bench_vsa",
+        started_unix=started_unix,
+        metadata=meta,
+        config=cfg.as_dict(),
+        peak_tflops=peak if device.type == "cuda" or cfg.peak_tflops else None,
+    )
+    # A replica's own report (rank 0 without --out) has no plots, not even a skip note.
+    want_plots = cfg.plots and (replica is None or cfg.out is not None)
 
-    last_write = [0.0]
-
-    def checkpoint(results: list[dict[str, Any]]) -> None:
-        """Rewrite the (incomplete) JSON at most every few seconds: a killed run keeps it."""
-        if write_to is not None and time.monotonic() - last_write[0] > 5:
-            doc["results"] = results
-            bc.write_json(write_to, doc)
-            last_write[0] = time.monotonic()
+    def on_aggregate(
+        agg: dict[str, Any], docs: dict[int, dict[str, Any]], missing: list[int]
+    ) -> None:
+        agg["rank_devices"] = {str(r): d["metadata"]["device"] for r, d in docs.items()}
+        if missing:
+            bc.log(f"aggregate without ranks {missing} (no complete file in time)", replica=replica)
 
     bc.log(
         f"bench_vsa on {meta['device'].get('name')} ({device}); arms: {', '.join(cfg.arms)}",
         replica=replica,
     )
-    doc["results"] = run_benchmark(cfg, device, arm_objs, replica=replica, on_result=checkpoint)
-    doc["complete"] = True
-    doc["finished_unix"] = time.time()
-    if replica is None:
-        print(finish_doc(doc, cfg.out, cfg.plots))
-        return 0
-    if write_to is not None:
-        derive_metrics(doc["results"], doc["peak_tflops"])
-        bc.write_json(write_to, doc)
-    if replica.rank != 0:
-        return 0
-    if cfg.out is None:
-        print(finish_doc(doc, None, False))
-        return 0
-    docs, missing = bc.wait_for_ranks(
-        cfg.out, replica, started_at=started_unix, timeout_s=cfg.replica_timeout_s
+    return bc.run_and_report(
+        doc,
+        lambda checkpoint: run_benchmark(
+            cfg, device, arm_objs, replica=replica, on_result=checkpoint
+        ),
+        lambda d, out: finish_doc(d, out, want_plots),
+        out=cfg.out,
+        replica=replica,
+        replica_timeout_s=cfg.replica_timeout_s,
+        key_fields=KEY_FIELDS,
+        value_fields=VALUE_FIELDS,
+        drop_fields=("tflops", "mfu", "efficiency_vs_fa4_dense", "speedup_vs_fa4_dense"),
+        before_rank_write=lambda d: derive_metrics(d["results"], d["peak_tflops"]),
+        on_aggregate=on_aggregate,
     )
-    agg = dict(doc)
-    agg["results"] = bc.aggregate_replicas(docs, KEY_FIELDS, VALUE_FIELDS)
-    for r in agg["results"]:
-        for name in ("tflops", "mfu", "efficiency_vs_fa4_dense", "speedup_vs_fa4_dense"):
-            r.pop(name, None)
-    agg["replicas_found"] = sorted(docs)
-    agg["replicas_missing"] = missing
-    agg["rank_files"] = [str(bc.rank_path(cfg.out, r)) for r in sorted(docs)]
-    agg["rank_devices"] = {str(r): d["metadata"]["device"] for r, d in docs.items()}
-    if missing:
-        bc.log(f"aggregate without ranks {missing} (no complete file in time)", replica=replica)
-    print(finish_doc(agg, cfg.out, cfg.plots))
-    return 0
 
 
 if __name__ == "__main__":

@@ -15,19 +15,21 @@ host synchronization (``torch.cuda.set_sync_debug_mode("error")``) when given a 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
 import sys
 from importlib.metadata import version
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_common as bc
+
 from vsa_core import VideoTiling, video_sparse_attn
 from vsa_core.backends import AttentionCall, Backend, register_backend, select_backend
-
-MiB = 2**20
 
 
 class _AllocOnlyFn(torch.autograd.Function):
@@ -59,15 +61,6 @@ class AllocOnlyBackend(Backend):
         return _AllocOnlyFn.apply(q, k, v)
 
 
-def peak_extra_mib(fn) -> float:
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - before) / MiB
-
-
 def inference(fn):
     def run():
         with torch.no_grad():
@@ -91,7 +84,7 @@ def training(fn, inputs):
 
 def measure(fn) -> float:
     fn()  # warm-up: caches, cuBLAS/cuDNN workspaces
-    return peak_extra_mib(fn)
+    return bc.peak_extra_mib(fn, torch.device("cuda"))
 
 
 def main() -> int:
@@ -162,15 +155,10 @@ def main() -> int:
             rows[arm][f"{mode}_vs_dense_real"] = rows[arm][f"{mode}_mib"] / base[f"{mode}_mib"]
 
     result = {
-        "benchmark": "memory_vsa_op",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(),
-        "versions": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "cuda": torch.version.cuda,
-            "vsa-core": version("vsa-core"),
-        },
+        **bc.gpu_result_header("memory_vsa_op"),
+        "versions": bc.runtime_versions(
+            {"cuda": torch.version.cuda, "vsa-core": version("vsa-core")}
+        ),
         "command": " ".join(sys.argv),
         "dtype": "bfloat16",
         "latent": args.latent,
