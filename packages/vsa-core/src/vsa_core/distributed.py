@@ -1,0 +1,406 @@
+"""Sequence-parallel VSA over ``torch.distributed`` (Ulysses style).
+
+Each of the W ranks of a process group holds a contiguous, tile-aligned slice of the tile-order
+(padded) sequence for all heads. An all-to-all swaps that for the whole sequence and H / W heads,
+`video_sparse_attn` runs there with the tiling of the whole latent (tile pooling, coarse
+attention, top-k selection and fine attention all see every tile), and a second all-to-all swaps
+back::
+
+    rank r:  q, k, v [B, S / W, H, D]      tokens r * S/W ... (r+1) * S/W - 1 of the tile order
+      -- all-to-all -->  [B, S, H / W, D]  heads r * H/W ... (r+1) * H/W - 1, every token
+      -- video_sparse_attn(tiling=the whole latent's tiling) -->
+      -- all-to-all -->  out [B, S / W, H, D]
+
+Since each head still attends over the whole latent, the result is the single-device op's (the
+same pooled tiles, the same top-k selection), not an approximation; only the rounding of
+reductions over differently shaped tensors may differ. Requirements: H divisible by W, and the
+number of tiles divisible by W, so that every rank holds ``tiling.padded_len / W`` tokens, a
+whole number of tiles (`shard_sequence` cuts a full tensor that way).
+
+Forward and backward: the all-to-alls are autograd functions whose backward is the reverse
+all-to-all, so gradients of q, k, v and the coarse gate come back sharded like the inputs.
+q, k, v (and a sequence-sharded gate) travel in one fused all-to-all, the output in another;
+backward likewise. The exchange is ``torch.distributed.all_to_all_single`` on one packed
+buffer, which NCCL implements for CUDA tensors and gloo for CPU tensors (gloo lacks the list
+``all_to_all``; use NCCL on GPUs), so the CPU tests run the very code path that GPUs run.
+
+Every rank of the group must make the same calls with the same shapes (as for any collective).
+Input checks are local and run before any communication: inputs that are wrong on every rank
+raise everywhere, but a rank whose inputs alone are wrong raises while the others wait in the
+all-to-all until the process group's timeout.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from vsa_core.ops import QKVFormat, _resolve_scale, video_sparse_attn
+from vsa_core.tiling import VideoTiling
+from vsa_core.validation import check_qkv
+
+__all__ = [
+    "gather_sequence",
+    "heads_to_seq",
+    "seq_to_heads",
+    "sequence_parallel_video_sparse_attn",
+    "shard_sequence",
+]
+
+ProcessGroup = dist.ProcessGroup if dist.is_available() else object
+
+
+def sequence_parallel_video_sparse_attn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    topk: int,
+    tiling: VideoTiling,
+    coarse_gate: torch.Tensor | None = None,
+    group: ProcessGroup | None = None,
+    backend: str = "auto",
+    scale: float | None = None,
+    qkv_format: QKVFormat = "bshd",
+) -> torch.Tensor:
+    """`video_sparse_attn` on a sequence sharded over the ranks of ``group`` (Ulysses).
+
+    Call it on every rank of ``group`` with that rank's shard; the result on each rank is its
+    shard of what `video_sparse_attn` gives on the full (gathered) inputs. Differentiable.
+
+    Args:
+        q, k, v: this rank's shard, BSHD [B, S / W, H, D] (or [B, H, S / W, D] with
+            ``qkv_format="bhsd"``): tokens ``r * S/W`` to ``(r+1) * S/W - 1`` of the tile-order,
+            padded sequence (S = ``tiling.padded_len``, W the group's size, r this rank's
+            index in it), every head. H must be divisible by W and ``tiling.num_tiles`` too.
+        topk: key tiles per query tile, in [1, ``tiling.num_tiles``].
+        tiling: the `VideoTiling` of the whole latent (not of the shard).
+        coarse_gate: multiplies the coarse output; None means 1. Either sharded like q
+            (broadcastable to q's local shape with the local sequence length S / W, e.g. the
+            full [B, S / W, H, D] or [B, S / W, H, 1]), or without a sequence dimension
+            (e.g. [1, 1, H, 1] in BSHD), which is taken as the same value on every rank: its
+            gradient on a rank then covers only the H / W heads that rank attended over, and
+            the sum over ranks (as for any replicated parameter) is the full gradient.
+        group: the process group (default: the default group).
+        backend: fine-attention backend name or ``"auto"``, as for `video_sparse_attn`.
+        scale: softmax scale, default ``1 / sqrt(D)``.
+        qkv_format: ``"bshd"`` or ``"bhsd"``.
+
+    Returns:
+        this rank's shard of the output, in q's format and dtype.
+
+    Raises:
+        ValueError: mismatched q/k/v, H or ``tiling.num_tiles`` not divisible by W, a local
+            sequence length other than ``tiling.padded_len / W`` (the split is not at tile
+            boundaries), a coarse_gate that is not sharded like q, or a bad topk / scale.
+        RuntimeError: torch.distributed is not initialized.
+    """
+    rank, world = _rank_and_world(group)
+    batch, seq_local, heads, dim = _check_inputs(q, k, v, tiling, topk, world, qkv_format)
+    scale = _resolve_scale(scale, dim)
+    gate = _check_gate(coarse_gate, q, qkv_format, seq_local)
+    if world == 1:
+        return video_sparse_attn(
+            q,
+            k,
+            v,
+            topk=topk,
+            tiling=tiling,
+            coarse_gate=coarse_gate,
+            backend=backend,
+            scale=scale,
+            qkv_format=qkv_format,
+        )
+
+    q, k, v = (_as_bshd(t, qkv_format) for t in (q, k, v))
+    tensors = [q, k, v]
+    heads_local = heads // world
+    gate_full = None
+    if gate is not None:
+        if gate.shape[1] == 1 and seq_local != 1:  # replicated: no exchange
+            gate_full = gate
+            if gate.shape[2] != 1:  # this rank's heads
+                gate_full = gate.narrow(2, rank * heads_local, heads_local)
+        else:
+            tensors.append(gate.expand(batch, seq_local, heads, gate.shape[3]))
+    exchanged = _SeqToHeads.apply(group, world, *tensors)
+    q_full, k_full, v_full = exchanged[:3]
+    if len(exchanged) == 4:
+        gate_full = exchanged[3]
+    out_full = video_sparse_attn(
+        q_full,
+        k_full,
+        v_full,
+        topk=topk,
+        tiling=tiling,
+        coarse_gate=gate_full,
+        backend=backend,
+        scale=scale,
+    )
+    (out,) = _HeadsToSeq.apply(group, world, out_full)
+    return _as_bshd(out, qkv_format)
+
+
+def seq_to_heads(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
+    """The first Ulysses all-to-all: [B, S / W, H, D] sequence shards -> [B, S, H / W, D].
+
+    Rank r receives heads ``r * H/W`` to ``(r+1) * H/W - 1`` of the whole sequence, the shards
+    in rank order. Differentiable (its backward is `heads_to_seq`). BSHD, H divisible by W.
+    """
+    _, world = _rank_and_world(group)
+    _check_4d("x", x)
+    if x.shape[2] % world:
+        raise ValueError(
+            f"x must have a number of heads divisible by the world size {world}, "
+            f"got shape {tuple(x.shape)}"
+        )
+    return x if world == 1 else _SeqToHeads.apply(group, world, x)[0]
+
+
+def heads_to_seq(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
+    """The second Ulysses all-to-all: [B, S, H / W, D] -> [B, S / W, H, D] sequence shards.
+
+    The inverse of `seq_to_heads`. Differentiable (its backward is `seq_to_heads`). BSHD, S
+    divisible by W.
+    """
+    _, world = _rank_and_world(group)
+    _check_4d("x", x)
+    if x.shape[1] % world:
+        raise ValueError(
+            f"x must have a sequence length divisible by the world size {world}, "
+            f"got shape {tuple(x.shape)}"
+        )
+    return x if world == 1 else _HeadsToSeq.apply(group, world, x)[0]
+
+
+def shard_sequence(
+    x: torch.Tensor,
+    group: ProcessGroup | None = None,
+    *,
+    tiling: VideoTiling | None = None,
+    dim: int = 1,
+) -> torch.Tensor:
+    """This rank's contiguous slice of a full sequence: the input layout of
+    `sequence_parallel_video_sparse_attn`.
+
+    Args:
+        x: the full tensor (the same on every rank), e.g. [B, S, H, D] in tile order.
+        group: the process group (default: the default group).
+        tiling: if given, ``x`` must hold ``tiling.padded_len`` tokens along ``dim`` and the
+            number of tiles must be divisible by the world size (a tile-aligned split).
+        dim: the sequence dimension (1 for BSHD, 2 for BHSD).
+
+    Returns:
+        ``x.narrow(dim, r * S/W, S/W)`` for rank r of W: a view, differentiable.
+    """
+    rank, world = _rank_and_world(group)
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
+        raise ValueError(f"dim must be a dimension of x (shape {tuple(x.shape)}), got {dim!r}")
+    length = x.shape[dim]
+    if tiling is not None:
+        if not isinstance(tiling, VideoTiling):
+            raise ValueError(f"tiling must be a VideoTiling or None, got {type(tiling).__name__}")
+        if length != tiling.padded_len:
+            raise ValueError(
+                f"x must hold tiling.padded_len = {tiling.padded_len} tokens along dim {dim}, "
+                f"got shape {tuple(x.shape)}"
+            )
+        _check_tiles_divisible(tiling, world)
+    if length % world:
+        raise ValueError(
+            f"x's length {length} along dim {dim} must be divisible by the world size {world}"
+        )
+    size = length // world
+    return x.narrow(dim, rank * size, size)
+
+
+def gather_sequence(
+    x: torch.Tensor, group: ProcessGroup | None = None, *, dim: int = 1
+) -> torch.Tensor:
+    """The full sequence from every rank's shard (the inverse of `shard_sequence`).
+
+    Every rank's ``x`` must have the same shape; the result, on every rank, is the shards
+    concatenated in rank order along ``dim``. Not differentiable (it returns a tensor without
+    autograd history): meant for checks and final outputs.
+    """
+    _, world = _rank_and_world(group)
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
+        raise ValueError(f"dim must be a dimension of x (shape {tuple(x.shape)}), got {dim!r}")
+    x = x.detach()
+    if world == 1:
+        return x.clone()
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(parts, x, group=group)
+    return torch.cat(parts, dim)
+
+
+# ---- the all-to-all, with autograd ----------------------------------------------------------
+class _SeqToHeads(torch.autograd.Function):
+    """[B, s, H, D_i] sequence shards -> [B, s * W, H / W, D_i], for several tensors at once."""
+
+    @staticmethod
+    def forward(ctx, group, world, *tensors):
+        ctx.group, ctx.world = group, world
+        return tuple(_exchange(tensors, group, world, to_heads=True))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, None, *_exchange(grads, ctx.group, ctx.world, to_heads=False))
+
+
+class _HeadsToSeq(torch.autograd.Function):
+    """[B, S, h, D_i] -> [B, S / W, h * W, D_i] sequence shards, for several tensors at once."""
+
+    @staticmethod
+    def forward(ctx, group, world, *tensors):
+        ctx.group, ctx.world = group, world
+        return tuple(_exchange(tensors, group, world, to_heads=False))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, None, *_exchange(grads, ctx.group, ctx.world, to_heads=True))
+
+
+def _exchange(
+    tensors: tuple[torch.Tensor, ...] | list[torch.Tensor],
+    group: ProcessGroup | None,
+    world: int,
+    *,
+    to_heads: bool,
+) -> list[torch.Tensor]:
+    """One all-to-all for all ``tensors`` (same B, S, H, dtype and device; any last dim).
+
+    The send buffer is [W, B, s, h, sum(D_i)] with chunk j going to rank j: packing it is the
+    one copy of each input (strided inputs, e.g. BHSD views or expanded gates, are fine), and
+    unpacking the received buffer the one copy of each output (contiguous).
+    """
+    first = tensors[0]
+    batch, seq, heads, _ = first.shape
+    widths = [t.shape[3] for t in tensors]
+    # shard: tokens per chunk; heads_chunk: heads per chunk (= the local heads after the swap)
+    shard, heads_chunk = (seq, heads // world) if to_heads else (seq // world, heads)
+    send = first.new_empty(world, batch, shard, heads_chunk, sum(widths))
+    offset = 0
+    for t, width in zip(tensors, widths, strict=True):
+        if to_heads:  # chunk j: heads j * H/W ... of every local token
+            chunks = t.unflatten(2, (world, heads_chunk)).permute(2, 0, 1, 3, 4)
+        else:  # chunk j: tokens j * S/W ... of the local heads
+            chunks = t.unflatten(1, (world, shard)).permute(1, 0, 2, 3, 4)
+        send[..., offset : offset + width].copy_(chunks)
+        offset += width
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    outputs, offset = [], 0
+    for width in widths:
+        part = recv[..., offset : offset + width]  # [W (source rank), B, shard, h, width]
+        offset += width
+        if to_heads:  # source ranks' token shards, in rank order
+            out = part.permute(1, 0, 2, 3, 4).reshape(batch, world * shard, heads_chunk, width)
+        else:  # source ranks' heads, in rank order
+            out = part.permute(1, 2, 0, 3, 4).reshape(batch, shard, world * heads_chunk, width)
+        outputs.append(out.contiguous())
+    return outputs
+
+
+# ---- checks ---------------------------------------------------------------------------------
+def _rank_and_world(group: ProcessGroup | None) -> tuple[int, int]:
+    """This process's rank in ``group`` and the group's size."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "torch.distributed is not initialized: call torch.distributed.init_process_group "
+            "on every rank first"
+        )
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError("this process is not a member of group")
+    return rank, dist.get_world_size(group)
+
+
+def _check_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    tiling: VideoTiling,
+    topk: int,
+    world: int,
+    qkv_format: str,
+) -> tuple[int, int, int, int]:
+    """Check a rank's shards; return (batch, local sequence length, heads, head_dim)."""
+    batch, seq, kv_seq, heads, dim = check_qkv(q, k, v, qkv_format)
+    if seq != kv_seq:
+        raise ValueError(f"k must have q's sequence length {seq} (self-attention), got {kv_seq}")
+    if not isinstance(tiling, VideoTiling):
+        raise ValueError(
+            f"tiling must be the VideoTiling of the whole latent, got {type(tiling).__name__}"
+        )
+    if heads % world:
+        raise ValueError(
+            f"the number of heads {heads} must be divisible by the world size {world} "
+            "(each rank attends over heads / world heads of the whole sequence)"
+        )
+    _check_tiles_divisible(tiling, world)
+    expected = tiling.padded_len // world
+    if seq != expected:
+        raise ValueError(
+            f"q must hold this rank's contiguous, tile-aligned slice of the tile-order sequence: "
+            f"tiling.padded_len / world = {tiling.padded_len} / {world} = {expected} tokens "
+            f"({tiling.num_tiles // world} tiles of {tiling.tile_tokens}), got {seq}"
+            + ("" if seq % tiling.tile_tokens == 0 else " (not a multiple of the tile size)")
+        )
+    num_tiles = tiling.num_tiles
+    if isinstance(topk, bool) or not isinstance(topk, int) or not 1 <= topk <= num_tiles:
+        raise ValueError(
+            f"topk must be an integer in [1, {num_tiles}] (the number of tiles), got {topk!r}"
+        )
+    return batch, seq, heads, dim
+
+
+def _check_tiles_divisible(tiling: VideoTiling, world: int) -> None:
+    if tiling.num_tiles % world:
+        raise ValueError(
+            f"tiling.num_tiles = {tiling.num_tiles} must be divisible by the world size {world}: "
+            f"each rank holds a contiguous slice of whole tiles ({tiling.tile_tokens} tokens "
+            "each) of the tile-order sequence"
+        )
+
+
+def _check_gate(
+    gate: torch.Tensor | None, q: torch.Tensor, qkv_format: str, seq_local: int
+) -> torch.Tensor | None:
+    """The gate as a 4-D BSHD view broadcastable to the local q, or None."""
+    if gate is None:
+        return None
+    if not isinstance(gate, torch.Tensor):
+        raise ValueError(f"coarse_gate must be a tensor or None, got {type(gate).__name__}")
+    if gate.dtype != q.dtype or gate.device != q.device:
+        raise ValueError(
+            f"coarse_gate must have q's dtype {q.dtype} and device {q.device}, "
+            f"got {gate.dtype} on {gate.device}"
+        )
+    try:
+        shape = torch.broadcast_shapes(gate.shape, q.shape)
+    except RuntimeError:
+        shape = None
+    if shape != q.shape:
+        raise ValueError(
+            f"coarse_gate must be sharded like q: broadcastable to q's local shape "
+            f"{tuple(q.shape)} (sequence length {seq_local} = this rank's slice, or 1), "
+            f"got {tuple(gate.shape)}"
+        )
+    gate = gate[(None,) * (4 - gate.dim())]
+    return _as_bshd(gate, qkv_format)
+
+
+def _check_4d(name: str, x: torch.Tensor) -> None:
+    if not isinstance(x, torch.Tensor) or x.dim() != 4:
+        shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"{name} must be a 4-D BSHD tensor [B, S, H, D], got {shape}")
+
+
+def _as_bshd(x: torch.Tensor, qkv_format: str) -> torch.Tensor:
+    return x if qkv_format == "bshd" else x.transpose(1, 2)

@@ -1,0 +1,185 @@
+"""Sequence-parallel VSA (`vsa_core.distributed`) on the CPU.
+
+The main test launches two processes (gloo, a file rendezvous, the loopback interface) that run
+`sp_worker.py` beside this file: each compares its shard of the output and of the q, k, v and
+gate gradients with the single-process `video_sparse_attn` on the same full inputs (float64 to
+1e-10, float32 to 2e-5). The input checks, and the world-size-1 path, run in this process with
+the group's rank and size stubbed.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from vsa_core import VideoTiling, video_sparse_attn
+from vsa_core import distributed as vd
+
+WORKER = Path(__file__).resolve().parent / "sp_worker.py"
+WORLD = 2
+TIMEOUT_S = 180
+
+pytestmark = pytest.mark.skipif(
+    not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+    reason="needs torch.distributed with gloo",
+)
+
+
+def _worker_env() -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
+    env["OMP_NUM_THREADS"] = "1"  # two ranks on a two-core runner
+    if sys.platform.startswith("linux") and Path("/sys/class/net/lo").exists():
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback only
+    return env
+
+
+def _rank_args(rank: int) -> list[str]:
+    return ["--rank", str(rank), "--world-size", str(WORLD)]
+
+
+def test_two_gloo_ranks_match_the_single_process_op(tmp_path):
+    store = tmp_path / "rendezvous"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), "--init-file", str(store), *_rank_args(rank)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=_worker_env(),
+        )
+        for rank in range(WORLD)
+    ]
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=TIMEOUT_S)[0])
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                outputs.append(proc.communicate()[0])
+    text = "\n".join(outputs)
+    assert all(p.returncode == 0 for p in procs), text
+    for rank in range(WORLD):
+        assert f"rank {rank}: OK" in text, text
+    assert "dgate" in text and "FAIL" not in text
+
+
+# ---- in-process: checks, with the group's rank and size stubbed ------------------------------
+TILING = VideoTiling((5, 9, 10))  # 18 tiles of 64 tokens, partial ones included
+
+
+@pytest.fixture
+def world2(monkeypatch):
+    monkeypatch.setattr(vd, "_rank_and_world", lambda group: (1, 2))
+
+
+@pytest.fixture
+def world1(monkeypatch):
+    monkeypatch.setattr(vd, "_rank_and_world", lambda group: (0, 1))
+
+
+def _qkv(seq, heads=4, dim=8, batch=1, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randn(batch, seq, heads, dim, generator=gen, dtype=dtype) for _ in range(3)]
+
+
+def test_needs_an_initialized_process_group():
+    if torch.distributed.is_initialized():
+        pytest.skip("a process group is initialized in this process")
+    q, k, v = _qkv(TILING.padded_len // 2)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        vd.sequence_parallel_video_sparse_attn(q, k, v, topk=2, tiling=TILING)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        vd.shard_sequence(q)
+
+
+def test_heads_must_divide_by_the_world_size(world2):
+    q, k, v = _qkv(TILING.padded_len // 2, heads=3)
+    with pytest.raises(ValueError, match=r"number of heads 3 must be divisible by the world size"):
+        vd.sequence_parallel_video_sparse_attn(q, k, v, topk=2, tiling=TILING)
+    with pytest.raises(ValueError, match="heads divisible by the world size 2"):
+        vd.seq_to_heads(q)
+
+
+@pytest.mark.parametrize("seq", [TILING.padded_len // 2 - 32, TILING.padded_len // 2 - 64])
+def test_the_split_must_be_tile_aligned(world2, seq):
+    q, k, v = _qkv(seq)
+    with pytest.raises(ValueError, match=r"tile-aligned slice.*1152 / 2 = 576 tokens") as exc:
+        vd.sequence_parallel_video_sparse_attn(q, k, v, topk=2, tiling=TILING)
+    assert ("not a multiple of the tile size" in str(exc.value)) == (seq % 64 != 0)
+
+
+def test_the_tile_count_must_divide_by_the_world_size(world2):
+    tiling = VideoTiling((4, 9, 10))  # 9 tiles
+    q, k, v = _qkv(tiling.padded_len // 2 - 32)
+    with pytest.raises(ValueError, match=r"num_tiles = 9 must be divisible by the world size 2"):
+        vd.sequence_parallel_video_sparse_attn(q, k, v, topk=2, tiling=tiling)
+    with pytest.raises(ValueError, match="num_tiles = 9"):
+        vd.shard_sequence(torch.zeros(1, tiling.padded_len, 1, 1), tiling=tiling)
+
+
+def test_the_gate_must_be_sharded_like_q(world2):
+    seq = TILING.padded_len // 2
+    q, k, v = _qkv(seq)
+    unsharded = torch.ones(1, TILING.padded_len, 4, 8, dtype=torch.float64)
+    for bad in (unsharded, torch.ones(3, 1, 1, dtype=torch.float64)):
+        with pytest.raises(ValueError, match="coarse_gate must be sharded like q"):
+            vd.sequence_parallel_video_sparse_attn(q, k, v, topk=2, tiling=TILING, coarse_gate=bad)
+    with pytest.raises(ValueError, match="coarse_gate must have q's dtype"):
+        vd.sequence_parallel_video_sparse_attn(
+            q, k, v, topk=2, tiling=TILING, coarse_gate=torch.ones(1, seq, 4, 8)
+        )
+
+
+def test_other_input_checks(world2):
+    seq = TILING.padded_len // 2
+    q, k, v = _qkv(seq)
+    op = vd.sequence_parallel_video_sparse_attn
+    with pytest.raises(ValueError, match=r"topk must be an integer in \[1, 18\]"):
+        op(q, k, v, topk=19, tiling=TILING)
+    with pytest.raises(ValueError, match="tiling must be the VideoTiling of the whole latent"):
+        op(q, k, v, topk=2, tiling=(5, 9, 10))
+    with pytest.raises(ValueError, match="k must have q's sequence length"):
+        op(q, k[:, :64], v[:, :64], topk=2, tiling=TILING)
+    with pytest.raises(ValueError, match="scale"):
+        op(q, k, v, topk=2, tiling=TILING, scale=-1.0)
+    with pytest.raises(ValueError, match="qkv_format"):
+        op(q, k, v, topk=2, tiling=TILING, qkv_format="sbhd")
+    with pytest.raises(ValueError, match="sequence length divisible by the world size 2"):
+        vd.heads_to_seq(q[:, :5])
+    with pytest.raises(ValueError, match="4-D BSHD"):
+        vd.seq_to_heads(q[0])
+
+
+def test_shard_sequence_takes_this_ranks_slice(world2):
+    x = torch.arange(2 * TILING.padded_len, dtype=torch.float64).view(2, -1, 1, 1)
+    mine = vd.shard_sequence(x, tiling=TILING)
+    assert torch.equal(mine, x[:, 576:])
+    assert torch.equal(vd.shard_sequence(x.transpose(1, 2), dim=2), x[:, 576:].transpose(1, 2))
+    with pytest.raises(ValueError, match=r"tiling\.padded_len = 1152"):
+        vd.shard_sequence(x[:, :-2], tiling=TILING)
+    with pytest.raises(ValueError, match="divisible by the world size 2"):
+        vd.shard_sequence(x[:, :-1])
+    with pytest.raises(ValueError, match="dim must be a dimension"):
+        vd.shard_sequence(x, dim=4)
+
+
+def test_world_of_one_is_the_plain_op(world1):
+    q, k, v = _qkv(TILING.padded_len, batch=2)
+    gate = torch.rand_like(q)
+    want = video_sparse_attn(q, k, v, topk=4, tiling=TILING, coarse_gate=gate)
+    got = vd.sequence_parallel_video_sparse_attn(q, k, v, topk=4, tiling=TILING, coarse_gate=gate)
+    assert torch.equal(got, want)
+    assert vd.seq_to_heads(q) is q and vd.heads_to_seq(q) is q
+    assert torch.equal(vd.shard_sequence(q, tiling=TILING), q)
+    assert torch.equal(vd.gather_sequence(q), q)
