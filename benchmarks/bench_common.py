@@ -15,6 +15,9 @@ decides what to benchmark; it times, checks, describes the machine and writes re
   an aggregate written by rank 0 once every rank's file is there (no process group needed).
 - `result_doc` / `run_and_report`: a run's JSON document, rewritten as results come in, then
   printed and written once complete (under ``torchrun``: per rank, then rank 0's aggregate).
+- `time_fn_distributed`, `match_check`, `any_rank`, `gather_per_rank`: a sequence-parallel op
+  timed across the ranks of a process group (fixed repetitions between barriers, the slowest
+  rank per repetition), and compared with the same op on one device.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ import torch
 MiB = 2**20
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+DTYPE_NAMES[torch.float32] = "fp32"  # a name only: bench_video's sequence-parallel CPU runs
 
 # FLOP multiplier of each mode relative to the forward pass (backward = 2.5 x forward).
 MODE_FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}
@@ -532,6 +536,185 @@ def gate_check(
         if not ok:
             gate.passed = False
             why = "non-finite values" if not finite else f"max abs err {err:.3e} > tol {tol:.3e}"
+            gate.reason = f"{gate.reason}; {name}: {why}" if gate.reason else f"{name}: {why}"
+    return gate
+
+
+# ---- sequence parallel: timing and checks across the ranks of a process group ---------------
+# Every function here is a collective of the default process group (torch.distributed must be
+# initialized): every rank calls it, in the same order. NCCL needs CUDA tensors, gloo CPU ones,
+# so the small exchange tensors live on the benchmark's device.
+MATCH_MAX_ABS = {torch.float64: 1e-10, torch.float32: 2e-5}
+MATCH_REL_L2 = {"out": 1e-2, "grad": 2e-2}
+
+
+def barrier(device: torch.device) -> None:
+    import torch.distributed as dist
+
+    if device.type == "cuda":
+        dist.barrier(device_ids=[device.index if device.index is not None else 0])
+    else:
+        dist.barrier()
+
+
+def all_ranks_max(values: Sequence[float], device: torch.device) -> list[float]:
+    """Elementwise max of ``values`` over the ranks (all_reduce MAX)."""
+    import torch.distributed as dist
+
+    t = torch.tensor([float(x) for x in values], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [float(x) for x in t.tolist()]
+
+
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """True on every rank when ``flag`` is true on any: ranks agree on what to do next."""
+    return all_ranks_max([1.0 if flag else 0.0], device)[0] > 0
+
+
+def gather_per_rank(value: float | None, device: torch.device) -> list[float | None]:
+    """Every rank's ``value``, in rank order (None: NaN in transit, None again)."""
+    import torch.distributed as dist
+
+    t = torch.tensor(
+        [math.nan if value is None else float(value)], dtype=torch.float64, device=device
+    )
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, t)
+    return [None if math.isnan(x) else x for x in (float(p.item()) for p in parts)]
+
+
+@dataclass
+class DistributedTiming(Timing):
+    """``Timing`` of the slowest rank per repetition, with every rank's own median."""
+
+    rank_median_ms: list[float | None] = field(default_factory=list)
+    wall_ms_per_call: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            **super().as_dict(),
+            "over_ranks": "max per repetition (all_reduce MAX), then the median",
+            "rank_median_ms": self.rank_median_ms,
+            "wall_ms_per_call": self.wall_ms_per_call,
+        }
+
+
+def time_fn_distributed(
+    fn: Callable[[Any], Any],
+    device: torch.device,
+    *,
+    setup: Callable[[], Any] | None = None,
+    warmup: int,
+    reps: int,
+) -> DistributedTiming:
+    """Median time of ``fn(setup())`` (ms) when ``fn`` makes collective calls, on every rank.
+
+    Every rank makes exactly ``warmup`` + ``reps`` calls (no time budget: ranks that chose
+    different counts would hang in the op's collectives), with a barrier before and after the
+    timed region. Each repetition is timed on each rank (CUDA events on the current stream on a
+    GPU, perf_counter on the CPU); the per-repetition max over the ranks (all_reduce MAX) is
+    the time of that call, whose median is reported. ``wall_ms_per_call``: the slowest rank's
+    barrier-to-barrier wall time over ``reps``.
+    """
+    reps = max(1, reps)
+
+    def state() -> Any:
+        return setup() if setup is not None else None
+
+    for _ in range(warmup):
+        fn(state())
+    synchronize(device)
+    barrier(device)
+    wall0 = time.perf_counter()
+    times: list[float] = []
+    if device.type == "cuda":
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        for i in range(reps):
+            s = state()
+            starts[i].record()
+            fn(s)
+            ends[i].record()
+            del s
+        torch.cuda.synchronize(device)
+        times = [float(a.elapsed_time(b)) for a, b in zip(starts, ends, strict=True)]
+    else:
+        for _ in range(reps):
+            s = state()
+            t0 = time.perf_counter()
+            fn(s)
+            times.append((time.perf_counter() - t0) * 1e3)
+            del s
+    barrier(device)
+    wall_ms = (time.perf_counter() - wall0) * 1e3
+    slowest = all_ranks_max([*times, wall_ms / reps], device)
+    per_call, wall_per_call = slowest[:-1], slowest[-1]
+    rank_medians = gather_per_rank(statistics.median(times), device)
+    return DistributedTiming(
+        statistics.median(per_call),
+        min(per_call),
+        max(per_call),
+        reps,
+        warmup,
+        per_call,
+        rank_medians,
+        wall_per_call,
+    )
+
+
+def match_check(
+    outputs: dict[str, torch.Tensor],
+    reference: dict[str, torch.Tensor],
+    dtype: torch.dtype,
+    *,
+    rows: torch.Tensor | None = None,
+) -> GateResult:
+    """Compare an op's outputs with the same op's computed another way (sequence parallel vs
+    one device), both in ``dtype`` (same BSHD shapes; ``rows`` selects positions of dim 1).
+
+    The tolerances of vsa-core's sequence-parallel tests: float32 / float64, max abs error at
+    most 2e-5 / 1e-10 x max(1, max |reference|); bf16 / fp16, relative L2 error at most 1e-2
+    for ``out`` and 2e-2 for gradients. Every tensor must be finite.
+    """
+    gate = GateResult(passed=True)
+    if not outputs:
+        return GateResult(False, reason="no tensors to compare")
+    for name, got in outputs.items():
+        if name not in reference:
+            return GateResult(False, gate.tensors, f"no reference for output {name!r}")
+        ref = reference[name]
+        if rows is not None:
+            got, ref = got.index_select(1, rows), ref.index_select(1, rows)
+        if tuple(got.shape) != tuple(ref.shape):
+            gate.passed = False
+            why = f"shape {tuple(got.shape)} != reference {tuple(ref.shape)}"
+            gate.reason = f"{gate.reason}; {name}: {why}".lstrip("; ")
+            gate.tensors[name] = {"max_abs_err": None, "tol": None, "finite": False}
+            continue
+        got64, ref64 = got.detach().double(), ref.detach().double()
+        finite = bool(torch.isfinite(got64).all())
+        entry: dict[str, Any] = {"finite": finite, "max_abs_err": None, "rel_l2_err": None}
+        if finite:
+            diff = got64 - ref64
+            entry["max_abs_err"] = float(diff.abs().max()) if diff.numel() else 0.0
+            entry["rel_l2_err"] = float(diff.norm() / ref64.norm().clamp(min=1e-30))
+        if dtype in MATCH_MAX_ABS:
+            scale = max(1.0, float(ref64.abs().max())) if ref64.numel() else 1.0
+            entry.update(criterion="max_abs_err", tol=MATCH_MAX_ABS[dtype] * scale)
+        else:
+            tol = MATCH_REL_L2["out" if name == "out" else "grad"]
+            entry.update(criterion="rel_l2_err", tol=tol)
+        err = entry[entry["criterion"]]
+        ok = finite and err is not None and err <= entry["tol"]
+        entry["passed"] = ok
+        gate.tensors[name] = entry
+        if not ok:
+            gate.passed = False
+            why = (
+                "non-finite values"
+                if not finite
+                else f"{entry['criterion'].replace('_', ' ')} {err:.3e} > tol {entry['tol']:.3e}"
+            )
             gate.reason = f"{gate.reason}; {name}: {why}" if gate.reason else f"{name}: {why}"
     return gate
 

@@ -19,11 +19,25 @@ attention); the dense baseline's output on 128 sampled query rows against float3
 its gradients for finiteness. On a CPU it runs the reference backend on a tiny latent.
 
     python benchmarks/bench_video.py --out results/bench_video.json
+
+Sequence parallel (--sequence-parallel, under torchrun): every rank runs vsa-core's Ulysses
+`sequence_parallel_video_sparse_attn` on its tile-aligned slice of the sequence (NCCL on GPUs,
+gloo on a CPU); rank 0 also runs the single-GPU op and the dense baseline on its GPU. Gates: the
+single-GPU op against the float32 composition, then the gathered sequence-parallel output (and
+q/k/v gradients) against the single-GPU op's (bf16: relative L2 error; on a CPU float32 and the
+reference backend). Every rank makes exactly --warmup + --reps calls (no time budget), timed
+between barriers with CUDA events; a call's time is the slowest rank's (all_reduce MAX). Rank 0
+reports the time per call, the speedup over the single-GPU op and over dense, the scaling
+efficiency (single-GPU op time / (N x sequence-parallel time)) and the peak memory of each rank.
+
+    torchrun --standalone --nproc-per-node=2 benchmarks/bench_video.py --sequence-parallel \
+        --shapes wan720p --out results/bench_video_sp2.json
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -42,6 +56,11 @@ import bench_vsa
 from vsa_core import VideoTiling, block_sparse_attn, video_sparse_attn
 from vsa_core.backends import AttentionCall, get_backend, select_backend
 from vsa_core.coarse import coarse_attention, pool_tiles, select_topk
+from vsa_core.distributed import (
+    gather_sequence,
+    sequence_parallel_video_sparse_attn,
+    shard_sequence,
+)
 from vsa_core.reference import reference_block_sparse_attn
 
 PRESETS: dict[str, tuple[tuple[int, int, int], int]] = {
@@ -141,7 +160,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="dense baseline: auto = FA4 when available, else SDPA",
     )
     g.add_argument("--no-coarse-gate", action="store_true", help="run without a coarse gate")
-    g.add_argument("--dtype", choices=sorted(bc.DTYPES), default="bf16")
+    g.add_argument(
+        "--dtype",
+        choices=sorted(bc.DTYPES),
+        help="default bf16 (with --sequence-parallel on a CPU: float32)",
+    )
+    g.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="under torchrun --nproc-per-node=N: the op sharded over the N ranks (Ulysses), "
+        "against the single-GPU op and dense on one GPU; fixed --warmup/--reps, no --budget-s",
+    )
     t = p.add_argument_group("timing")
     t.add_argument("--warmup", type=int, help="default 3 (CPU: 1)")
     t.add_argument("--reps", type=int, help="timed calls, at most (default 10; CPU: 3)")
@@ -171,14 +200,15 @@ class Config:
     dtype: torch.dtype
     warmup: int
     reps: int
-    budget_s: float
+    budget_s: float | None
     time_budget_min: float | None
     seed: int
     out: Path | None
     replica_timeout_s: float
+    sequence_parallel: bool = False
 
     def as_dict(self) -> dict[str, Any]:
-        return {
+        fields = {
             "shapes": [
                 {"name": s.name, "latent": list(s.latent), "heads": s.heads} for s in self.shapes
             ],
@@ -197,6 +227,9 @@ class Config:
             "time_budget_min": self.time_budget_min,
             "seed": self.seed,
         }
+        if self.sequence_parallel:
+            fields["sequence_parallel"] = True
+        return fields
 
 
 def make_config(args: argparse.Namespace, device: torch.device) -> Config:
@@ -214,6 +247,11 @@ def make_config(args: argparse.Namespace, device: torch.device) -> Config:
         shapes.append(shape)
     if any(m == "bwd" for m in args.modes):
         raise SystemExit("bench_video runs fwd and fwd+bwd (the op's backward needs its forward)")
+    sp = bool(args.sequence_parallel)
+    if args.dtype is not None:
+        dtype = bc.DTYPES[args.dtype]
+    else:  # sequence parallel on a CPU: float32, so that its gate is tight
+        dtype = torch.float32 if sp and device.type != "cuda" else torch.bfloat16
     return Config(
         shapes=shapes,
         head_dim=pick("head_dim"),
@@ -224,14 +262,15 @@ def make_config(args: argparse.Namespace, device: torch.device) -> Config:
         modes=list(dict.fromkeys(args.modes)),
         dense=args.dense,
         coarse_gate=not args.no_coarse_gate,
-        dtype=bc.DTYPES[args.dtype],
+        dtype=dtype,
         warmup=pick("warmup"),
         reps=pick("reps"),
-        budget_s=pick("budget_s"),
+        budget_s=None if sp else pick("budget_s"),  # fixed counts: collectives in the op
         time_budget_min=args.time_budget_min,
         seed=args.seed,
         out=args.out,
         replica_timeout_s=args.replica_timeout_s,
+        sequence_parallel=sp,
     )
 
 
@@ -595,6 +634,258 @@ def run_benchmark(
     return results
 
 
+# ---- sequence parallel ----------------------------------------------------------------------
+# Every rank runs the same cells in the same order and makes the same collective calls: the
+# decisions that could differ between ranks (time budget, gates, errors) are agreed on with
+# bc.any_rank before they change what runs next. Rank 0 alone runs the single-GPU op and the
+# dense baseline (the other ranks wait in the next collective) and keeps the results.
+
+
+def sp_unsupported(shape: Shape, tiling: VideoTiling, world: int) -> str | None:
+    """Why the Ulysses split cannot run this latent on ``world`` ranks, or None."""
+    if shape.heads % world:
+        return f"heads {shape.heads} not divisible by the world size {world}"
+    if tiling.num_tiles % world:
+        return f"{tiling.num_tiles} tiles not divisible by the world size {world}"
+    return None
+
+
+def shard_inputs(inputs: OpInputs, tiling: VideoTiling) -> OpInputs:
+    """This rank's slice of the sequence of every input (copies: the full ones can go)."""
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return shard_sequence(t, tiling=tiling).clone()
+
+    gate = None if inputs.gate is None else local(inputs.gate)
+    q, k, v, dout = (local(t) for t in (inputs.q, inputs.k, inputs.v, inputs.dout))
+    return OpInputs(q, k, v, gate, dout, inputs.scale)
+
+
+def sp_op_runner(
+    local: OpInputs, tiling: VideoTiling, topk: int, backend: str, mode: str
+) -> bc.Runner:
+    """`sequence_parallel_video_sparse_attn` on this rank's shards (outputs: its shards)."""
+    tensors = [local.q, local.k, local.v] + ([local.gate] if local.gate is not None else [])
+    leaves = bc.make_leaves(tensors, mode, lambda t: t)
+    scale = local.scale
+
+    def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *gate: torch.Tensor) -> Any:
+        return sequence_parallel_video_sparse_attn(
+            q,
+            k,
+            v,
+            topk=topk,
+            tiling=tiling,
+            coarse_gate=gate[0] if gate else None,
+            backend=backend,
+            scale=scale,
+        )
+
+    names = ("dq", "dk", "dv", "dgate")[: len(leaves)]
+    return bc.autograd_runner(forward, leaves, local.dout, mode, names=names)
+
+
+def run_single_gpu_op(
+    cfg: Config,
+    rec: dict[str, Any],
+    inputs: OpInputs,
+    tiling: VideoTiling,
+    fine: str,
+    device: torch.device,
+    log: Callable[[str], None],
+) -> dict[str, torch.Tensor] | None:
+    """Rank 0: the single-GPU op, gated against the float32 composition, timed (fixed counts)
+    and measured into ``rec``; returns its outputs (the sequence-parallel gate's reference),
+    None when it failed (``rec`` says why). Never raises."""
+    mode, topk = rec["mode"], rec["topk"]
+    need_grads = mode != "fwd"
+    wanted = ("out", "dq", "dk", "dv") if need_grads else ("out",)
+    runner = None
+    try:
+        log("single-GPU op: gate")
+        ref = op_reference(inputs, tiling, topk, need_grads)
+        runner = op_runner(inputs, tiling, topk, fine, mode)
+        outputs = runner.once()
+        bc.synchronize(device)
+        rows = tiling.indices(device).nonpad_index
+        gate = bc.gate_check({n: outputs[n] for n in wanted}, ref, cfg.dtype, rows=rows)
+        del ref
+        rec["op_gate"] = gate.as_dict()
+        if not gate.passed:
+            rec.update(status="failed", reason=f"correctness gate (single-GPU op): {gate.reason}")
+            return None
+        kept = {n: outputs[n].detach() for n in wanted}
+        del outputs
+        log("single-GPU op: time")
+        timing = bc.time_runner(runner, device, cfg)
+        rec["op_ms"] = timing.median_ms
+        rec["op_timing"] = timing.as_dict()
+        rec["op_peak_mib"] = bc.peak_extra_mib(runner.once, device)
+        return kept
+    except Exception as exc:
+        rec.update(status="error", **bc.error_fields(exc))
+        bc.recover_after_error(device)
+        return None
+    finally:
+        del runner
+
+
+def run_sp_cell(
+    cfg: Config,
+    rec: dict[str, Any],
+    full: OpInputs | None,
+    local: OpInputs,
+    tiling: VideoTiling,
+    device: torch.device,
+    rank: int,
+    log: Callable[[str], None],
+) -> None:
+    """One cell on every rank: rank 0's single-GPU op, then the sequence-parallel op's gate
+    (gathered output and gradients vs rank 0's), timing and peak memory, into ``rec``."""
+    mode, topk = rec["mode"], rec["topk"]
+    fine, why = resolve_fine_backend(
+        cfg.backend, device, cfg.dtype, cfg.head_dim, tiling.tile_tokens, mode
+    )
+    rec["fine_backend"] = fine
+    if fine is None:  # the same answer on every rank: same device type, dtype, shape
+        rec.update(status="skipped", reason=why)
+        return
+    wanted = ("out", "dq", "dk", "dv") if mode != "fwd" else ("out",)
+    single = None
+    if rank == 0:
+        assert full is not None
+        single = run_single_gpu_op(cfg, rec, full, tiling, fine, device, log)
+    if bc.any_rank(rank == 0 and single is None, device):
+        if rank != 0:
+            rec.update(status="failed", reason="the single-GPU op failed on rank 0")
+        return
+
+    runner, failed = None, False
+    try:
+        log("sequence-parallel op: gate")
+        runner = sp_op_runner(local, tiling, topk, fine, mode)
+        outputs = runner.once()
+        gathered = {n: gather_sequence(outputs[n]) for n in wanted}
+        del outputs
+        if rank == 0:
+            assert single is not None
+            rows = tiling.indices(device).nonpad_index
+            gate = bc.match_check(gathered, single, cfg.dtype, rows=rows)
+            rec["sp_gate"] = gate.as_dict()
+            if not gate.passed:
+                failed = True
+                rec.update(
+                    status="failed",
+                    reason=f"correctness gate (sequence parallel vs single-GPU op): {gate.reason}",
+                )
+        del gathered, single
+    except Exception as exc:
+        failed = True
+        rec.update(status="error", **bc.error_fields(exc))
+        bc.recover_after_error(device)
+    if bc.any_rank(failed, device):
+        if not failed:
+            rec.update(status="failed", reason="failed on another rank")
+        return
+
+    # No recovery from here on: a rank that raised in the middle of the op's collectives would
+    # leave the others waiting, so an error ends the run (torchrun stops every rank).
+    try:
+        log(f"sequence-parallel op: time ({cfg.warmup} warm-up + {cfg.reps} timed calls)")
+        timing = bc.time_fn_distributed(
+            runner.run, device, setup=runner.setup, warmup=cfg.warmup, reps=cfg.reps
+        )
+        rec["sp_ms"] = timing.median_ms
+        rec["sp_timing"] = timing.as_dict()
+        peak = bc.peak_extra_mib(runner.once, device)
+        per_rank = bc.gather_per_rank(peak, device) if device.type == "cuda" else None
+        rec["sp_peak_mib_per_rank"] = per_rank
+        rec["sp_peak_mib"] = max(x for x in per_rank if x is not None) if per_rank else None
+        rec["status"] = "ok"
+    finally:
+        del runner
+
+
+def derive_sp(rec: dict[str, Any]) -> None:
+    """Speedups of the sequence-parallel op and its scaling efficiency (in place)."""
+    sp, op, dense = rec.get("sp_ms"), rec.get("op_ms"), rec.get("dense_ms")
+    if rec.get("status") != "ok" or not isinstance(sp, (int, float)) or sp <= 0:
+        return
+    if isinstance(op, (int, float)):
+        rec["sp_speedup_vs_op"] = op / sp
+        rec["scaling_efficiency"] = op / (rec["world_size"] * sp)
+    if isinstance(dense, (int, float)):
+        rec["sp_speedup_vs_dense"] = dense / sp
+
+
+def run_sequence_parallel(
+    cfg: Config,
+    device: torch.device,
+    *,
+    rank: int,
+    world: int,
+    process_group: str,
+    replica: bc.Replica | None = None,
+    on_result: Callable[[list[dict[str, Any]]], None] | None = None,
+) -> list[dict[str, Any]]:
+    """The grid in sequence-parallel mode, on every rank (rank 0's results are the report)."""
+    torch.manual_seed(cfg.seed)
+    total = len(cfg.shapes) * len(cfg.modes) * len(cfg.sparsities)
+    results: list[dict[str, Any]] = []
+    started = time.monotonic()
+    for shape in cfg.shapes:
+        tiling = VideoTiling(shape.latent, cfg.tile)
+        unsupported = sp_unsupported(shape, tiling, world)
+        full: OpInputs | None = None
+        local: OpInputs | None = None
+        for mode in cfg.modes:
+            dense: dict[str, Any] | None = None
+            for sparsity in cfg.sparsities:
+                rec = base_record(cfg, shape, tiling, sparsity, mode)
+                rec.update(world_size=world, process_group=process_group)
+                label = (
+                    f"[{len(results) + 1}/{total}] {shape.name} x{shape.heads} heads "
+                    f"{sparsity * 100:g}% {mode}, {world} ranks"
+                )
+
+                def log(step: str, label: str = label) -> None:
+                    if rank == 0:
+                        bc.log(f"{label}: {step}", replica=replica)
+
+                spent = cfg.time_budget_min is not None and (
+                    time.monotonic() - started > cfg.time_budget_min * 60
+                )
+                if cfg.time_budget_min is not None and bc.any_rank(spent, device):
+                    rec.update(
+                        status="not_run", reason=f"--time-budget-min {cfg.time_budget_min} spent"
+                    )
+                elif unsupported is not None:
+                    rec.update(status="skipped", reason=unsupported)
+                else:
+                    if rank == 0 and dense is None:
+                        log(f"dense baseline on {tiling.seq_len} real tokens (rank 0)")
+                        dense = run_dense(cfg, shape, tiling.seq_len, mode, device)
+                    if rank == 0:
+                        rec.update(dense or {})
+                    if local is None:  # the same full inputs on every rank, then its shards
+                        full = make_op_inputs(cfg, tiling, shape.heads, device)
+                        local = shard_inputs(full, tiling)
+                        if rank != 0:
+                            full = None
+                    run_sp_cell(cfg, rec, full, local, tiling, device, rank, log)
+                derive(rec)
+                derive_sp(rec)
+                results.append(rec)
+                if rank == 0:  # the other ranks' records lack rank 0's numbers
+                    log(summary_line(rec))
+                if on_result is not None:
+                    on_result(results)
+        del full, local
+        bc.recover_after_error(device)
+    bc.barrier(device)
+    return results
+
+
 def summary_line(rec: dict[str, Any]) -> str:
     if rec["status"] != "ok":
         return f"{rec['status']}: {bc.first_line(rec.get('reason'), 200)}"
@@ -604,6 +895,15 @@ def summary_line(rec: dict[str, Any]) -> str:
             f", dense {rec['dense_ms']:.3f} ms, speedup {rec['speedup']:.2f}x of ideal "
             f"{rec['ideal_speedup']:.2f}x"
         )
+    if "sp_ms" in rec:
+        text += f"; sequence parallel on {rec['world_size']} ranks {rec['sp_ms']:.3f} ms"
+        if "sp_speedup_vs_op" in rec:
+            text += (
+                f", {rec['sp_speedup_vs_op']:.2f}x the single-GPU op "
+                f"(scaling efficiency {rec['scaling_efficiency']:.0%})"
+            )
+        if "sp_speedup_vs_dense" in rec:
+            text += f", {rec['sp_speedup_vs_dense']:.2f}x dense"
     return text
 
 
@@ -679,10 +979,97 @@ def render_markdown(doc: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def render_markdown_sp(doc: dict[str, Any]) -> str:
+    """The sequence-parallel run's table."""
+    meta, cfg, results, sp = (
+        doc["metadata"],
+        doc["config"],
+        doc["results"],
+        doc["sequence_parallel"],
+    )
+    dev = meta["device"]
+    lines = [
+        "# bench_video: sequence-parallel video_sparse_attn vs the single-GPU op and dense",
+        "",
+        f"- device: {dev.get('name')} ({dev.get('type')}) x {sp['world_size']} ranks "
+        f"({sp['process_group']}), driver {meta['driver'].get('driver_version')}",
+        f"- date (UTC): {meta['date_utc']}; seed {meta['seed']}",
+        f"- command: `{meta['command']}`",
+        f"- tile {tuple(cfg['tile'])}, D={cfg['head_dim']}, B={cfg['batch']}, {cfg['dtype']}, "
+        f"coarse gate: {cfg['coarse_gate']}; fine backend requested: {cfg['backend']}",
+        f"- {cfg['warmup']} warm-up + {cfg['reps']} timed calls on every rank, between barriers; "
+        "a call's time is the slowest rank's (all_reduce MAX), median over the calls; the "
+        "single-GPU op and dense run on rank 0's GPU",
+        "- efficiency = single-GPU op time / (ranks x sequence-parallel time); peak = "
+        "max_memory_allocated beyond the inputs, per rank (sequence parallel: the largest)",
+        "",
+    ]
+    headers = [
+        "latent",
+        "heads",
+        "sparsity",
+        "mode",
+        "fine",
+        "ranks",
+        "SP ms",
+        "1-GPU op ms",
+        "dense ms",
+        "vs op",
+        "vs dense",
+        "efficiency",
+        "peak MiB SP / 1-GPU op",
+        "gate (SP vs op)",
+        "status",
+    ]
+    rows = []
+    for r in results:
+        mem = ""
+        if isinstance(r.get("sp_peak_mib"), (int, float)):
+            mem = f"{r['sp_peak_mib']:.0f} / {_fmt(r.get('op_peak_mib'), '.0f')}"
+        dense = _fmt(r.get("dense_ms"), ".3f")
+        if dense and r.get("dense_arm"):
+            dense += f" ({r['dense_arm']})"
+        gate = ""
+        tensors = (r.get("sp_gate") or {}).get("tensors") or {}
+        errs = [t.get(t.get("criterion", ""), None) for t in tensors.values()]
+        errs = [e for e in errs if isinstance(e, (int, float))]
+        if tensors:
+            crit = next(iter(tensors.values())).get("criterion", "err").replace("_", " ")
+            gate = f"{crit} {max(errs):.1e}" if errs else "non-finite"
+        status = r["status"] if r["status"] == "ok" else f"{r['status']}: {r.get('reason', '')}"
+        rows.append(
+            [
+                "x".join(str(x) for x in r["latent"]),
+                r["heads"],
+                f"{r['sparsity'] * 100:g}% (k={r['topk']}/{r['num_tiles']})",
+                r["mode"],
+                r.get("fine_backend") or "",
+                r.get("world_size", ""),
+                _fmt(r.get("sp_ms"), ".3f"),
+                _fmt(r.get("op_ms"), ".3f"),
+                dense,
+                _fmt(r.get("sp_speedup_vs_op"), ".2f", "x"),
+                _fmt(r.get("sp_speedup_vs_dense"), ".2f", "x"),
+                _fmt(r.get("scaling_efficiency"), ".0%"),
+                mem,
+                gate,
+                bc.first_line(status, 200),
+            ]
+        )
+    lines.append(bc.markdown_table(headers, rows))
+    unavailable = {"; ".join(r.get("dense_tried") or []) for r in results if r.get("dense_tried")}
+    if unavailable:
+        lines += ["", "Dense arms passed over: " + " | ".join(sorted(unavailable))]
+    return "\n".join(lines) + "\n"
+
+
 def finish_doc(doc: dict[str, Any], out: Path | None) -> str:
+    sequence_parallel = bool(doc.get("sequence_parallel"))
     for rec in doc["results"]:
         derive(rec)
-    text = render_markdown(doc)
+        if sequence_parallel:
+            derive_sp(rec)
+    text = render_markdown_sp(doc) if sequence_parallel else render_markdown(doc)
     if out is not None:
         bc.write_json_and_markdown(out, doc, text)
     return text
@@ -690,6 +1077,8 @@ def finish_doc(doc: dict[str, Any], out: Path | None) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.sequence_parallel:
+        return main_sequence_parallel(args, argv)
     replica = bc.replica_from_env()
     device = bc.pick_device(args.device, replica)
     cfg = make_config(args, device)
@@ -717,6 +1106,76 @@ def main(argv: Sequence[str] | None = None) -> int:
             "peak_mem_ratio",
         ),
     )
+
+
+def main_sequence_parallel(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
+    """``--sequence-parallel``: every rank runs the grid; rank 0 writes and prints the report."""
+    import torch.distributed as dist
+
+    replica = bc.replica_from_env()
+    if replica is None:
+        raise SystemExit(
+            "--sequence-parallel runs under torchrun: torchrun --standalone --nproc-per-node=N "
+            "benchmarks/bench_video.py --sequence-parallel ..."
+        )
+    device = bc.pick_device(args.device, replica)
+    cfg = make_config(args, device)
+    process_group = "nccl" if device.type == "cuda" else "gloo"
+    init: dict[str, Any] = {"timeout": datetime.timedelta(seconds=cfg.replica_timeout_s)}
+    if device.type == "cuda":
+        init["device_id"] = device
+    dist.init_process_group(process_group, **init)
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+
+        def run(checkpoint: bc.ResultsCallback | None) -> list[dict[str, Any]]:
+            return run_sequence_parallel(
+                cfg,
+                device,
+                rank=rank,
+                world=world,
+                process_group=process_group,
+                replica=replica,
+                on_result=checkpoint,
+            )
+
+        if rank != 0:
+            run(None)
+            return 0
+        started_unix = time.time()
+        command = sys.argv if argv is None else ["bench_video.py", *argv]
+        meta = bc.collect_metadata(device, seed=cfg.seed, argv=command, replica=replica)
+        sp_info = {
+            "world_size": world,
+            "process_group": process_group,
+            "timing": f"{cfg.warmup} warm-up + {cfg.reps} timed calls per rank, between "
+            "barriers; per call the max over ranks (all_reduce MAX), median over calls",
+            "reference": "the single-GPU op and dense on rank 0 alone",
+        }
+        doc = bc.result_doc(
+            "bench_video",
+            started_unix=started_unix,
+            metadata=meta,
+            config=cfg.as_dict(),
+            sequence_parallel=sp_info,
+        )
+        bc.log(
+            f"bench_video --sequence-parallel on {world} x {meta['device'].get('name')} "
+            f"({process_group})",
+            replica=replica,
+        )
+        return bc.run_and_report(
+            doc,
+            run,
+            finish_doc,
+            out=cfg.out,
+            replica=None,  # one report: rank 0 holds every rank's numbers already
+            replica_timeout_s=cfg.replica_timeout_s,
+            key_fields=KEY_FIELDS,
+            value_fields=VALUE_FIELDS,
+        )
+    finally:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -2,8 +2,9 @@
 
 Tiny grids, reference arm only (every CUDA arm is skipped with a reason on a CPU): the JSON
 structure, the correctness gate (a wrong arm is reported failing and is not timed), exact256
-masks, the TFLOP/s formula, the markdown table, plots, torchrun replica files, and the Python
-paths of the FlexAttention / SDPA / FA4 arms that can run (or be checked) without a GPU.
+masks, the TFLOP/s formula, the markdown table, plots, torchrun replica files, bench_video's
+sequence-parallel mode on two gloo processes, and the Python paths of the FlexAttention / SDPA /
+FA4 arms that can run (or be checked) without a GPU.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
+import subprocess
 import sys
 from collections import namedtuple
 from pathlib import Path
@@ -446,6 +449,70 @@ def test_bench_video_skips_a_refusing_backend(tmp_path):
     assert bench_video.main(argv) == 0
     for r in json.loads(out.read_text())["results"]:
         assert r["status"] == "skipped" and r["reason"].startswith("fa4 backend refuses")
+
+
+def _sp_env() -> dict[str, str]:
+    """Two gloo ranks on the loopback interface, one thread each (a two-core runner)."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+        and not k.startswith("TORCHELASTIC_")
+    }
+    env["OMP_NUM_THREADS"] = "1"
+    if sys.platform.startswith("linux") and Path("/sys/class/net/lo").exists():
+        env["GLOO_SOCKET_IFNAME"] = "lo"
+    return env
+
+
+@pytest.mark.skipif(
+    not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+    reason="needs torch.distributed with gloo",
+)
+def test_bench_video_sequence_parallel_on_two_gloo_ranks(tmp_path):
+    out = tmp_path / "sp.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    cmd += [str(BENCHMARKS / "bench_video.py"), "--sequence-parallel", "--device", "cpu"]
+    cmd += ["--warmup", "1", "--reps", "2", "--sparsities", "0.875", "--out", str(out)]
+    done = subprocess.run(
+        cmd, env=_sp_env(), capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    doc = json.loads(out.read_text())
+    assert doc["complete"] and doc["config"]["sequence_parallel"] is True
+    assert doc["config"]["dtype"] == "fp32" and doc["config"]["budget_s"] is None
+    assert doc["sequence_parallel"]["world_size"] == 2
+    assert doc["sequence_parallel"]["process_group"] == "gloo"
+    assert doc["metadata"]["replica"]["world_size"] == 2
+    assert not list(tmp_path.glob("sp.rank*.json")), "one report, by rank 0"
+    assert [r["mode"] for r in doc["results"]] == ["fwd", "fwd+bwd"]
+    for r in doc["results"]:
+        assert r["status"] == "ok", r.get("reason")
+        assert r["world_size"] == 2 and r["fine_backend"] == "reference"
+        assert r["op_gate"]["passed"] and r["dense_gate"]["passed"]
+        gate = r["sp_gate"]
+        assert gate["passed"] is True
+        wanted = {"out"} if r["mode"] == "fwd" else {"out", "dq", "dk", "dv"}
+        assert set(gate["tensors"]) == wanted
+        assert all(t["criterion"] == "max_abs_err" for t in gate["tensors"].values())
+        timing = r["sp_timing"]
+        assert (timing["warmup"], timing["reps"]) == (1, 2) and len(timing["times_ms"]) == 2
+        assert len(timing["rank_median_ms"]) == 2
+        assert timing["median_ms"] >= min(timing["rank_median_ms"]) > 0  # max over ranks
+        assert r["op_timing"]["reps"] == 2 and r["dense_timing"]["reps"] == 2  # fixed counts
+        assert r["sp_ms"] == timing["median_ms"] > 0
+        assert r["sp_speedup_vs_op"] == pytest.approx(r["op_ms"] / r["sp_ms"])
+        assert r["sp_speedup_vs_dense"] == pytest.approx(r["dense_ms"] / r["sp_ms"])
+        assert r["scaling_efficiency"] == pytest.approx(r["op_ms"] / (2 * r["sp_ms"]))
+        assert "sp_peak_mib_per_rank" in r and r["sp_peak_mib"] is None  # CPU: no CUDA stats
+    text = out.with_suffix(".md").read_text()
+    assert "| SP ms | 1-GPU op ms |" in text and "| 6x7x9 | 2 |" in text
+    assert "SP ms" in done.stdout
+
+
+def test_bench_video_sequence_parallel_needs_torchrun():
+    with pytest.raises(SystemExit, match="runs under torchrun"):
+        bench_video.main(["--sequence-parallel", "--device", "cpu"])
 
 
 # ---- command lines --------------------------------------------------------------------------
