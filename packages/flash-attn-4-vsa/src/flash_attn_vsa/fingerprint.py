@@ -110,6 +110,25 @@ SYMBOLS: tuple[Symbol, ...] = (
         source=True,
     ),
     Symbol(
+        _IFACE,
+        "_get_fwd_config",
+        "forward tiles per arch: vsa-fa4's sm_100 rule (two 128-row query stages per sparse "
+        "block) follows it",
+        source=True,
+    ),
+    Symbol(
+        "flash_attn.cute.mask",
+        "call_mask_mod",
+        "the mask_mod calling convention vsa-fa4's partial-block mask follows "
+        "(batch, head, q_idx, kv_idx, seqlen_info, aux_tensors)",
+        source=True,
+    ),
+    Symbol(
+        "flash_attn.cute.utils",
+        "scalar_to_ssa",
+        "vsa-fa4's partial-block mask_mod returns its bound through it",
+    ),
+    Symbol(
         _BSP,
         "BlockSparseTensorsTorch",
         "the block-sparse index format the adapter builds (torch side)",

@@ -1,13 +1,23 @@
-"""The ``fa4`` backend of vsa-core (a stub until the FlashAttention-4 adapter lands).
+"""The ``fa4`` backend of vsa-core: block-sparse attention on FlashAttention-4's CuTe kernels.
 
-Registered under the ``vsa.backends`` entry-point group as ``fa4``. This release ships no
-kernels, so the backend refuses every call with a reason instead of pretending to run.
-``flash_attn`` and ``cutlass`` are never imported here: ``availability()`` only looks for
-``flash_attn.cute`` with ``importlib.util.find_spec``.
+Registered under the ``vsa.backends`` entry-point group as ``fa4`` (priority 20, ahead of
+``triton``). ``flash_attn``, ``cutlass`` and the kernels are imported on the first launch,
+never with this module: ``supports()`` and ``availability()`` only look for ``flash_attn.cute``
+with ``importlib`` and read the device's compute capability.
+
+``supports()`` accepts a call only where upstream FA4 (the release flash-attn-4-vsa pins) runs
+it, judged from the logical block shape with the native schedule (the pairing of 64-token
+query blocks depends on the layout, which a call description does not carry); every refusal
+names its reason, so ``backend="auto"`` falls back to Triton with an explanation.
+
+One input contract is stricter than vsa-core's: padding slots of *partial* key blocks must hold
+finite values (FA4 masks their scores but multiplies the zero probabilities with V, so a NaN
+there leaks; ``VideoTiling.to_tiles`` writes zeros). No check reads the data for it.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.machinery
 import importlib.util
 from typing import TYPE_CHECKING, ClassVar
@@ -15,19 +25,26 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from vsa_core.backends.base import AttentionCall, Backend
-from vsa_fa4 import __version__
+from vsa_fa4.schedule import (
+    ARCHS,
+    BLOCK_SHAPES,
+    HEAD_DIMS,
+    SCHEDULES,
+    Plan,
+    make_plan,
+    native_plan,
+    plan_refusal,
+)
 
 if TYPE_CHECKING:
     from vsa_core.layout import BlockSparseLayout
 
-NO_KERNELS = f"vsa-fa4 {__version__} ships no kernels yet"
-
-# FlashAttention-4's CuTe kernels target Hopper (sm_90) and Blackwell (sm_100 family).
-SUPPORTED_MAJORS = (9, 10)
+DTYPES = (torch.float16, torch.bfloat16)
 
 
-def _find_flash_attn_cute() -> bool:
-    """Whether ``flash_attn.cute`` is installed, without importing it.
+@functools.cache
+def find_flash_attn_cute() -> bool:
+    """Whether ``flash_attn.cute`` is installed, without importing it (cached per process).
 
     ``find_spec`` of a submodule imports the parent package, so look for ``flash_attn`` first
     and then resolve ``cute`` against its search path without executing ``flash_attn``.
@@ -42,42 +59,80 @@ def _find_flash_attn_cute() -> bool:
     return importlib.machinery.PathFinder.find_spec("flash_attn.cute", search_path) is not None
 
 
+NOT_INSTALLED = "flash_attn.cute (flash-attn-4) is not installed"
+ARCH_NAMES = " or ".join(ARCHS.values())
+
+
 def _capable_devices() -> list[str]:
-    if not torch.cuda.is_available():
-        return []
     found = []
     for index in range(torch.cuda.device_count()):
-        major, minor = torch.cuda.get_device_capability(index)
-        if major in SUPPORTED_MAJORS:
-            found.append(f"cuda:{index} (sm_{major}{minor})")
+        capability = torch.cuda.get_device_capability(index)
+        if capability in ARCHS:
+            found.append(f"cuda:{index} ({ARCHS[capability]})")
     return found
 
 
-def _machine_report() -> str:
-    cute = "flash_attn.cute found" if _find_flash_attn_cute() else "flash_attn.cute not found"
-    if not torch.cuda.is_available():
-        device = "no CUDA device"
-    else:
-        devices = _capable_devices()
-        device = (
-            f"capable devices: {', '.join(devices)}"
-            if devices
-            else "no CUDA device of capability 9.x or 10.x"
-        )
-    return f"{cute}, {device}"
+def _shape(block_shape: tuple[int, int]) -> str:
+    return f"{block_shape[0]}x{block_shape[1]}"
 
 
 class FA4Backend(Backend):
-    """Block-sparse attention through FlashAttention-4's CuTe kernels: not shipped yet."""
+    """Block-sparse attention through FlashAttention-4's CuTe kernels (sm_90, sm_100).
+
+    ``schedule`` picks the physical tiles (see `vsa_fa4.schedule`): ``"auto"`` (what the
+    registry instantiates), ``"native"`` or ``"paired"``. To run the registry's ``fa4`` with
+    another schedule, ``vsa_core.backends.register_backend(FA4Backend(schedule="native"))``.
+    """
 
     name: ClassVar[str] = "fa4"
     priority: ClassVar[int] = 20
 
-    def supports(self, call: AttentionCall) -> str | None:
-        return NO_KERNELS
+    def __init__(self, schedule: str = "auto") -> None:
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+        self.schedule = schedule
 
     def availability(self) -> str | None:
-        return f"{NO_KERNELS} ({_machine_report()})"
+        if not find_flash_attn_cute():
+            return NOT_INSTALLED
+        if not torch.cuda.is_available():
+            return f"no CUDA device (FA4's CuTe kernels need {ARCH_NAMES})"
+        if not _capable_devices():
+            return f"no CUDA device of capability {ARCH_NAMES}"
+        return None
+
+    def supports(self, call: AttentionCall) -> str | None:
+        reason = self._call_refusal(call)
+        if reason is not None:
+            return reason
+        return plan_refusal(
+            call.capability, call.head_dim, native_plan(call.block_shape), call.requires_grad
+        )
+
+    def _call_refusal(self, call: AttentionCall) -> str | None:
+        """Refusals that do not depend on the schedule."""
+        if not find_flash_attn_cute():
+            return NOT_INSTALLED
+        if tuple(call.block_shape) not in BLOCK_SHAPES:
+            shapes = ", ".join(_shape(s) for s in BLOCK_SHAPES)
+            return f"block shape {_shape(call.block_shape)} not in {shapes}"
+        if call.head_dim not in HEAD_DIMS:
+            return f"head dim {call.head_dim} not in {HEAD_DIMS}, the head dims vsa-fa4 runs"
+        if call.dtype not in DTYPES:
+            return f"dtype {call.dtype} not supported (float16, bfloat16)"
+        if call.device.type != "cuda":
+            return f"needs a CUDA device ({ARCH_NAMES}), got {call.device.type}"
+        return None
+
+    def plan(self, layout: BlockSparseLayout, schedule: str | None = None) -> Plan:
+        """The physical plan this backend runs ``layout`` with (``schedule`` overrides the
+        backend's own)."""
+        return make_plan(
+            layout.block_shape,
+            layout.q_group_size,
+            layout.num_q_blocks,
+            self.schedule if schedule is None else schedule,
+        )
 
     def forward(
         self,
@@ -86,5 +141,21 @@ class FA4Backend(Backend):
         v: torch.Tensor,
         layout: BlockSparseLayout,
         scale: float,
+        schedule: str | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        raise NotImplementedError(NO_KERNELS)
+        from vsa_fa4.ops import attention
+
+        call = AttentionCall.describe(q, k, v, layout)
+        reason = self._call_refusal(call)
+        plan = None
+        if reason is None:
+            plan = self.plan(layout, schedule)
+            reason = plan_refusal(call.capability, call.head_dim, plan, call.requires_grad)
+        if reason is not None:
+            where = "" if plan is None else f" with physical blocks {_shape(plan.block_size)}"
+            raise ValueError(f"the fa4 backend cannot run this call{where}: {reason}")
+        assert plan is not None
+        return attention(
+            q, k, v, layout.kv_indices, layout.kv_counts, layout.kv_valid_sizes, scale, plan,
+            layout.q_group_size,
+        )  # fmt: skip

@@ -1,0 +1,114 @@
+"""The calls into upstream FA4 (``flash_attn.cute``), imported on first use.
+
+`run_forward` / `run_backward` take our `SparseLists` and the physical valid sizes, wrap them
+into ``BlockSparseTensorsTorch`` with the physical block size, pass the valid sizes to the
+partial-block ``mask_mod`` through ``aux_tensors`` and write into outputs the caller allocated
+(so that the custom ops' fake implementations know every output's strides). Everything FA4
+needs is on the device; nothing here reads device data. Under
+``torch._subclasses.fake_tensor.FakeTensorMode`` upstream compiles its kernel and skips the
+launch, which is how the compile gate checks this path on a CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+from vsa_fa4.metadata import SparseLists
+
+
+def _upstream() -> tuple[Any, Any, Any, Any]:
+    from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
+    from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd
+
+    from vsa_fa4._mask import valid_size_mask_mod
+
+    return BlockSparseTensorsTorch, _flash_attn_fwd, _flash_attn_bwd, valid_size_mask_mod
+
+
+def _block_sparse(cls: Any, lists: SparseLists, block_size: tuple[int, int]) -> Any:
+    return cls(
+        mask_block_cnt=lists.mask_block_cnt,
+        mask_block_idx=lists.mask_block_idx,
+        full_block_cnt=lists.full_block_cnt,
+        full_block_idx=lists.full_block_idx,
+        block_size=tuple(block_size),
+    )
+
+
+def _on_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """FA4 launches on the current device's current stream: make q's device current (a no-op
+    when it already is, and on machines without CUDA, where fake tensors compile only)."""
+    if (
+        device.type == "cuda"
+        and device.index is not None
+        and torch.cuda.is_available()
+        and device.index != torch.cuda.current_device()
+    ):
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
+
+
+def run_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    lists: SparseLists,
+    kv_valid_sizes: torch.Tensor,
+    scale: float,
+    block_size: tuple[int, int],
+) -> None:
+    """FA4 block-sparse forward into ``out`` [B, Sq, H, D] and ``lse`` [B, H, Sq] (float32)."""
+    tensors_cls, fwd, _, mask_mod = _upstream()
+    with _on_device(q.device):
+        fwd(
+            q,
+            k,
+            v,
+            softmax_scale=scale,
+            mask_mod=mask_mod(block_size[1]),
+            aux_tensors=[kv_valid_sizes],
+            block_sparse_tensors=_block_sparse(tensors_cls, lists, block_size),
+            return_lse=True,
+            out=out,
+            lse=lse,
+        )
+
+
+def run_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dq: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    lists: SparseLists,
+    kv_valid_sizes: torch.Tensor,
+    scale: float,
+    block_size: tuple[int, int],
+) -> None:
+    """FA4 block-sparse backward (key-block-owned ``lists``) into ``dq``, ``dk``, ``dv``."""
+    tensors_cls, _, bwd, mask_mod = _upstream()
+    with _on_device(q.device):
+        bwd(
+            q,
+            k,
+            v,
+            out,
+            dout,
+            lse,
+            softmax_scale=scale,
+            mask_mod=mask_mod(block_size[1]),
+            aux_tensors=[kv_valid_sizes],
+            block_sparse_tensors=_block_sparse(tensors_cls, lists, block_size),
+            dq=dq,
+            dk=dk,
+            dv=dv,
+        )

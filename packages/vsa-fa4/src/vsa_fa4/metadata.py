@@ -1,0 +1,147 @@
+"""From vsa-core's key lists to FA4's block-sparse index tensors (pure torch, sync-free).
+
+FA4 (``flash_attn.cute.block_sparsity.BlockSparseTensorsTorch``) takes, per (batch, head, row),
+two compact lists: *full* blocks, attended without any token mask, and *partial* ("mask")
+blocks, on which the kernel calls a ``mask_mod``. The forward's rows are query blocks listing
+key blocks; the backward's rows are key blocks listing query blocks (its loops are key-block
+owned). Here:
+
+- a selected key block is **full** when its valid size equals the physical key tile,
+  **partial** when ``0 < valid < kv_tile`` (the mask_mod then keeps key tokens below the
+  block's valid size, read from ``aux_tensors``), and **dropped** when empty (valid 0);
+- the forward lists keep the layout's ascending order and have the layout's width (clipped
+  to the number of key blocks, which FA4 requires and no list can exceed);
+- the backward lists are `vsa_core.layout.transpose_kv_lists` padded to ``num_q_blocks``.
+  Whether a (query, key) block pair is full or partial depends on the key block only, so one
+  padded index tensor serves both backward lists and only the counts differ.
+
+Static bound of the backward lists: a key block may be selected by every query block (in
+video models a few "sink" tiles are), so the only width that holds for every layout without
+reading its data is ``num_q_blocks`` (FA4's own limit). The layout's width ``W`` (the longest
+*forward* list) is no bound for the transpose. The padded tensor costs ``4 * B * H * NKV * NQ``
+bytes, built only in the backward: 3 MiB at 32k tokens, 12 heads, 128x128 blocks; 79 MiB at
+Wan 720p (92,160 tokens, 40 heads, 128x128 blocks).
+
+Nothing here reads device data on the host: every shape follows from tensor shapes and the
+plan, so the functions run inside CUDA graphs and under ``torch.compile``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from vsa_core.layout import BlockSparseLayout, transpose_kv_lists
+from vsa_fa4.schedule import Plan
+
+
+class SparseLists(NamedTuple):
+    """FA4's block-sparse index tensors (the fields of ``BlockSparseTensorsTorch``), int32.
+
+    Counts are [B, H, R]; indices [B, H, R, width] with the first ``count`` entries meaningful.
+    Forward: R = query blocks, entries key blocks. Backward: R = key blocks, entries query
+    blocks.
+    """
+
+    mask_block_cnt: torch.Tensor
+    mask_block_idx: torch.Tensor
+    full_block_cnt: torch.Tensor
+    full_block_idx: torch.Tensor
+
+
+def physical_lists(
+    kv_indices: torch.Tensor,
+    kv_counts: torch.Tensor,
+    kv_valid_sizes: torch.Tensor,
+    plan: Plan,
+    q_group_size: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A logical layout's lists re-expressed in ``plan``'s physical blocks.
+
+    Key blocks are split ``plan.kv_split`` ways (`BlockSparseLayout.refine`: the children of a
+    partial key block get clamped valid sizes, so some become full and some empty); with
+    ``plan.q_merge == 2`` the list of each aligned pair's first query block stands for the pair
+    (a strided view, no copy), which is exact because the pair shares its list.
+    """
+    if plan.kv_split > 1:
+        layout = BlockSparseLayout(
+            kv_indices, kv_counts, kv_valid_sizes, plan.logical, q_group_size
+        ).refine((plan.logical[0], plan.kv_tile))
+        kv_indices, kv_counts, kv_valid_sizes = (
+            layout.kv_indices,
+            layout.kv_counts,
+            layout.kv_valid_sizes,
+        )
+    if plan.q_merge > 1:
+        kv_indices = kv_indices[:, :, :: plan.q_merge]
+        kv_counts = kv_counts[:, :, :: plan.q_merge]
+    return kv_indices, kv_counts, kv_valid_sizes
+
+
+def forward_lists(
+    kv_indices: torch.Tensor,
+    kv_counts: torch.Tensor,
+    kv_valid_sizes: torch.Tensor,
+    kv_tile: int,
+) -> SparseLists:
+    """Per query block: selected full key blocks and selected partial key blocks, apart.
+
+    Physical lists in, ascending order kept, empty key blocks dropped. One scatter places every
+    slot: full blocks at the start of the first third of a [B, H, NQ, 3W] buffer, partial ones
+    at the start of the second, the rest (unused slots, empty blocks) in the last, each class in
+    its original order: destinations are distinct (deterministic), and the buffer starts as
+    zeros, so every entry, used or not, is a valid block index.
+    """
+    lead, width = kv_indices.shape[:-1], kv_indices.shape[-1]
+    num_kv = kv_valid_sizes.shape[0]
+    device = kv_indices.device
+    if width == 0:  # a layout that can select nothing: one unused slot keeps FA4's shapes
+        zero = torch.zeros(lead, dtype=torch.int32, device=device)
+        idx = torch.zeros(*lead, 1, dtype=torch.int32, device=device)
+        return SparseLists(zero, idx, zero.clone(), idx.clone())
+    slots = torch.arange(width, device=device, dtype=torch.int32)
+    used = slots < kv_counts.unsqueeze(-1)
+    valid = kv_valid_sizes[kv_indices.long()]
+    full = used & (valid >= kv_tile)
+    partial = used & (valid > 0) & (valid < kv_tile)
+    # Inclusive running counts of each class along the list (int32: small transients).
+    n_full = full.cumsum(-1, dtype=torch.int32)
+    n_partial = partial.cumsum(-1, dtype=torch.int32)
+    n_rest = slots + 1 - n_full - n_partial
+    dest = torch.where(
+        full, n_full - 1, torch.where(partial, width + n_partial - 1, 2 * width + n_rest - 1)
+    )
+    packed = torch.zeros(*lead, 3 * width, dtype=torch.int32, device=device)
+    packed.scatter_(-1, dest.long(), kv_indices.to(torch.int32))
+    keep = min(width, num_kv)  # FA4: a list's width must not exceed the number of key blocks
+    return SparseLists(
+        mask_block_cnt=n_partial[..., -1].contiguous(),
+        mask_block_idx=packed[..., width : width + keep],
+        full_block_cnt=n_full[..., -1].contiguous(),
+        full_block_idx=packed[..., :keep],
+    )
+
+
+def backward_lists(
+    kv_indices: torch.Tensor,
+    kv_counts: torch.Tensor,
+    kv_valid_sizes: torch.Tensor,
+    kv_tile: int,
+) -> SparseLists:
+    """Per key block: the query blocks selecting it, as full or partial lists (physical lists
+    in). Padded to ``num_q_blocks`` (see the module doc for why that bound); one index tensor
+    is shared by both lists, the counts say which list a key block's queries are in (an empty
+    key block is in neither: FA4 then writes zero dK/dV for it)."""
+    num_q = kv_indices.shape[-2]
+    num_kv = kv_valid_sizes.shape[0]
+    q_indices, q_counts = transpose_kv_lists(kv_indices, kv_counts, num_kv).to_padded(num_q)
+    zero = torch.zeros_like(q_counts)
+    full = kv_valid_sizes >= kv_tile
+    partial = (kv_valid_sizes > 0) & (kv_valid_sizes < kv_tile)
+    return SparseLists(
+        mask_block_cnt=torch.where(partial, q_counts, zero),
+        mask_block_idx=q_indices,
+        full_block_cnt=torch.where(full, q_counts, zero),
+        full_block_idx=q_indices,
+    )

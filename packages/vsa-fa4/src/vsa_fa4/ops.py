@@ -1,0 +1,141 @@
+"""Torch-facing ops: ``torch.ops.vsa_fa4.fwd`` / ``torch.ops.vsa_fa4.bwd`` and `attention`.
+
+Both are `torch.library.custom_op`s with fake implementations and autograd, so that
+``torch.compile(fullgraph=True)`` traces through them and CUDA graphs capture them. They take a
+layout's *physical* lists (see `vsa_fa4.schedule` and `vsa_fa4.metadata.physical_lists`) and
+build FA4's index tensors inside, on the device, without a host sync:
+
+- ``fwd`` builds the forward lists only (full and partial key blocks apart). Inference never
+  builds backward metadata.
+- ``bwd`` (run by autograd) builds the key-block-owned backward lists from the same saved
+  physical lists, when and only when gradients are asked for.
+
+Outputs are allocated here, contiguous BSHD (``out``, ``dq``, ``dk``, ``dv``) and [B, H, S]
+(``lse``), and FA4 writes into them, so the fake implementations state their strides exactly.
+BSHD is FA4's native layout; BHSD tensors arrive as transposed views and FA4 reads them through
+their strides (no copy). FA4 itself is imported on the first launch (`vsa_fa4.launch`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vsa_fa4 import launch
+from vsa_fa4.metadata import backward_lists, forward_lists, physical_lists
+from vsa_fa4.schedule import Plan
+
+
+def _bshd(q: torch.Tensor, head_dim: int) -> torch.Tensor:
+    batch, seq, heads, _ = q.shape
+    return q.new_empty((batch, seq, heads, head_dim))
+
+
+def _lse(q: torch.Tensor) -> torch.Tensor:
+    batch, seq, heads, _ = q.shape
+    return q.new_empty((batch, heads, seq), dtype=torch.float32)
+
+
+def forward_impl(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_counts: torch.Tensor,
+    kv_valid_sizes: torch.Tensor,
+    scale: float,
+    q_tile: int,
+    kv_tile: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FA4 block-sparse forward on [B, S, H, D] views with physical ``q_tile`` x ``kv_tile``
+    lists ([B, H, Sq / q_tile, W] indices, [B, H, Sq / q_tile] counts, [Skv / kv_tile] valid
+    sizes). Returns (out [B, Sq, H, D], lse [B, H, Sq] float32, natural log, -inf for rows
+    that see no key). The body of ``torch.ops.vsa_fa4.fwd`` (`block_sparse_fwd`); the compile
+    gate calls it directly, since under a fake tensor mode the op would run its fake."""
+    out, lse = _bshd(q, v.shape[-1]), _lse(q)
+    lists = forward_lists(kv_indices, kv_counts, kv_valid_sizes, kv_tile)
+    launch.run_forward(
+        q, k, v, out, lse, lists, kv_valid_sizes.contiguous(), scale, (q_tile, kv_tile)
+    )
+    return out, lse
+
+
+block_sparse_fwd = torch.library.custom_op("vsa_fa4::fwd", forward_impl, mutates_args=())
+
+
+@block_sparse_fwd.register_fake
+def _(q, k, v, kv_indices, kv_counts, kv_valid_sizes, scale, q_tile, kv_tile):
+    return _bshd(q, v.shape[-1]), _lse(q)
+
+
+def backward_impl(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_counts: torch.Tensor,
+    kv_valid_sizes: torch.Tensor,
+    scale: float,
+    q_tile: int,
+    kv_tile: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients (dq, dk, dv) of `forward_impl`, from FA4's key-block-owned backward (the
+    body of ``torch.ops.vsa_fa4.bwd``)."""
+    dq, dk, dv = _bshd(q, q.shape[-1]), _bshd(k, k.shape[-1]), _bshd(v, v.shape[-1])
+    lists = backward_lists(kv_indices, kv_counts, kv_valid_sizes, kv_tile)
+    launch.run_backward(
+        dout, q, k, v, out, lse, dq, dk, dv, lists, kv_valid_sizes.contiguous(), scale,
+        (q_tile, kv_tile),
+    )  # fmt: skip
+    return dq, dk, dv
+
+
+block_sparse_bwd = torch.library.custom_op("vsa_fa4::bwd", backward_impl, mutates_args=())
+
+
+@block_sparse_bwd.register_fake
+def _(dout, q, k, v, out, lse, kv_indices, kv_counts, kv_valid_sizes, scale, q_tile, kv_tile):
+    return _bshd(q, q.shape[-1]), _bshd(k, k.shape[-1]), _bshd(v, v.shape[-1])
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, kv_indices, kv_counts, kv_valid_sizes, scale, q_tile, kv_tile = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, kv_indices, kv_counts, kv_valid_sizes)
+    ctx.attrs = (scale, q_tile, kv_tile)
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, dout, _dlse):
+    q, k, v, out, lse, kv_indices, kv_counts, kv_valid_sizes = ctx.saved_tensors
+    scale, q_tile, kv_tile = ctx.attrs
+    dq, dk, dv = block_sparse_bwd(
+        dout, q, k, v, out, lse, kv_indices, kv_counts, kv_valid_sizes, scale, q_tile, kv_tile
+    )
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+block_sparse_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_counts: torch.Tensor,
+    kv_valid_sizes: torch.Tensor,
+    scale: float,
+    plan: Plan,
+    q_group_size: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-sparse attention of a logical layout's lists under ``plan`` (BSHD views in and
+    out). Plain tensor ops and the custom op only, so it traces whole under torch.compile."""
+    kv_indices, kv_counts, kv_valid_sizes = physical_lists(
+        kv_indices, kv_counts, kv_valid_sizes, plan, q_group_size
+    )
+    return block_sparse_fwd(
+        q, k, v, kv_indices, kv_counts, kv_valid_sizes, scale, plan.q_tile, plan.kv_tile
+    )

@@ -1,0 +1,97 @@
+"""A float64 model of what upstream FA4's block-sparse kernels compute, for CPU tests.
+
+It consumes exactly what `vsa_fa4.launch` hands FA4 (our `SparseLists`, the physical block
+size, the valid sizes the ``mask_mod`` reads) and follows upstream's semantics as read in
+``flash_attn/cute`` (4.0.0b36):
+
+- forward: a query row of sparse block ``m`` attends to every token of each block in its
+  *full* list and, for each block in its *partial* ("mask") list, to the tokens the mask_mod
+  keeps (offset inside the key block < the block's valid size); no block: out 0, lse -inf;
+- backward: key-block owned; for key block ``n`` the pairs are the query blocks of its full
+  list (every token) and of its partial list (mask_mod applied), with P = exp(S - lse) from
+  the forward's lse, dV = P^T dO, dS = P (dP - rowsum(dO O)), dQ = scale dS K,
+  dK = scale dS^T Q.
+
+A wrong split (a partial block in the full list, an empty block kept, a missing transpose
+entry) changes the result, which the tests compare with vsa-core's reference.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _keep_keys(block: int, kv_tile: int, kv_len: int, valid: torch.Tensor | None) -> torch.Tensor:
+    keep = torch.zeros(kv_len, dtype=torch.bool)
+    start = block * kv_tile
+    stop = start + (kv_tile if valid is None else int(valid[block]))
+    keep[start:stop] = True
+    return keep
+
+
+def forward_pairs(lists, valid, block_size, q_len, kv_len) -> torch.Tensor:
+    """[B, H, Sq, Skv] bool: the (query, key) token pairs the forward lists select."""
+    q_tile, kv_tile = block_size
+    cnt_m, idx_m, cnt_f, idx_f = (t.cpu() for t in lists)
+    batch, heads, rows = cnt_m.shape
+    pairs = torch.zeros(batch, heads, q_len, kv_len, dtype=torch.bool)
+    for b in range(batch):
+        for h in range(heads):
+            for m in range(rows):
+                q_rows = slice(m * q_tile, (m + 1) * q_tile)
+                for i in range(int(cnt_f[b, h, m])):
+                    pairs[b, h, q_rows] |= _keep_keys(int(idx_f[b, h, m, i]), kv_tile, kv_len, None)
+                for i in range(int(cnt_m[b, h, m])):
+                    pairs[b, h, q_rows] |= _keep_keys(
+                        int(idx_m[b, h, m, i]), kv_tile, kv_len, valid
+                    )
+    return pairs
+
+
+def backward_pairs(lists, valid, block_size, q_len, kv_len) -> torch.Tensor:
+    """[B, H, Sq, Skv] bool: the pairs the key-block-owned backward lists select."""
+    q_tile, kv_tile = block_size
+    cnt_m, idx_m, cnt_f, idx_f = (t.cpu() for t in lists)
+    batch, heads, rows = cnt_m.shape
+    pairs = torch.zeros(batch, heads, q_len, kv_len, dtype=torch.bool)
+    for b in range(batch):
+        for h in range(heads):
+            for n in range(rows):
+                for cnt, idx, mask in ((cnt_f, idx_f, None), (cnt_m, idx_m, valid)):
+                    keys = _keep_keys(n, kv_tile, kv_len, mask)
+                    for i in range(int(cnt[b, h, n])):
+                        m = int(idx[b, h, n, i])
+                        pairs[b, h, m * q_tile : (m + 1) * q_tile] |= keys
+    return pairs
+
+
+def run_forward(q, k, v, out, lse, lists, kv_valid_sizes, scale, block_size) -> None:
+    pairs = forward_pairs(lists, kv_valid_sizes.cpu(), block_size, q.shape[1], k.shape[1])
+    qd, kd, vd = (t.double().permute(0, 2, 1, 3) for t in (q, k, v))  # [B, H, S, D]
+    scores = torch.matmul(qd, kd.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~pairs, float("-inf"))
+    seen = pairs.any(-1, keepdim=True)
+    row_max = torch.where(seen, scores.amax(-1, keepdim=True), 0.0)
+    probs = torch.where(pairs, torch.exp(scores - row_max), 0.0)
+    denom = probs.sum(-1, keepdim=True)
+    result = torch.matmul(probs, vd) / torch.where(seen, denom, 1.0)
+    out.copy_(result.permute(0, 2, 1, 3).to(out.dtype))
+    lse.copy_(torch.where(seen, row_max + torch.log(denom), float("-inf")).squeeze(-1))
+
+
+def run_backward(
+    dout, q, k, v, out, lse, dq, dk, dv, lists, kv_valid_sizes, scale, block_size
+) -> None:
+    pairs = backward_pairs(lists, kv_valid_sizes.cpu(), block_size, q.shape[1], k.shape[1])
+    qd, kd, vd, od, dod = (t.double().permute(0, 2, 1, 3) for t in (q, k, v, out, dout))
+    lse_d = lse.double().unsqueeze(-1)
+    scores = torch.matmul(qd, kd.transpose(-1, -2)) * scale
+    probs = torch.where(pairs, torch.exp(scores - torch.where(pairs, lse_d, 0.0)), 0.0)
+    d_v = torch.matmul(probs.transpose(-1, -2), dod)
+    d_p = torch.matmul(dod, vd.transpose(-1, -2))
+    delta = (dod * od).sum(-1, keepdim=True)
+    d_s = probs * (d_p - delta)
+    d_q = torch.matmul(d_s, kd) * scale
+    d_k = torch.matmul(d_s.transpose(-1, -2), qd) * scale
+    for dst, src in ((dq, d_q), (dk, d_k), (dv, d_v)):
+        dst.copy_(src.permute(0, 2, 1, 3).to(dst.dtype))

@@ -1,0 +1,310 @@
+"""The fa4 backend on a CUDA GPU (sm_90 / sm_100): FA4's kernels against vsa-core's reference.
+
+Layouts have partial and empty key blocks (the padding slots of partial blocks hold large
+finite garbage, which must not leak) and query blocks selecting 0..5 key blocks (odd and even
+counts, rows with no key at all). Forward and backward are compared with the float32
+reference: relative L2 <= 1e-2 for out, dq, dk, dv; lse within 1e-2 and -inf exactly where the
+reference has it. Calls that upstream FA4 refuses on this device (see ``FA4Backend.supports``)
+are checked to be refused with their reason instead. Then torch.compile, CUDA-graph replay with
+changing inputs and layouts, BHSD, fp16, head dim 64 and the whole VSA op.
+
+Run on the GPU host: ``source .gpu/b/env.sh && python3 -m pytest -m gpu packages/vsa-fa4 -q``.
+The first call of each kernel configuration compiles it (a few seconds each).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vsa_core import (
+    AttentionCall,
+    BlockSparseLayout,
+    VideoTiling,
+    block_sparse_attn,
+    video_sparse_attn,
+)
+from vsa_core.backends import select_backend
+from vsa_fa4 import block_sparse_attn as fa4_attn
+from vsa_fa4 import ops
+from vsa_fa4.backend import FA4Backend
+from vsa_fa4.schedule import BLOCK_SHAPES, make_plan
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+Q_TOKENS, KV_TOKENS = 3072, 3584
+HEADS = 4
+
+
+def _capability() -> tuple[int, int]:
+    return torch.cuda.get_device_capability()
+
+
+def _refusal(block_shape, head_dim=128, dtype=torch.bfloat16, grad=False) -> str | None:
+    call = AttentionCall(torch.device("cuda"), dtype, head_dim, tuple(block_shape), grad)
+    return FA4Backend().supports(call)
+
+
+def make_layout(block_shape, *, batch=1, seed=0, q_tokens=Q_TOKENS, kv_tokens=KV_TOKENS):
+    """Query block i selects i % 6 random key blocks; key blocks cycle through full, partial,
+    empty, full, 1-token, full and almost-full valid sizes."""
+    q_block, kv_block = block_shape
+    num_q, num_kv = q_tokens // q_block, kv_tokens // kv_block
+    pattern = [kv_block, kv_block // 2 + 3, 0, kv_block, 1, kv_block, kv_block - 1]
+    valid = torch.tensor([pattern[i % len(pattern)] for i in range(num_kv)], dtype=torch.int32)
+    gen = torch.Generator().manual_seed(seed)
+    order = torch.rand(batch, HEADS, num_q, num_kv, generator=gen).argsort(-1)[..., :5]
+    counts = (torch.arange(num_q) % 6).expand(batch, HEADS, num_q).contiguous()
+    layout = BlockSparseLayout.from_indices(
+        order.to(torch.int32),
+        counts.to(torch.int32),
+        kv_valid_sizes=valid,
+        block_shape=block_shape,
+    )
+    return layout.to("cuda")
+
+
+def make_inputs(layout, head_dim=128, dtype=torch.bfloat16, seed=1, requires_grad=True):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def randn(seq):
+        shape = (layout.batch, seq, layout.heads, head_dim)
+        return torch.randn(shape, device="cuda", generator=gen, dtype=dtype)
+
+    q, k, v = randn(layout.q_len), randn(layout.kv_len), randn(layout.kv_len)
+    token = torch.arange(layout.kv_block, device="cuda")
+    pad = (token >= layout.kv_valid_sizes.unsqueeze(-1)).flatten()
+    k[:, pad] = 30.0  # garbage in padding slots: finite, large, must be masked
+    v[:, pad] = -30.0
+    return [t.requires_grad_(requires_grad) for t in (q, k, v)]
+
+
+def rel_l2(got, want) -> float:
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
+def reference(q, k, v, layout, dout=None):
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    out, lse = block_sparse_attn(q32, k32, v32, layout, backend="reference")
+    grads = None
+    if dout is not None:
+        grads = torch.autograd.grad(out, (q32, k32, v32), dout.float())
+    return out, lse, grads
+
+
+def check_forward(out, lse, ref_out, ref_lse, layout):
+    assert out.shape == ref_out.shape and out.dtype != torch.float32
+    assert torch.isfinite(out).all()
+    assert rel_l2(out, ref_out) <= 1e-2
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    assert torch.allclose(lse[finite], ref_lse[finite], atol=1e-2)
+    # Query blocks with no key block (count 0): out exactly 0, lse -inf.
+    empty = (layout.kv_counts == 0).repeat_interleave(layout.q_block, dim=-1)  # [B, H, Sq]
+    assert bool(empty.any())
+    assert bool((lse[empty] == float("-inf")).all())
+    assert bool((out.permute(0, 2, 1, 3)[empty] == 0).all())
+
+
+def check_backward(grads, ref_grads):
+    for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads, strict=True):
+        assert torch.isfinite(got).all(), name
+        assert rel_l2(got, want) <= 1e-2, (name, rel_l2(got, want))
+
+
+# ---- forward and backward vs the reference, every block shape ------------------------------
+@pytest.mark.parametrize("block_shape", BLOCK_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_forward_and_backward_match_the_reference(block_shape):
+    reason = _refusal(block_shape)
+    if reason is not None:
+        pytest.skip(f"fa4 refuses the forward here: {reason}")
+    layout = make_layout(block_shape)
+    q, k, v = make_inputs(layout)
+    with torch.no_grad():
+        out, lse = block_sparse_attn(q, k, v, layout, backend="fa4")
+    dout = torch.randn_like(out)
+    ref_out, ref_lse, ref_grads = reference(q, k, v, layout, dout)
+    check_forward(out, lse, ref_out, ref_lse, layout)
+
+    bwd_reason = _refusal(block_shape, grad=True)
+    if bwd_reason is not None:
+        # Upstream refuses this backward here (sm_90: 64-token key blocks): auto falls back.
+        if _capability() == (9, 0):
+            assert block_shape[1] == 64 and "refuses KV64 backward on sm_90" in bwd_reason
+        with pytest.raises(ValueError, match="cannot run this call"):
+            block_sparse_attn(q, k, v, layout, backend="fa4")
+        call = AttentionCall.describe(q, k, v, layout)
+        assert select_backend(call).name != "fa4"
+        return
+    out2, lse2 = block_sparse_attn(q, k, v, layout, backend="fa4")
+    assert torch.equal(out2, out) and torch.equal(lse2, lse)  # the forward is deterministic
+    grads = torch.autograd.grad(out2, (q, k, v), dout)
+    check_backward(grads, ref_grads)
+
+
+@pytest.mark.parametrize("kv_block", [64, 128])
+@pytest.mark.parametrize("parent_q", [128, 256])
+def test_paired_64_row_blocks_match_the_reference(kv_block, parent_q):
+    """Layouts refined from coarser query blocks run paired on 128-row tiles (auto); the
+    native 64-row path must agree."""
+    parent = make_layout((parent_q, kv_block) if parent_q == 128 else (256, 256))
+    layout = parent.refine((64, kv_block))
+    assert layout.q_group_size >= 2
+    backend = FA4Backend()
+    plan = backend.plan(layout)
+    assert plan.schedule == "paired" and plan.block_size == (128, kv_block)
+    call = AttentionCall(torch.device("cuda"), torch.bfloat16, 128, (64, kv_block), False)
+    if backend.supports(call) is not None:
+        pytest.skip(f"fa4 refuses: {backend.supports(call)}")
+    q, k, v = make_inputs(layout)
+    grad = kv_block == 128 and _capability() == (9, 0)
+    dout = torch.randn(q.shape, device="cuda", dtype=q.dtype)
+    ref_out, ref_lse, ref_grads = reference(q, k, v, layout, dout if grad else None)
+    for schedule in ("auto", "native"):
+        if grad:
+            out, lse = fa4_attn(q, k, v, layout, schedule=schedule)
+            check_backward(torch.autograd.grad(out, (q, k, v), dout), ref_grads)
+        else:
+            with torch.no_grad():
+                out, lse = fa4_attn(q, k, v, layout, schedule=schedule)
+        check_forward(out.detach(), lse, ref_out, ref_lse, layout)
+
+
+@pytest.mark.parametrize("block_shape", [(128, 128), (256, 256)], ids=["128x128", "256x256"])
+@pytest.mark.parametrize(
+    ("head_dim", "dtype"),
+    [(64, torch.bfloat16), (128, torch.float16)],
+    ids=["d64-bf16", "d128-fp16"],
+)
+def test_head_dim_64_and_fp16(block_shape, head_dim, dtype):
+    reason = _refusal(block_shape, head_dim, dtype, grad=True)
+    if reason is not None:
+        pytest.skip(f"fa4 refuses: {reason}")
+    layout = make_layout(block_shape, batch=2)
+    q, k, v = make_inputs(layout, head_dim=head_dim, dtype=dtype)
+    out, lse = block_sparse_attn(q, k, v, layout, backend="fa4")
+    dout = torch.randn_like(out)
+    ref_out, ref_lse, ref_grads = reference(q, k, v, layout, dout)
+    check_forward(out.detach(), lse, ref_out, ref_lse, layout)
+    check_backward(torch.autograd.grad(out, (q, k, v), dout), ref_grads)
+
+
+def test_bhsd_inputs_through_strides():
+    block_shape = (128, 128) if _capability() == (9, 0) else (256, 256)
+    layout = make_layout(block_shape)
+    q, k, v = (
+        t.detach().transpose(1, 2).contiguous().requires_grad_() for t in make_inputs(layout)
+    )
+    out, lse = block_sparse_attn(q, k, v, layout, backend="fa4", qkv_format="bhsd")
+    assert out.shape == q.shape
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    ref, ref_lse = block_sparse_attn(q32, k32, v32, layout, backend="reference", qkv_format="bhsd")
+    ref_grads = torch.autograd.grad(ref, (q32, k32, v32), dout.float())
+    assert rel_l2(out, ref) <= 1e-2
+    finite = torch.isfinite(ref_lse)
+    assert torch.allclose(lse[finite], ref_lse[finite], atol=1e-2)
+    check_backward(grads, ref_grads)
+
+
+def test_sm90_kv64_backward_is_refused_and_auto_falls_back():
+    if _capability() != (9, 0):
+        pytest.skip("sm_90 only")
+    layout = make_layout((64, 64), q_tokens=1024, kv_tokens=1024)
+    q, k, v = make_inputs(layout)
+    call = AttentionCall.describe(q, k, v, layout)
+    assert "refuses KV64 backward on sm_90" in FA4Backend().supports(call)
+    assert select_backend(call).name != "fa4"
+    out, _ = block_sparse_attn(q, k, v, layout)  # auto: another backend, with gradients
+    torch.autograd.grad(out.float().sum(), (q, k, v))
+
+
+# ---- the whole VSA op ------------------------------------------------------------------------
+def test_video_sparse_attn_inference_with_partial_tiles():
+    if _refusal((64, 64)) is not None:
+        pytest.skip(f"fa4 refuses 64x64: {_refusal((64, 64))}")
+    tiling = VideoTiling((5, 18, 30), tile_shape=(4, 4, 4))  # partial tiles on every axis
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = [
+        torch.randn(1, tiling.seq_len, 4, 128, device="cuda", generator=gen, dtype=torch.bfloat16)
+        for _ in range(3)
+    ]
+    q, k, v = (tiling.to_tiles(t) for t in x)
+    with torch.no_grad():
+        out = video_sparse_attn(q, k, v, tiling=tiling, topk=7, backend="fa4")
+        # Same bf16 inputs: the coarse stage selects the same tiles; the reference's fine
+        # attention computes in float32.
+        ref = video_sparse_attn(q, k, v, tiling=tiling, topk=7, backend="reference")
+    assert rel_l2(out, ref) <= 1e-2
+
+
+# ---- torch.compile and CUDA graphs -------------------------------------------------------------
+def _compile_case():
+    block_shape = (256, 256)
+    if _refusal(block_shape, grad=True) is not None:
+        pytest.skip(f"fa4 refuses: {_refusal(block_shape, grad=True)}")
+    return make_layout(block_shape, q_tokens=2048, kv_tokens=2048)
+
+
+def test_torch_compile_fullgraph_forward_and_backward():
+    layout = _compile_case()
+    plan = make_plan(layout.block_shape)
+    q, k, v = make_inputs(layout, requires_grad=False)
+
+    def attention_layer(q, k, v, kv_indices, kv_counts, kv_valid_sizes):
+        # physical_lists (256 -> 128 refine) and the custom op, traced as one graph.
+        out, _ = ops.attention(q * 1.0, k, v, kv_indices, kv_counts, kv_valid_sizes, 0.088, plan)
+        return (out.float() ** 2).sum()
+
+    compiled = torch.compile(attention_layer, fullgraph=True)
+    lists = (layout.kv_indices, layout.kv_counts, layout.kv_valid_sizes)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    loss = compiled(*leaves, *lists)
+    loss.backward()
+    eager = [t.clone().requires_grad_() for t in (q, k, v)]
+    eager_loss = attention_layer(*eager, *lists)
+    eager_loss.backward()
+    torch.testing.assert_close(loss, eager_loss, rtol=1e-3, atol=1e-3)
+    for got, want in zip(leaves, eager, strict=True):  # dQ accumulates atomically: not bitwise
+        assert torch.allclose(got.grad.float(), want.grad.float(), atol=1e-2, rtol=1e-2)
+
+
+def test_cuda_graph_replay_with_changing_inputs_and_layouts():
+    layout = _compile_case()
+    q, k, v = make_inputs(layout)
+    static = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    static_grad = torch.randn(q.shape, device="cuda", dtype=q.dtype)
+
+    def step():
+        out, _ = fa4_attn(*static, layout)
+        return out, torch.autograd.grad(out, static, static_grad)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # warm-up outside the capture: compiles FA4's kernels, fills caches
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graph_out, graph_grads = step()
+
+    for seed in (3, 4):
+        new_layout = make_layout(layout.block_shape, seed=seed, q_tokens=2048, kv_tokens=2048)
+        new_inputs = make_inputs(new_layout, seed=seed)
+        with torch.no_grad():
+            for dst, src in zip(static, new_inputs, strict=True):
+                dst.copy_(src)
+            layout.kv_indices.copy_(new_layout.kv_indices)
+            layout.kv_counts.copy_(new_layout.kv_counts)
+        graph.replay()
+        eager_out, eager_grads = step()
+        assert torch.equal(graph_out, eager_out)
+        for got, want in zip(graph_grads, eager_grads, strict=True):
+            assert torch.allclose(got.float(), want.float(), atol=1e-2, rtol=1e-2)
+        ref_out, _, ref_grads = reference(*static, layout, static_grad)
+        assert rel_l2(graph_out, ref_out) <= 1e-2
+        check_backward(graph_grads, ref_grads)

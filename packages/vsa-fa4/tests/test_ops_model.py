@@ -1,0 +1,179 @@
+"""The adapter end to end on the CPU, with a model of FA4's kernels (``fa4_model.py``).
+
+Everything but the kernels is the real code path: schedule, physical lists, the custom ops
+with their fake implementations and autograd, the forward/backward metadata. The model
+computes what upstream FA4 computes from the tensors it is handed, in float64, so the
+comparison with vsa-core's reference is exact up to float32 rounding (FA4's lse is float32):
+any slip in the metadata (a partial block in the full list, an empty block kept, a wrong
+transpose, a lost pair) shows as an O(1) error. What the model cannot show (the kernels
+themselves, strides, bf16 numerics) is left to the GPU tests.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vsa_core import BlockSparseLayout
+from vsa_core.reference import reference_block_sparse_attn
+from vsa_fa4 import metadata, ops
+from vsa_fa4.schedule import make_plan
+
+HEADS, DIM = 2, 16
+
+
+def valid_sizes(kv_block: int) -> list[int]:
+    """Full, partial, empty, full, 1-token, full, almost-full key blocks."""
+    return [kv_block, kv_block // 2 + 3, 0, kv_block, 1, kv_block, kv_block - 1]
+
+
+def counted_layout(block_shape, num_q: int = 6, seed: int = 0, batch: int = 1):
+    """Query block i selects i % 6 key blocks (0..5: odd and even counts), at random."""
+    gen = torch.Generator().manual_seed(seed)
+    valid = torch.tensor(valid_sizes(block_shape[1]), dtype=torch.int32)
+    num_kv = valid.shape[0]
+    order = torch.rand(batch, HEADS, num_q, num_kv, generator=gen).argsort(-1)[..., :5]
+    counts = (torch.arange(num_q) % 6).expand(batch, HEADS, num_q)
+    return BlockSparseLayout.from_indices(
+        order.to(torch.int32),
+        counts.to(torch.int32).contiguous(),
+        kv_valid_sizes=valid,
+        block_shape=block_shape,
+    )
+
+
+def inputs(layout: BlockSparseLayout, seed: int = 1, dtype=torch.float64):
+    """q, k, v leaves; key/value padding slots hold large garbage that must not leak."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(layout.batch, layout.q_len, HEADS, DIM, generator=gen, dtype=dtype)
+    k, v = (
+        torch.randn(layout.batch, layout.kv_len, HEADS, DIM, generator=gen, dtype=dtype)
+        for _ in range(2)
+    )
+    token = torch.arange(layout.kv_block)
+    pad = (token >= layout.kv_valid_sizes.unsqueeze(-1)).flatten()
+    k[:, pad] = 1e3
+    v[:, pad] = -1e3
+    return [t.requires_grad_() for t in (q, k, v)]
+
+
+def run_both(layout: BlockSparseLayout, schedule: str = "auto"):
+    q, k, v = inputs(layout)
+    scale = DIM**-0.5
+    plan = make_plan(layout.block_shape, layout.q_group_size, layout.num_q_blocks, schedule)
+    out, lse = ops.attention(
+        q, k, v, layout.kv_indices, layout.kv_counts, layout.kv_valid_sizes, scale, plan,
+        layout.q_group_size,
+    )  # fmt: skip
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(2), dtype=out.dtype)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    ref, ref_lse = reference_block_sparse_attn(q, k, v, layout, scale)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), dout)
+    return plan, (out, lse, *grads), (ref, ref_lse, *ref_grads)
+
+
+def assert_close(got, want):
+    names = ("out", "lse", "dq", "dk", "dv")
+    for name, a, b in zip(names, got, want, strict=True):
+        assert a.shape == b.shape, name
+        finite = torch.isfinite(b)
+        assert torch.equal(torch.isfinite(a), finite), name  # -inf lse exactly where expected
+        # FA4's lse is float32 (the backward reads it), the rest float64 here: float32 rounding.
+        torch.testing.assert_close(a[finite].double(), b[finite], rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("block_shape", [(64, 64), (128, 64), (64, 128), (128, 128), (256, 256)])
+def test_native_schedule_matches_the_reference(fa4_model, block_shape):
+    layout = counted_layout(block_shape)
+    plan, got, want = run_both(layout)
+    assert plan.schedule == "native"
+    assert_close(got, want)
+    assert bool((got[1] == float("-inf")).any())  # rows with no key block (count 0)
+
+
+@pytest.mark.parametrize("kv_block", [64, 128])
+def test_paired_schedule_matches_the_reference(fa4_model, kv_block):
+    layout = counted_layout((128, kv_block)).refine((64, kv_block))
+    plan, got, want = run_both(layout)
+    assert plan.schedule == "paired" and plan.block_size == (128, kv_block)
+    assert_close(got, want)
+    _, native, _ = run_both(layout, "native")
+    assert_close(native, want)
+
+
+def test_256_layout_refined_to_64x64_runs_paired(fa4_model):
+    layout = counted_layout((256, 256), num_q=3).refine((64, 64))
+    assert layout.q_group_size == 4
+    plan, got, want = run_both(layout)
+    assert plan.block_size == (128, 64)
+    assert_close(got, want)
+
+
+def test_batch_of_two_and_bhsd_strides(fa4_model):
+    layout = counted_layout((128, 128), batch=2)
+    plan = make_plan(layout.block_shape)
+    q, k, v = inputs(layout)
+    args = (layout.kv_indices, layout.kv_counts, layout.kv_valid_sizes, DIM**-0.5, plan)
+    out, lse = ops.attention(q, k, v, *args)
+    # The same data as BHSD tensors, handed over as transposed (non-contiguous) views.
+    qt, kt, vt = (t.detach().transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    assert not qt.is_contiguous()
+    out_t, lse_t = ops.attention(qt, kt, vt, *args)
+    torch.testing.assert_close(out_t, out.detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse_t, lse, rtol=1e-12, atol=1e-12)
+    assert out_t.is_contiguous()  # outputs are contiguous BSHD
+
+
+def test_inference_builds_no_backward_metadata(fa4_model, monkeypatch):
+    built = []
+    original = metadata.backward_lists
+
+    def spy(*args):
+        built.append(1)
+        return original(*args)
+
+    monkeypatch.setattr(ops, "backward_lists", spy)
+    layout = counted_layout((128, 128))
+    plan = make_plan(layout.block_shape)
+    q, k, v = inputs(layout)
+    args = (layout.kv_indices, layout.kv_counts, layout.kv_valid_sizes, DIM**-0.5, plan)
+    with torch.no_grad():
+        ops.attention(q, k, v, *args)
+    ops.attention(*(t.detach() for t in (q, k, v)), *args)
+    out, _ = ops.attention(q, k, v, *args)
+    assert built == []  # a forward with autograd on builds nothing for backward yet
+    out.sum().backward()
+    assert built == [1]
+
+
+def test_opcheck_forward_and_backward_ops(fa4_model):
+    """Schema, autograd registration and fake implementations (output shapes and strides)
+    agree with the real ops (AOT dispatch is covered by the torch.compile test below)."""
+    layout = counted_layout((128, 64))
+    plan = make_plan(layout.block_shape)
+    q, k, v = inputs(layout)
+    lists = (layout.kv_indices, layout.kv_counts, layout.kv_valid_sizes)
+    fwd_args = (q, k, v, *lists, DIM**-0.5, *plan.block_size)
+    checks = ("test_schema", "test_autograd_registration", "test_faketensor")
+    torch.library.opcheck(ops.block_sparse_fwd, fwd_args, test_utils=checks)
+    out, lse = ops.block_sparse_fwd(*(t.detach() for t in (q, k, v)), *fwd_args[3:])
+    bwd_args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, *fwd_args[3:])
+    torch.library.opcheck(ops.block_sparse_bwd, bwd_args, test_utils=checks)
+
+
+def test_torch_compile_fullgraph_traces_the_adapter(fa4_model):
+    layout = counted_layout((256, 256), num_q=4)
+    plan = make_plan(layout.block_shape)
+
+    def layer(q, k, v, kv_indices, kv_counts, kv_valid_sizes):
+        out, _ = ops.attention(q * 1.0, k, v, kv_indices, kv_counts, kv_valid_sizes, 0.25, plan)
+        return (out**2).sum()
+
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    lists = (layout.kv_indices, layout.kv_counts, layout.kv_valid_sizes)
+    leaves = inputs(layout)
+    compiled(*leaves, *lists).backward()
+    eager = inputs(layout)
+    layer(*eager, *lists).backward()
+    for got, want in zip(leaves, eager, strict=True):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-9, atol=1e-9)
