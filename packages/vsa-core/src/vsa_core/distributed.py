@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from vsa_core.ops import QKVFormat, _resolve_scale, video_sparse_attn
 from vsa_core.tiling import VideoTiling
-from vsa_core.validation import check_qkv
+from vsa_core.validation import check_coarse_gate, check_qkv
 
 __all__ = [
     "gather_sequence",
@@ -373,25 +373,14 @@ def _check_gate(
     gate: torch.Tensor | None, q: torch.Tensor, qkv_format: str, seq_local: int
 ) -> torch.Tensor | None:
     """The gate as a 4-D BSHD view broadcastable to the local q, or None."""
+    gate = check_coarse_gate(
+        gate,
+        q,
+        f"be sharded like q: broadcastable to q's local shape {tuple(q.shape)} "
+        f"(sequence length {seq_local} = this rank's slice, or 1)",
+    )
     if gate is None:
         return None
-    if not isinstance(gate, torch.Tensor):
-        raise ValueError(f"coarse_gate must be a tensor or None, got {type(gate).__name__}")
-    if gate.dtype != q.dtype or gate.device != q.device:
-        raise ValueError(
-            f"coarse_gate must have q's dtype {q.dtype} and device {q.device}, "
-            f"got {gate.dtype} on {gate.device}"
-        )
-    try:
-        shape = torch.broadcast_shapes(gate.shape, q.shape)
-    except RuntimeError:
-        shape = None
-    if shape != q.shape:
-        raise ValueError(
-            f"coarse_gate must be sharded like q: broadcastable to q's local shape "
-            f"{tuple(q.shape)} (sequence length {seq_local} = this rank's slice, or 1), "
-            f"got {tuple(gate.shape)}"
-        )
     gate = gate[(None,) * (4 - gate.dim())]
     return _as_bshd(gate, qkv_format)
 

@@ -20,7 +20,7 @@ from vsa_core.backends import AttentionCall, select_backend
 from vsa_core.coarse import coarse_attention, pool_tiles, select_topk
 from vsa_core.layout import BlockSparseLayout
 from vsa_core.tiling import VideoTiling
-from vsa_core.validation import check_int_tensor, check_qkv, check_range
+from vsa_core.validation import check_coarse_gate, check_int_tensor, check_qkv, check_range
 
 QKVFormat = Literal["bshd", "bhsd"]
 TokenOrder = Literal["tiled", "raster"]
@@ -117,7 +117,7 @@ def video_sparse_attn(
         raise ValueError(
             f"topk must be an integer in [1, {num_tiles}] (the number of tiles), got {topk!r}"
         )
-    gate = _check_gate(coarse_gate, q)
+    gate = check_coarse_gate(coarse_gate, q)
     scale = _resolve_scale(scale, dim)
 
     gate = None if gate is None else _as_bshd(gate.expand(q.shape), qkv_format)
@@ -199,27 +199,6 @@ def _resolve_tiles(tiling, kv_valid_sizes, seq, token_order, device, validate):
     if validate:
         check_range("kv_valid_sizes", kv_valid_sizes, 0, seq // num_tiles)
     return kv_valid_sizes.to(torch.int32), seq // num_tiles
-
-
-def _check_gate(gate: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
-    if gate is None:
-        return None
-    if not isinstance(gate, torch.Tensor):
-        raise ValueError(f"coarse_gate must be a tensor or None, got {type(gate).__name__}")
-    if gate.dtype != q.dtype or gate.device != q.device:
-        raise ValueError(
-            f"coarse_gate must have q's dtype {q.dtype} and device {q.device}, "
-            f"got {gate.dtype} on {gate.device}"
-        )
-    try:
-        shape = torch.broadcast_shapes(gate.shape, q.shape)
-    except RuntimeError:
-        shape = None
-    if shape != q.shape:
-        raise ValueError(
-            f"coarse_gate must broadcast to q's shape {tuple(q.shape)}, got {tuple(gate.shape)}"
-        )
-    return gate
 
 
 def _check_layout_matches(layout: BlockSparseLayout, q: torch.Tensor, k: torch.Tensor) -> None:

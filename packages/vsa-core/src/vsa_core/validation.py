@@ -102,3 +102,29 @@ def check_range(name: str, t: torch.Tensor, low: int, high: int) -> None:
 def check_same_device(name: str, t: torch.Tensor, device: torch.device) -> None:
     if t.device != device:
         raise ValueError(f"{name} must be on device {device}, got {t.device}")
+
+
+def check_coarse_gate(
+    gate: torch.Tensor | None, q: torch.Tensor, expected: str | None = None
+) -> torch.Tensor | None:
+    """A coarse gate must be None or a tensor in q's dtype and device, broadcastable to q.
+
+    ``expected`` describes the required shape in the error (default: q's shape).
+    """
+    if gate is None:
+        return None
+    if not isinstance(gate, torch.Tensor):
+        raise ValueError(f"coarse_gate must be a tensor or None, got {type(gate).__name__}")
+    if gate.dtype != q.dtype or gate.device != q.device:
+        raise ValueError(
+            f"coarse_gate must have q's dtype {q.dtype} and device {q.device}, "
+            f"got {gate.dtype} on {gate.device}"
+        )
+    try:
+        shape = torch.broadcast_shapes(gate.shape, q.shape)
+    except RuntimeError:
+        shape = None
+    if shape != q.shape:
+        expected = expected or f"broadcast to q's shape {tuple(q.shape)}"
+        raise ValueError(f"coarse_gate must {expected}, got {tuple(gate.shape)}")
+    return gate

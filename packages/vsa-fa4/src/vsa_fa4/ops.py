@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from vsa_core.backends.custom_ops import register_block_sparse_autograd
 from vsa_fa4 import launch
 from vsa_fa4.metadata import backward_lists, forward_lists, physical_lists
 from vsa_fa4.schedule import Plan
@@ -100,24 +101,7 @@ def _(dout, q, k, v, out, lse, kv_indices, kv_counts, kv_valid_sizes, scale, q_t
     return _bshd(q, q.shape[-1]), _bshd(k, k.shape[-1]), _bshd(v, v.shape[-1])
 
 
-def _setup_context(ctx, inputs, output):
-    q, k, v, kv_indices, kv_counts, kv_valid_sizes, scale, q_tile, kv_tile = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, kv_indices, kv_counts, kv_valid_sizes)
-    ctx.attrs = (scale, q_tile, kv_tile)
-    ctx.mark_non_differentiable(lse)
-
-
-def _backward(ctx, dout, _dlse):
-    q, k, v, out, lse, kv_indices, kv_counts, kv_valid_sizes = ctx.saved_tensors
-    scale, q_tile, kv_tile = ctx.attrs
-    dq, dk, dv = block_sparse_bwd(
-        dout, q, k, v, out, lse, kv_indices, kv_counts, kv_valid_sizes, scale, q_tile, kv_tile
-    )
-    return dq, dk, dv, None, None, None, None, None, None
-
-
-block_sparse_fwd.register_autograd(_backward, setup_context=_setup_context)
+register_block_sparse_autograd(block_sparse_fwd, block_sparse_bwd)
 
 
 def attention(

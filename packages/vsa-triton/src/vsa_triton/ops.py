@@ -12,6 +12,7 @@ import math
 
 import torch
 
+from vsa_core.backends.custom_ops import register_block_sparse_autograd
 from vsa_triton.config import backward_config, forward_config
 
 LOG2E = 1.0 / math.log(2.0)
@@ -145,24 +146,7 @@ def _(dout, q, k, v, out, lse, kv_indices, kv_counts, kv_valid_sizes, scale, q_b
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-def _setup_context(ctx, inputs, output):
-    q, k, v, kv_indices, kv_counts, kv_valid_sizes, scale, q_block, kv_block = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, kv_indices, kv_counts, kv_valid_sizes)
-    ctx.attrs = (scale, q_block, kv_block)
-    ctx.mark_non_differentiable(lse)
-
-
-def _backward(ctx, dout, _dlse):
-    q, k, v, out, lse, kv_indices, kv_counts, kv_valid_sizes = ctx.saved_tensors
-    scale, q_block, kv_block = ctx.attrs
-    dq, dk, dv = block_sparse_bwd(
-        dout, q, k, v, out, lse, kv_indices, kv_counts, kv_valid_sizes, scale, q_block, kv_block
-    )
-    return dq, dk, dv, None, None, None, None, None, None
-
-
-block_sparse_fwd.register_autograd(_backward, setup_context=_setup_context)
+register_block_sparse_autograd(block_sparse_fwd, block_sparse_bwd)
 
 
 def triton_cdiv(a: int, b: int) -> int:
