@@ -194,6 +194,33 @@ class Timing:
         }
 
 
+def _rep_times(
+    fn: Callable[[Any], Any], state: Callable[[], Any], device: torch.device, reps: int
+) -> list[float]:
+    """The time (ms) of each of ``reps`` calls ``fn(state())``, ``state()`` untimed: CUDA events
+    recorded on the current stream on a GPU, perf_counter on the CPU."""
+    times: list[float] = []
+    if device.type == "cuda":
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        for i in range(reps):
+            s = state()
+            starts[i].record()
+            fn(s)
+            ends[i].record()
+            del s
+        torch.cuda.synchronize(device)
+        times = [float(a.elapsed_time(b)) for a, b in zip(starts, ends, strict=True)]
+    else:
+        for _ in range(reps):
+            s = state()
+            t0 = time.perf_counter()
+            fn(s)
+            times.append((time.perf_counter() - t0) * 1e3)
+            del s
+    return times
+
+
 def time_fn(
     fn: Callable[[Any], Any],
     device: torch.device,
@@ -212,7 +239,6 @@ def time_fn(
     that much time (never fewer than ``min_reps``), estimated from the last warm-up call, and
     ends the warm-up once it has taken that long (after at least one call).
     """
-    cuda = device.type == "cuda"
 
     def state() -> Any:
         return setup() if setup is not None else None
@@ -236,25 +262,7 @@ def time_fn(
         est = max(last if last is not None else one_call(), 1e-6)
         reps = max(min_reps, min(reps, int(budget_s / est)))
     reps = max(1, reps)
-    times: list[float] = []
-    if cuda:
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-        for i in range(reps):
-            s = state()
-            starts[i].record()
-            fn(s)
-            ends[i].record()
-            del s
-        torch.cuda.synchronize(device)
-        times = [float(a.elapsed_time(b)) for a, b in zip(starts, ends, strict=True)]
-    else:
-        for _ in range(reps):
-            s = state()
-            t0 = time.perf_counter()
-            fn(s)
-            times.append((time.perf_counter() - t0) * 1e3)
-            del s
+    times = _rep_times(fn, state, device, reps)
     return Timing(statistics.median(times), min(times), max(times), reps, warmed, times)
 
 
@@ -626,25 +634,7 @@ def time_fn_distributed(
     synchronize(device)
     barrier(device)
     wall0 = time.perf_counter()
-    times: list[float] = []
-    if device.type == "cuda":
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-        for i in range(reps):
-            s = state()
-            starts[i].record()
-            fn(s)
-            ends[i].record()
-            del s
-        torch.cuda.synchronize(device)
-        times = [float(a.elapsed_time(b)) for a, b in zip(starts, ends, strict=True)]
-    else:
-        for _ in range(reps):
-            s = state()
-            t0 = time.perf_counter()
-            fn(s)
-            times.append((time.perf_counter() - t0) * 1e3)
-            del s
+    times = _rep_times(fn, state, device, reps)
     barrier(device)
     wall_ms = (time.perf_counter() - wall0) * 1e3
     slowest = all_ranks_max([*times, wall_ms / reps], device)

@@ -42,6 +42,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -324,28 +325,25 @@ def make_op_inputs(cfg: Config, tiling: VideoTiling, heads: int, device: torch.d
     return OpInputs(q, k, v, gate, dout, cfg.head_dim**-0.5)
 
 
-def op_runner(
-    inputs: OpInputs, tiling: VideoTiling, topk: int, backend: str, mode: str
-) -> bc.Runner:
+def attn_runner(inputs: OpInputs, mode: str, attn: Callable[..., Any]) -> bc.Runner:
+    """``attn(q, k, v, coarse_gate=gate, scale=scale)`` on ``inputs`` as a runner of ``mode``
+    (the gradients: dq, dk, dv and, with a gate, dgate)."""
     tensors = [inputs.q, inputs.k, inputs.v] + ([inputs.gate] if inputs.gate is not None else [])
     leaves = bc.make_leaves(tensors, mode, lambda t: t)
     scale = inputs.scale
 
     def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *gate: torch.Tensor) -> Any:
-        return video_sparse_attn(
-            q,
-            k,
-            v,
-            tiling=tiling,
-            topk=topk,
-            coarse_gate=gate[0] if gate else None,
-            backend=backend,
-            scale=scale,
-            validate=False,
-        )
+        return attn(q, k, v, coarse_gate=gate[0] if gate else None, scale=scale)
 
     names = ("dq", "dk", "dv", "dgate")[: len(leaves)]
     return bc.autograd_runner(forward, leaves, inputs.dout, mode, names=names)
+
+
+def op_runner(
+    inputs: OpInputs, tiling: VideoTiling, topk: int, backend: str, mode: str
+) -> bc.Runner:
+    attn = partial(video_sparse_attn, tiling=tiling, topk=topk, backend=backend, validate=False)
+    return attn_runner(inputs, mode, attn)
 
 
 def op_reference(
@@ -665,24 +663,8 @@ def sp_op_runner(
     local: OpInputs, tiling: VideoTiling, topk: int, backend: str, mode: str
 ) -> bc.Runner:
     """`sequence_parallel_video_sparse_attn` on this rank's shards (outputs: its shards)."""
-    tensors = [local.q, local.k, local.v] + ([local.gate] if local.gate is not None else [])
-    leaves = bc.make_leaves(tensors, mode, lambda t: t)
-    scale = local.scale
-
-    def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *gate: torch.Tensor) -> Any:
-        return sequence_parallel_video_sparse_attn(
-            q,
-            k,
-            v,
-            topk=topk,
-            tiling=tiling,
-            coarse_gate=gate[0] if gate else None,
-            backend=backend,
-            scale=scale,
-        )
-
-    names = ("dq", "dk", "dv", "dgate")[: len(leaves)]
-    return bc.autograd_runner(forward, leaves, local.dout, mode, names=names)
+    attn = partial(sequence_parallel_video_sparse_attn, topk=topk, tiling=tiling, backend=backend)
+    return attn_runner(local, mode, attn)
 
 
 def run_single_gpu_op(

@@ -30,7 +30,8 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -166,10 +167,56 @@ def run_gate(
     """Compile the named configurations (default: all) in a fresh process; never raises for
     a failed compilation, which is reported in the results."""
     selected = select_configs(configs)
-    env = {**os.environ, **gate_environment(arch, dump_dir)}
-    cmd = [sys.executable, "-m", "flash_attn_vsa.compile_gate", "--worker", "--arch", arch]
-    for config in selected:
-        cmd += ["-c", config.name]
+    cmd = ["--arch", arch, *(arg for config in selected for arg in ("-c", config.name))]
+    output = run_worker(
+        "flash_attn_vsa.compile_gate",
+        cmd,
+        gate_environment(arch, dump_dir),
+        timeout,
+        env_prefix=ENV_PREFIX,
+        result_prefix=RESULT_PREFIX,
+    )
+    return GateReport(
+        arch=arch,
+        results=output.results_for([config.name for config in selected]),
+        versions=output.info.get("versions", {}),
+        import_seconds=output.info.get("import_seconds"),
+        returncode=output.returncode,
+        stderr_tail=output.stderr[-4000:],
+    )
+
+
+@dataclass
+class WorkerOutput:
+    """What a gate's worker process printed: its environment line, its results by name."""
+
+    info: dict[str, Any]
+    results: dict[str, GateResult]
+    returncode: int
+    stderr: str
+
+    def results_for(self, names: Sequence[str], *, exit_label: str = "exit ") -> list[GateResult]:
+        """The results of ``names`` in order; one the process did not report counts as failed."""
+        last = self.stderr.strip().splitlines()[-1] if self.stderr.strip() else "no output"
+        error = f"gate process ended ({exit_label}{self.returncode}): {last}"
+        return [
+            self.results.get(name) or GateResult(name, False, 0.0, error=error) for name in names
+        ]
+
+
+def run_worker(
+    module: str,
+    args: Sequence[str],
+    environment: dict[str, str],
+    timeout: float,
+    *,
+    env_prefix: str,
+    result_prefix: str,
+) -> WorkerOutput:
+    """Run ``python -m module --worker *args`` with ``environment`` on top of the caller's and
+    collect the lines it prints (see :func:`serve_worker`); never raises for a failed run."""
+    cmd = [sys.executable, "-m", module, "--worker", *args]
+    env = {**os.environ, **environment}
     try:
         done = subprocess.run(
             cmd, env=env, capture_output=True, text=True, timeout=timeout, check=False
@@ -179,30 +226,17 @@ def run_gate(
         stdout = _text(exc.stdout)
         stderr = _text(exc.stderr) + f"\n(timed out after {timeout:.0f} s)"
         returncode = -1
-    report = GateReport(arch=arch, results=[], returncode=returncode, stderr_tail=stderr[-4000:])
-    seen: dict[str, GateResult] = {}
+    output = WorkerOutput(info={}, results={}, returncode=returncode, stderr=stderr)
     for line in stdout.splitlines():
         try:
-            if line.startswith(ENV_PREFIX):
-                info = json.loads(line[len(ENV_PREFIX) :])
-                report.versions = info["versions"]
-                report.import_seconds = info["import_seconds"]
-            elif line.startswith(RESULT_PREFIX):
-                result = GateResult(**json.loads(line[len(RESULT_PREFIX) :]))
-                seen[result.name] = result
+            if line.startswith(env_prefix):
+                output.info = json.loads(line[len(env_prefix) :])
+            elif line.startswith(result_prefix):
+                result = GateResult(**json.loads(line[len(result_prefix) :]))
+                output.results[result.name] = result
         except (ValueError, TypeError, KeyError):
             continue  # a line cut short by a crash: its configuration counts as failed
-    for config in selected:
-        if config.name in seen:
-            report.results.append(seen[config.name])
-        else:
-            last = stderr.strip().splitlines()[-1] if stderr.strip() else "no output"
-            report.results.append(
-                GateResult(
-                    config.name, False, 0.0, error=f"gate process ended (exit {returncode}): {last}"
-                )
-            )
-    return report
+    return output
 
 
 def _text(data: bytes | str | None) -> str:
@@ -215,8 +249,9 @@ def _text(data: bytes | str | None) -> str:
 # The worker: runs in the gate's own process, with the environment above
 
 
-class _CountingCompile:
-    """Stands in for ``cutlass.cute.compile`` in the worker and records what it compiles."""
+class CountingCompile:
+    """Stands in for ``cutlass.cute.compile`` in the worker and records what it compiles
+    (:meth:`kernel_name` of each compiled object)."""
 
     def __init__(self, inner: Any) -> None:
         self._inner = inner
@@ -240,6 +275,9 @@ class _CountingCompile:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
+
+
+_CountingCompile = CountingCompile
 
 
 def _arch_number(arch: str) -> int:
@@ -275,18 +313,49 @@ def _sparse_tensors(torch: Any, block_size: tuple[int, int], direction: str) -> 
     )
 
 
-def _compile_one(config: GateConfig, arch: str, counter: _CountingCompile) -> GateResult:
+@contextmanager
+def fake_cuda_qkv() -> Iterator[tuple[Any, Any, Any]]:
+    """Fake-tensor mode with fake CUDA ``q, k, v`` of the gate's shape ([B, S, H, D], bf16):
+    upstream's entry points compile their kernels in it and skip the launch."""
     import torch
-    from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     dtype = getattr(torch, DTYPE)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        shape = (BATCH, SEQLEN, HEADS, HEAD_DIM)
+        q, k, v = (torch.empty(shape, dtype=dtype, device="cuda") for _ in range(3))
+        yield q, k, v
+
+
+def timed_compile(
+    name: str, counter: CountingCompile, body: Callable[[], object], kernel: str | None
+) -> GateResult:
+    """Run ``body`` and report what it compiled; it passes when it returns having compiled
+    ``kernel`` (any kernels, where ``kernel`` is None)."""
     before = len(counter.compiled)
     start = time.perf_counter()
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True):
-            shape = (BATCH, SEQLEN, HEADS, HEAD_DIM)
-            q, k, v = (torch.empty(shape, dtype=dtype, device="cuda") for _ in range(3))
+        body()
+    except Exception as exc:
+        seconds = time.perf_counter() - start
+        message = f"{type(exc).__name__}: {exc}".strip().splitlines()
+        return GateResult(
+            name, False, seconds, counter.compiled[before:], " | ".join(message)[:2000]
+        )
+    seconds = time.perf_counter() - start
+    kernels = counter.compiled[before:]
+    if kernel is not None and kernel not in kernels:
+        error = f"returned without compiling {kernel} (compiled: {kernels or 'nothing'})"
+        return GateResult(name, False, seconds, kernels, error)
+    return GateResult(name, True, seconds, kernels)
+
+
+def _compile_one(config: GateConfig, arch: str, counter: CountingCompile) -> GateResult:
+    def body() -> None:
+        import torch
+        from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd
+
+        with fake_cuda_qkv() as (q, k, v):
             sparse = (
                 _sparse_tensors(torch, config.block_size, config.direction)
                 if config.block_size is not None
@@ -306,26 +375,23 @@ def _compile_one(config: GateConfig, arch: str, counter: _CountingCompile) -> Ga
                 out, dout = torch.empty_like(q), torch.empty_like(q)
                 lse = torch.empty(BATCH, HEADS, SEQLEN, dtype=torch.float32, device="cuda")
                 _flash_attn_bwd(q, k, v, out, dout, lse, block_sparse_tensors=sparse)
-    except Exception as exc:
-        seconds = time.perf_counter() - start
-        message = f"{type(exc).__name__}: {exc}".strip().splitlines()
-        return GateResult(
-            config.name, False, seconds, counter.compiled[before:], " | ".join(message)[:2000]
-        )
-    seconds = time.perf_counter() - start
-    kernels = counter.compiled[before:]
-    if arch == "sm_90a" and config.kernel not in kernels:
-        return GateResult(
-            config.name,
-            False,
-            seconds,
-            kernels,
-            f"returned without compiling {config.kernel} (compiled: {kernels or 'nothing'})",
-        )
-    return GateResult(config.name, True, seconds, kernels)
+
+    return timed_compile(config.name, counter, body, config.kernel if arch == "sm_90a" else None)
 
 
-def _worker(names: Sequence[str], arch: str) -> int:
+def serve_worker(
+    arch: str,
+    configs: Sequence[Any],
+    compile_one: Callable[[Any, Any], GateResult],
+    *,
+    env_prefix: str,
+    result_prefix: str,
+    info: dict[str, Any] | None = None,
+    counter_type: type[CountingCompile] = CountingCompile,
+) -> int:
+    """The worker's side of :func:`run_worker`: check the environment, import upstream (timed),
+    count what ``cutlass.cute.compile`` compiles, and print an environment line (``info`` and
+    the import time), then one result line per configuration."""
     import warnings
 
     expected = gate_environment(arch)
@@ -334,6 +400,20 @@ def _worker(names: Sequence[str], arch: str) -> int:
         print(f"the gate worker needs {expected}; differs: {wrong}", file=sys.stderr)
         return 2
     warnings.simplefilter("ignore")  # upstream's fake-mode warnings are noise here
+    start = time.perf_counter()
+    import cutlass.cute
+    import flash_attn.cute.interface  # noqa: F401  (timed here, not in the first config)
+
+    import_seconds = time.perf_counter() - start
+    counter = counter_type(cutlass.cute.compile)
+    cutlass.cute.compile = counter
+    print(env_prefix + json.dumps({**(info or {}), "import_seconds": import_seconds}), flush=True)
+    for config in configs:
+        print(result_prefix + json.dumps(asdict(compile_one(config, counter))), flush=True)
+    return 0
+
+
+def _worker(names: Sequence[str], arch: str) -> int:
     from importlib.metadata import PackageNotFoundError, version
 
     versions: dict[str, str | None] = {}
@@ -342,37 +422,46 @@ def _worker(names: Sequence[str], arch: str) -> int:
             versions[dist] = version(dist)
         except PackageNotFoundError:
             versions[dist] = None
-    start = time.perf_counter()
-    import cutlass.cute
-    import flash_attn.cute.interface  # noqa: F401  (timed here, not in the first config)
-
-    import_seconds = time.perf_counter() - start
-    counter = _CountingCompile(cutlass.cute.compile)
-    cutlass.cute.compile = counter
-    print(ENV_PREFIX + json.dumps({"versions": versions, "import_seconds": import_seconds}))
-    sys.stdout.flush()
-    for config in select_configs(names):
-        result = _compile_one(config, arch, counter)
-        print(RESULT_PREFIX + json.dumps(asdict(result)))
-        sys.stdout.flush()
-    return 0
+    return serve_worker(
+        arch,
+        select_configs(names),
+        lambda config, counter: _compile_one(config, arch, counter),
+        env_prefix=ENV_PREFIX,
+        result_prefix=RESULT_PREFIX,
+        info={"versions": versions},
+    )
 
 
 # --------------------------------------------------------------------------------------------
 # Command line
 
 
+def format_results(
+    results: Sequence[GateResult],
+    import_seconds: float | None,
+    *,
+    header: bool = True,
+    seconds: str = "{:7.1f}",
+) -> list[str]:
+    """The import time and a table row per result (config, ok/FAILED, seconds, kernels or
+    error); ``seconds`` formats the time."""
+    lines = []
+    if import_seconds is not None:
+        lines.append(f"importing flash_attn.cute: {import_seconds:.1f} s")
+    width = max([len(r.name) for r in results] + [6])
+    if header:
+        lines.append(f"{'config':<{width}}  result  seconds  compiled")
+    for r in results:
+        status = "ok" if r.ok else "FAILED"
+        detail = ", ".join(r.kernels) if r.ok else (r.error or "")
+        lines.append(f"{r.name:<{width}}  {status:<6}  {seconds.format(r.seconds)}  {detail}")
+    return lines
+
+
 def format_report(report: GateReport) -> str:
     versions = ", ".join(f"{k} {v}" for k, v in report.versions.items()) or "versions unknown"
     lines = [f"FA4 compile gate for {report.arch} (fake CUDA tensors, no GPU): {versions}"]
-    if report.import_seconds is not None:
-        lines.append(f"importing flash_attn.cute: {report.import_seconds:.1f} s")
-    width = max([len(r.name) for r in report.results] + [6])
-    lines.append(f"{'config':<{width}}  result  seconds  compiled")
-    for r in report.results:
-        status = "ok" if r.ok else "FAILED"
-        detail = ", ".join(r.kernels) if r.ok else (r.error or "")
-        lines.append(f"{r.name:<{width}}  {status:<6}  {r.seconds:7.1f}  {detail}")
+    lines += format_results(report.results, report.import_seconds)
     passed = sum(r.ok for r in report.results)
     lines.append(f"{passed}/{len(report.results)} configurations compiled")
     if not report.ok and report.stderr_tail.strip():

@@ -21,20 +21,28 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
-import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
-from flash_attn_vsa.compile_gate import gate_environment
+from flash_attn_vsa.compile_gate import (
+    BATCH,
+    HEAD_DIM,
+    HEADS,
+    SEQLEN,
+    CountingCompile,
+    GateResult,
+    fake_cuda_qkv,
+    format_results,
+    gate_environment,
+    run_worker,
+    serve_worker,
+    timed_compile,
+)
 
 ARCH = "sm_90a"
-BATCH, SEQLEN, HEADS, HEAD_DIM = 1, 1024, 2, 128
 WIDTH = 3  # key-list width of the fake layouts
-DTYPE = "bfloat16"
 RESULT_PREFIX = "vsa-fa4-compile-gate-result "
 ENV_PREFIX = "vsa-fa4-compile-gate-env "
 
@@ -69,15 +77,6 @@ the paired kernel's tile (128x64); 64x128 adds a 64x128 forward and a Q64 backwa
 
 
 @dataclass
-class GateResult:
-    name: str
-    ok: bool
-    seconds: float
-    kernels: list[str] = field(default_factory=list)
-    error: str | None = None
-
-
-@dataclass
 class GateReport:
     results: list[GateResult]
     import_seconds: float | None = None
@@ -102,85 +101,52 @@ def select_configs(names: Sequence[str] | None) -> list[GateConfig]:
 def run_gate(configs: Sequence[str] | None = None, *, timeout: float = 600.0) -> GateReport:
     """Compile the named configurations (default: all) in a fresh process."""
     selected = select_configs(configs)
-    env = {**os.environ, **gate_environment(ARCH)}
-    cmd = [sys.executable, "-m", "vsa_fa4.compile_gate", "--worker"]
-    for config in selected:
-        cmd += ["-c", config.name]
-    try:
-        done = subprocess.run(
-            cmd, env=env, capture_output=True, text=True, timeout=timeout, check=False
-        )
-        stdout, stderr, returncode = done.stdout, done.stderr, done.returncode
-    except subprocess.TimeoutExpired as exc:
-        stdout = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-        stderr = f"(timed out after {timeout:.0f} s)"
-        returncode = -1
-    report = GateReport(results=[], returncode=returncode, stderr_tail=stderr[-4000:])
-    seen: dict[str, GateResult] = {}
-    for line in stdout.splitlines():
-        try:
-            if line.startswith(ENV_PREFIX):
-                report.import_seconds = json.loads(line[len(ENV_PREFIX) :])["import_seconds"]
-            elif line.startswith(RESULT_PREFIX):
-                result = GateResult(**json.loads(line[len(RESULT_PREFIX) :]))
-                seen[result.name] = result
-        except (ValueError, TypeError, KeyError):
-            continue
-    for config in selected:
-        last = stderr.strip().splitlines()[-1] if stderr.strip() else "no output"
-        report.results.append(
-            seen.get(config.name)
-            or GateResult(
-                config.name, False, 0.0, error=f"gate process ended ({returncode}): {last}"
-            )
-        )
-    return report
+    output = run_worker(
+        "vsa_fa4.compile_gate",
+        [arg for config in selected for arg in ("-c", config.name)],
+        gate_environment(ARCH),
+        timeout,
+        env_prefix=ENV_PREFIX,
+        result_prefix=RESULT_PREFIX,
+    )
+    return GateReport(
+        results=output.results_for([config.name for config in selected], exit_label=""),
+        import_seconds=output.info.get("import_seconds"),
+        returncode=output.returncode,
+        stderr_tail=output.stderr[-4000:],
+    )
 
 
 # --------------------------------------------------------------------------------------------
 # The worker (in the gate's process)
 
 
-class _Counter:
-    """Wraps ``cutlass.cute.compile``: records each compiled kernel's class and whether it
-    carries a mask_mod (``name+mask_mod``)."""
+class _Counter(CountingCompile):
+    """Records each compiled kernel's class and whether it carries a mask_mod
+    (``name+mask_mod``)."""
 
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self.compiled: list[str] = []
-
-    def __call__(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        obj = getattr(fn, "__self__", fn)
-        name = type(obj).__name__
-        if getattr(obj, "mask_mod", None) is not None:
+    @staticmethod
+    def kernel_name(fn: Any) -> str:
+        name = CountingCompile.kernel_name(fn)
+        if getattr(getattr(fn, "__self__", fn), "mask_mod", None) is not None:
             name += "+mask_mod"
-        self.compiled.append(name)
-        return self.inner(fn, *args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
+        return name
 
 
 def _compile_one(config: GateConfig, counter: _Counter) -> GateResult:
-    import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    def body() -> None:
+        import torch
 
-    from vsa_fa4.metadata import physical_lists
-    from vsa_fa4.ops import backward_impl, forward_impl
-    from vsa_fa4.schedule import make_plan
+        from vsa_fa4.metadata import physical_lists
+        from vsa_fa4.ops import backward_impl, forward_impl
+        from vsa_fa4.schedule import make_plan
 
-    before = len(counter.compiled)
-    start = time.perf_counter()
-    try:
         q_block, kv_block = config.block_shape
         num_q, num_kv = SEQLEN // q_block, SEQLEN // kv_block
         plan = make_plan(config.block_shape, 2, num_q, config.schedule)
         if plan.block_size != config.physical:
             raise AssertionError(f"plan gives {plan.block_size}, expected {config.physical}")
-        dtype = getattr(torch, DTYPE)
-        with FakeTensorMode(allow_non_fake_inputs=True):
-            shape = (BATCH, SEQLEN, HEADS, HEAD_DIM)
-            q, k, v = (torch.empty(shape, dtype=dtype, device="cuda") for _ in range(3))
+        with fake_cuda_qkv() as (q, k, v):
             i32 = {"dtype": torch.int32, "device": "cuda"}
             kv_indices = torch.zeros(BATCH, HEADS, num_q, WIDTH, **i32)
             kv_counts = torch.zeros(BATCH, HEADS, num_q, **i32)
@@ -190,52 +156,26 @@ def _compile_one(config: GateConfig, counter: _Counter) -> GateResult:
             out, lse = forward_impl(q, k, v, *args)
             if config.direction == "bwd":
                 backward_impl(torch.empty_like(out), q, k, v, out, lse, *args)
-    except Exception as exc:
-        message = " | ".join(f"{type(exc).__name__}: {exc}".strip().splitlines())[:2000]
-        return GateResult(
-            config.name, False, time.perf_counter() - start, counter.compiled[before:], message
-        )
-    seconds = time.perf_counter() - start
-    kernels = counter.compiled[before:]
-    wanted = config.kernel + "+mask_mod"
-    if wanted not in kernels:
-        error = f"returned without compiling {wanted} (compiled: {kernels or 'nothing'})"
-        return GateResult(config.name, False, seconds, kernels, error)
-    return GateResult(config.name, True, seconds, kernels)
+
+    return timed_compile(config.name, counter, body, config.kernel + "+mask_mod")
 
 
 def _worker(names: Sequence[str]) -> int:
-    import warnings
-
-    expected = gate_environment(ARCH)
-    wrong = {k: os.environ.get(k) for k in expected if os.environ.get(k) != expected[k]}
-    if wrong:
-        print(f"the gate worker needs {expected}; differs: {wrong}", file=sys.stderr)
-        return 2
-    warnings.simplefilter("ignore")  # upstream's fake-mode warnings are noise here
-    start = time.perf_counter()
-    import cutlass.cute
-    import flash_attn.cute.interface  # noqa: F401  (timed here, not in the first config)
-
-    import_seconds = time.perf_counter() - start
-    counter = _Counter(cutlass.cute.compile)
-    cutlass.cute.compile = counter
-    print(ENV_PREFIX + json.dumps({"import_seconds": import_seconds}), flush=True)
-    for config in select_configs(names):
-        print(RESULT_PREFIX + json.dumps(asdict(_compile_one(config, counter))), flush=True)
-    return 0
+    return serve_worker(
+        ARCH,
+        select_configs(names),
+        _compile_one,
+        env_prefix=ENV_PREFIX,
+        result_prefix=RESULT_PREFIX,
+        counter_type=_Counter,
+    )
 
 
 def format_report(report: GateReport) -> str:
     lines = [f"vsa-fa4 compile gate for {ARCH} (fake CUDA tensors, no GPU)"]
-    if report.import_seconds is not None:
-        lines.append(f"importing flash_attn.cute: {report.import_seconds:.1f} s")
-    width = max([len(r.name) for r in report.results] + [6])
-    for r in report.results:
-        detail = ", ".join(r.kernels) if r.ok else (r.error or "")
-        lines.append(
-            f"{r.name:<{width}}  {'ok' if r.ok else 'FAILED':<6}  {r.seconds:5.1f} s  {detail}"
-        )
+    lines += format_results(
+        report.results, report.import_seconds, header=False, seconds="{:5.1f} s"
+    )
     lines.append(f"{sum(r.ok for r in report.results)}/{len(report.results)} compiled")
     if not report.ok and report.stderr_tail.strip():
         lines += ["stderr (tail):", *report.stderr_tail.strip().splitlines()[-20:]]
