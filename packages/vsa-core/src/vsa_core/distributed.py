@@ -123,7 +123,7 @@ def sequence_parallel_video_sparse_attn(
                 gate_full = gate.narrow(2, rank * heads_local, heads_local)
         else:
             tensors.append(gate.expand(batch, seq_local, heads, gate.shape[3]))
-    exchanged = _SeqToHeads.apply(group, world, *tensors)
+    exchanged = _AllToAll.apply(group, world, True, *tensors)
     q_full, k_full, v_full = exchanged[:3]
     if len(exchanged) == 4:
         gate_full = exchanged[3]
@@ -137,7 +137,7 @@ def sequence_parallel_video_sparse_attn(
         backend=backend,
         scale=scale,
     )
-    (out,) = _HeadsToSeq.apply(group, world, out_full)
+    (out,) = _AllToAll.apply(group, world, False, out_full)
     return _as_bshd(out, qkv_format)
 
 
@@ -154,7 +154,7 @@ def seq_to_heads(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Te
             f"x must have a number of heads divisible by the world size {world}, "
             f"got shape {tuple(x.shape)}"
         )
-    return x if world == 1 else _SeqToHeads.apply(group, world, x)[0]
+    return x if world == 1 else _AllToAll.apply(group, world, True, x)[0]
 
 
 def heads_to_seq(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
@@ -170,7 +170,7 @@ def heads_to_seq(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Te
             f"x must have a sequence length divisible by the world size {world}, "
             f"got shape {tuple(x.shape)}"
         )
-    return x if world == 1 else _HeadsToSeq.apply(group, world, x)[0]
+    return x if world == 1 else _AllToAll.apply(group, world, False, x)[0]
 
 
 def shard_sequence(
@@ -240,30 +240,22 @@ def gather_sequence(
 
 
 # ---- the all-to-all, with autograd ----------------------------------------------------------
-class _SeqToHeads(torch.autograd.Function):
-    """[B, s, H, D_i] sequence shards -> [B, s * W, H / W, D_i], for several tensors at once."""
+class _AllToAll(torch.autograd.Function):
+    """The Ulysses exchange for several tensors at once, differentiable.
+
+    ``to_heads``: [B, s, H, D_i] sequence shards -> [B, s * W, H / W, D_i]; otherwise the
+    inverse. The backward of one direction is the exchange in the other.
+    """
 
     @staticmethod
-    def forward(ctx, group, world, *tensors):
-        ctx.group, ctx.world = group, world
-        return tuple(_exchange(tensors, group, world, to_heads=True))
-
-    @staticmethod
-    def backward(ctx, *grads):
-        return (None, None, *_exchange(grads, ctx.group, ctx.world, to_heads=False))
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    """[B, S, h, D_i] -> [B, S / W, h * W, D_i] sequence shards, for several tensors at once."""
-
-    @staticmethod
-    def forward(ctx, group, world, *tensors):
-        ctx.group, ctx.world = group, world
-        return tuple(_exchange(tensors, group, world, to_heads=False))
+    def forward(ctx, group, world, to_heads, *tensors):
+        ctx.group, ctx.world, ctx.to_heads = group, world, to_heads
+        return tuple(_exchange(tensors, group, world, to_heads=to_heads))
 
     @staticmethod
     def backward(ctx, *grads):
-        return (None, None, *_exchange(grads, ctx.group, ctx.world, to_heads=True))
+        back = _exchange(grads, ctx.group, ctx.world, to_heads=not ctx.to_heads)
+        return (None, None, None, *back)
 
 
 def _exchange(
