@@ -1,0 +1,44 @@
+"""Forward + backward of every block shape a backend supports, on a small case, for
+compute-sanitizer (not a pytest module)::
+
+    compute-sanitizer --tool memcheck python3 tests/sanitize_small.py triton
+    compute-sanitizer --tool memcheck python3 tests/sanitize_small.py fa4
+
+Partial key blocks are included; a shape the backend refuses for training (its ``supports()``
+reason is printed) runs forward only, and one it refuses outright is skipped.
+"""
+
+import dataclasses
+import sys
+
+import torch
+
+from vsa_core import AttentionCall, BlockSparseLayout, block_sparse_attn
+from vsa_core.backends import get_backend
+
+backend_name = sys.argv[1] if len(sys.argv) > 1 else "triton"
+backend = get_backend(backend_name)
+
+for shape in ((64, 64), (128, 64), (128, 128), (64, 128), (256, 256)):
+    gen = torch.Generator().manual_seed(0)
+    n_q, n_kv = 1024 // shape[0], 1024 // shape[1]
+    mask = torch.rand(1, 2, n_q, n_kv, generator=gen) < 0.4
+    valid = torch.randint(0, shape[1] + 1, (n_kv,), generator=gen)
+    layout = BlockSparseLayout.from_block_mask(mask, valid, shape).to("cuda")
+    q, k, v = (
+        torch.randn(1, 1024, 2, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        for _ in range(3)
+    )
+    call = AttentionCall.describe(q, k, v, layout)
+    train_refusal = backend.supports(call)
+    infer_refusal = backend.supports(dataclasses.replace(call, requires_grad=False))
+    if infer_refusal:
+        print(shape, "skipped:", infer_refusal, flush=True)
+        continue
+    with torch.set_grad_enabled(train_refusal is None):
+        out, lse = block_sparse_attn(q, k, v, layout, backend=backend_name)
+        if train_refusal is None:
+            out.sum().backward()
+    torch.cuda.synchronize()
+    status = "ok" if train_refusal is None else f"ok, forward only: {train_refusal}"
+    print(shape, status, flush=True)
