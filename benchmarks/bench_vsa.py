@@ -520,12 +520,28 @@ class Fa4RawArm(Arm):
     def refuse(self, cfg: Config, inputs: Inputs, cell: Cell) -> str | None:
         assert cell.block_shape is not None
         kv_block = cell.block_shape[1]
-        if cell.mode != "fwd" and self.capability[0] == 9 and kv_block != 128:
+        if cell.mode != "fwd" and self.capability[0] == 9 and kv_block not in (64, 128):
             return (
                 f"upstream FA4 {self.version} sm_90 backward refuses {kv_block}-token KV blocks "
                 "(Block sparsity expects sparse_block_size[1]=128)"
             )
         return None
+
+    def kv64_backward(self, layout: BlockSparseLayout) -> tuple[Any, Any] | None:
+        """On sm_90 upstream refuses KV64 backward: the fork's kernel (64x64 blocks) and its
+        tensors, query blocks of 128 split into two 64-row blocks with one list."""
+        if self.capability[0] != 9 or layout.kv_block != 64:
+            return None
+        from flash_attn_vsa.bwd_sm90 import block_sparse_backward_kv64
+
+        split = layout.q_block // 64
+        q64 = BlockSparseLayout(
+            layout.kv_indices.repeat_interleave(split, dim=2),
+            layout.kv_counts.repeat_interleave(split, dim=2),
+            layout.kv_valid_sizes,
+            (64, 64),
+        )
+        return block_sparse_backward_kv64, fa4_block_sparse_tensors(self.tensor_cls, q64, True)[1]
 
     def classify_error(self, exc: BaseException) -> str | None:
         msg = str(exc)
@@ -543,6 +559,15 @@ class Fa4RawArm(Arm):
         )
         q, k, v, dout, scale = inputs.q, inputs.k, inputs.v, inputs.dout, inputs.scale
         fwd, bwd = self.fwd, self.bwd
+        info = {"block_size": list(cell.layout.block_shape)}
+        fork = self.kv64_backward(cell.layout) if cell.mode != "fwd" else None
+        if fork is not None:
+            fork_bwd, bwd_t = fork
+            info["backward"] = "flash_attn_vsa.bwd_sm90 (64x64 blocks; upstream refuses KV64)"
+
+            def bwd(q, k, v, out, dout, lse, softmax_scale, block_sparse_tensors):
+                return fork_bwd(q, k, v, out, dout, lse, block_sparse_tensors,
+                                softmax_scale=softmax_scale)  # fmt: skip
 
         def forward(return_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
             res = fwd(
@@ -555,7 +580,6 @@ class Fa4RawArm(Arm):
             dq, dk, dv = grads[:3]
             return {"dq": dq, "dk": dk, "dv": dv}
 
-        info = {"block_size": list(cell.layout.block_shape)}
         if cell.mode == "fwd":
             return bc.Runner(lambda _: {"out": forward(False)[0]}, info=info)
         if cell.mode == "bwd":

@@ -92,6 +92,40 @@ CONFIGS = {
         AtomLayoutMdQ=1,
         num_wg=1,
     ),
+    # stage variations of the fastest layout (smaller shared memory per CTA)
+    "one_wg_noswap_pds1": dict(
+        COMMON,
+        num_stages_Q=2,
+        num_stages_dO=2,
+        num_stages_PdS=1,
+        SdP_swapAB=False,
+        AtomLayoutMSdP=1,
+        AtomLayoutNdKV=1,
+        AtomLayoutMdQ=1,
+        num_wg=1,
+    ),
+    "one_wg_noswap_do1": dict(
+        COMMON,
+        num_stages_Q=2,
+        num_stages_dO=1,
+        num_stages_PdS=1,
+        SdP_swapAB=False,
+        AtomLayoutMSdP=1,
+        AtomLayoutNdKV=1,
+        AtomLayoutMdQ=1,
+        num_wg=1,
+    ),
+    "one_wg_noswap_s1": dict(
+        COMMON,
+        num_stages_Q=1,
+        num_stages_dO=1,
+        num_stages_PdS=1,
+        SdP_swapAB=False,
+        AtomLayoutMSdP=1,
+        AtomLayoutNdKV=1,
+        AtomLayoutMdQ=1,
+        num_wg=1,
+    ),
 }
 
 

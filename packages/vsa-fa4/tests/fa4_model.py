@@ -12,8 +12,10 @@ size, the valid sizes the ``mask_mod`` reads) and follows upstream's semantics a
   the forward's lse, dV = P^T dO, dS = P (dP - rowsum(dO O)), dQ = scale dS K,
   dK = scale dS^T Q.
 
-A wrong split (a partial block in the full list, an empty block kept, a missing transpose
-entry) changes the result, which the tests compare with vsa-core's reference.
+Without a mask_mod (``masked=False``) the partial lists are attended like full ones (every
+token). A wrong split (a partial block in the full list, an empty block kept, a missing
+transpose entry, a mask_mod dropped while a block is partial) changes the result, which the
+tests compare with vsa-core's reference.
 """
 
 from __future__ import annotations
@@ -65,8 +67,9 @@ def backward_pairs(lists, valid, block_size, q_len, kv_len) -> torch.Tensor:
     return pairs
 
 
-def run_forward(q, k, v, out, lse, lists, kv_valid_sizes, scale, block_size) -> None:
-    pairs = forward_pairs(lists, kv_valid_sizes.cpu(), block_size, q.shape[1], k.shape[1])
+def run_forward(q, k, v, out, lse, lists, kv_valid_sizes, scale, block_size, masked=True) -> None:
+    valid = kv_valid_sizes.cpu() if masked else None
+    pairs = forward_pairs(lists, valid, block_size, q.shape[1], k.shape[1])
     qd, kd, vd = (t.double().permute(0, 2, 1, 3) for t in (q, k, v))  # [B, H, S, D]
     scores = torch.matmul(qd, kd.transpose(-1, -2)) * scale
     scores = scores.masked_fill(~pairs, float("-inf"))
@@ -80,9 +83,10 @@ def run_forward(q, k, v, out, lse, lists, kv_valid_sizes, scale, block_size) -> 
 
 
 def run_backward(
-    dout, q, k, v, out, lse, dq, dk, dv, lists, kv_valid_sizes, scale, block_size
+    dout, q, k, v, out, lse, dq, dk, dv, lists, kv_valid_sizes, scale, block_size, masked=True
 ) -> None:
-    pairs = backward_pairs(lists, kv_valid_sizes.cpu(), block_size, q.shape[1], k.shape[1])
+    valid = kv_valid_sizes.cpu() if masked else None
+    pairs = backward_pairs(lists, valid, block_size, q.shape[1], k.shape[1])
     qd, kd, vd, od, dod = (t.double().permute(0, 2, 1, 3) for t in (q, k, v, out, dout))
     lse_d = lse.double().unsqueeze(-1)
     scores = torch.matmul(qd, kd.transpose(-1, -2)) * scale

@@ -20,11 +20,6 @@ from vsa_fa4.backend import FA4Backend
 from vsa_fa4.schedule import BLOCK_SHAPES, make_plan, native_plan, plan_refusal
 
 CUDA = torch.device("cuda", 0)
-KV64_BWD_SM90 = (
-    f"backward with 64-token key blocks on sm_90: upstream FA4 {UPSTREAM_VERSION} refuses "
-    "KV64 backward on sm_90 (its backward key tile is 128 tokens); the fork's kernel is not "
-    "written yet"
-)
 
 
 def call(block_shape=(128, 128), *, device=CUDA, dtype=torch.bfloat16, head_dim=128, grad=False):
@@ -156,9 +151,12 @@ def test_sm90_runs_every_forward(gpu, block_shape, head_dim, dtype):
 
 @pytest.mark.parametrize("block_shape", [(64, 64), (128, 64)])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_sm90_refuses_kv64_backward_so_auto_falls_back(gpu, block_shape, head_dim):
+def test_sm90_kv64_backward_runs_on_the_fork(gpu, block_shape, head_dim):
+    # Upstream refuses it; flash_attn_vsa.bwd_sm90 runs it (128-row query blocks as two 64s).
     backend = gpu((9, 0))
-    assert backend.supports(call(block_shape, head_dim=head_dim, grad=True)) == KV64_BWD_SM90
+    assert backend.supports(call(block_shape, head_dim=head_dim, grad=True)) is None
+    plan = make_plan(block_shape)
+    assert plan_refusal((9, 0), head_dim, plan, backward=True) is None
 
 
 def test_sm90_backward_with_128_token_key_blocks(gpu):

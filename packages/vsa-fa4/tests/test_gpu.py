@@ -131,9 +131,8 @@ def test_forward_and_backward_match_the_reference(block_shape):
 
     bwd_reason = _refusal(block_shape, grad=True)
     if bwd_reason is not None:
-        # Upstream refuses this backward here (sm_90: 64-token key blocks): auto falls back.
-        if _capability() == (9, 0):
-            assert block_shape[1] == 64 and "refuses KV64 backward on sm_90" in bwd_reason
+        # FA4 refuses this backward here (sm_100: 64-token key blocks): auto falls back.
+        assert _capability() != (9, 0), bwd_reason
         with pytest.raises(ValueError, match="cannot run this call"):
             block_sparse_attn(q, k, v, layout, backend="fa4")
         call = AttentionCall.describe(q, k, v, layout)
@@ -160,7 +159,7 @@ def test_paired_64_row_blocks_match_the_reference(kv_block, parent_q):
     if backend.supports(call) is not None:
         pytest.skip(f"fa4 refuses: {backend.supports(call)}")
     q, k, v = make_inputs(layout)
-    grad = kv_block == 128 and _capability() == (9, 0)
+    grad = _capability() == (9, 0)  # KV64: the fork's backward
     dout = torch.randn(q.shape, device="cuda", dtype=q.dtype)
     ref_out, ref_lse, ref_grads = reference(q, k, v, layout, dout if grad else None)
     for schedule in ("auto", "native"):
@@ -211,16 +210,45 @@ def test_bhsd_inputs_through_strides():
     check_backward(grads, ref_grads)
 
 
-def test_sm90_kv64_backward_is_refused_and_auto_falls_back():
+@pytest.mark.parametrize("block_shape", [(64, 64), (128, 64)], ids=["64x64", "128x64"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_sm90_kv64_backward_runs_on_the_fork(block_shape, head_dim):
+    """Upstream refuses KV64 backward on sm_90; the fork's kernel runs it, auto picks fa4."""
     if _capability() != (9, 0):
         pytest.skip("sm_90 only")
-    layout = make_layout((64, 64), q_tokens=1024, kv_tokens=1024)
-    q, k, v = make_inputs(layout)
+    layout = make_layout(block_shape, q_tokens=2048, kv_tokens=2048)
+    q, k, v = make_inputs(layout, head_dim=head_dim)
     call = AttentionCall.describe(q, k, v, layout)
-    assert "refuses KV64 backward on sm_90" in FA4Backend().supports(call)
-    assert select_backend(call).name != "fa4"
-    out, _ = block_sparse_attn(q, k, v, layout)  # auto: another backend, with gradients
-    torch.autograd.grad(out.float().sum(), (q, k, v))
+    assert FA4Backend().supports(call) is None
+    assert select_backend(call).name == "fa4"
+    out, _ = block_sparse_attn(q, k, v, layout)  # auto
+    dout = torch.randn_like(out)
+    _, _, ref_grads = reference(q, k, v, layout, dout)
+    check_backward(torch.autograd.grad(out, (q, k, v), dout), ref_grads)
+
+
+@pytest.mark.parametrize("block_shape", [(64, 64), (128, 128), (256, 256)], ids=str)
+def test_layouts_without_partial_blocks_run_without_mask_mod(block_shape):
+    """A layout whose key blocks are all full (known on the host) skips the mask_mod; the
+    results must still match the reference, forward and backward."""
+    if _refusal(block_shape, grad=True) is not None:
+        pytest.skip(f"fa4 refuses: {_refusal(block_shape, grad=True)}")
+    q_block, kv_block = block_shape
+    gen = torch.Generator().manual_seed(5)
+    num_q, num_kv = 2048 // q_block, 2048 // kv_block
+    order = torch.rand(1, HEADS, num_q, num_kv, generator=gen).argsort(-1)[..., :3]
+    counts = (torch.arange(num_q) % 4).expand(1, HEADS, num_q).contiguous().to(torch.int32)
+    valid = torch.full((num_kv,), kv_block, dtype=torch.int32)
+    layout = BlockSparseLayout.from_indices(
+        order.to(torch.int32), counts, kv_valid_sizes=valid, block_shape=block_shape
+    ).to("cuda")
+    assert layout.kv_blocks_full
+    q, k, v = make_inputs(layout)
+    out, lse = block_sparse_attn(q, k, v, layout, backend="fa4")
+    dout = torch.randn_like(out)
+    ref_out, ref_lse, ref_grads = reference(q, k, v, layout, dout)
+    check_forward(out.detach(), lse, ref_out, ref_lse, layout)
+    check_backward(torch.autograd.grad(out, (q, k, v), dout), ref_grads)
 
 
 # ---- the whole VSA op ------------------------------------------------------------------------

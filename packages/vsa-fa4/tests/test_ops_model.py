@@ -11,6 +11,8 @@ themselves, strides, bf16 numerics) is left to the GPU tests.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -63,7 +65,7 @@ def run_both(layout: BlockSparseLayout, schedule: str = "auto"):
     plan = make_plan(layout.block_shape, layout.q_group_size, layout.num_q_blocks, schedule)
     out, lse = ops.attention(
         q, k, v, layout.kv_indices, layout.kv_counts, layout.kv_valid_sizes, scale, plan,
-        layout.q_group_size,
+        layout.q_group_size, layout.kv_blocks_full,
     )  # fmt: skip
     dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(2), dtype=out.dtype)
     grads = torch.autograd.grad(out, (q, k, v), dout)
@@ -177,3 +179,69 @@ def test_torch_compile_fullgraph_traces_the_adapter(fa4_model):
     layer(*eager, *lists).backward()
     for got, want in zip(leaves, eager, strict=True):
         torch.testing.assert_close(got.grad, want.grad, rtol=1e-9, atol=1e-9)
+
+
+def recording(fa4_model, monkeypatch):
+    """Record the block size and ``masked`` flag of every launch the adapter makes."""
+    from vsa_fa4 import launch
+
+    calls = []
+
+    def record(direction, run):
+        def wrapper(*args):
+            calls.append((direction, tuple(args[-2]), args[-1]))  # block_size, masked
+            return run(*args)
+
+        return wrapper
+
+    monkeypatch.setattr(launch, "run_forward", record("fwd", fa4_model.run_forward))
+    monkeypatch.setattr(launch, "run_backward", record("bwd", fa4_model.run_backward))
+    return calls
+
+
+def full_layout(block_shape, num_q: int = 6, num_kv: int = 7):
+    gen = torch.Generator().manual_seed(3)
+    order = torch.rand(1, HEADS, num_q, num_kv, generator=gen).argsort(-1)[..., :4]
+    counts = (torch.arange(num_q) % 5).expand(1, HEADS, num_q).to(torch.int32).contiguous()
+    valid = torch.full((num_kv,), block_shape[1], dtype=torch.int32)
+    return BlockSparseLayout.from_indices(
+        order.to(torch.int32), counts, kv_valid_sizes=valid, block_shape=block_shape
+    )
+
+
+@pytest.mark.parametrize("block_shape", [(64, 64), (128, 128), (256, 256)])
+def test_layout_without_partial_blocks_launches_without_mask_mod(
+    fa4_model, monkeypatch, block_shape
+):
+    calls = recording(fa4_model, monkeypatch)
+    layout = full_layout(block_shape)
+    assert layout.kv_blocks_full and layout.refine((64, 64)).kv_blocks_full
+    _, got, want = run_both(layout)
+    assert [c[2] for c in calls] == [False, False]  # forward and backward, no mask_mod
+    assert_close(got, want)
+
+
+def test_partial_blocks_keep_the_mask_mod(fa4_model, monkeypatch):
+    calls = recording(fa4_model, monkeypatch)
+    layout = counted_layout((128, 128))
+    assert not layout.kv_blocks_full
+    _, got, want = run_both(layout)
+    assert [c[2] for c in calls] == [True, True]
+    assert_close(got, want)
+    # Dropping the mask while blocks are partial lets the padding in: the model shows it.
+    lying = dataclasses.replace(layout, kv_blocks_full=True)
+    _, wrong, _ = run_both(lying)
+    assert (wrong[0] - want[0]).abs().max() > 1.0
+
+
+@pytest.mark.parametrize("schedule", ["native", "paired"])
+def test_kv64_backward_runs_64x64_blocks(fa4_model, monkeypatch, schedule):
+    """KV64 backward goes to the fork's 64x64 kernel: 128-row query blocks (logical 128x64,
+    or paired 64x64) are handed over as two 64-row blocks with one list."""
+    calls = recording(fa4_model, monkeypatch)
+    base = counted_layout((128, 64))
+    layout = base if schedule == "native" else base.refine((64, 64))
+    plan, got, want = run_both(layout)
+    assert plan.block_size == (128, 64)
+    assert [c[:2] for c in calls] == [("fwd", (128, 64)), ("bwd", (64, 64))]
+    assert_close(got, want)

@@ -17,7 +17,7 @@ instead of compiled). ::
     python -m flash_attn_vsa.compile_gate --json -c fwd-dense
     python -m flash_attn_vsa.compile_gate --dump-dir DIR   # keep PTX and cubins for cuobjdump
 
-The fork has no kernels of its own yet; its kernels join :data:`CONFIGS` as they land.
+The fork's kernels are in :data:`CONFIGS` beside the upstream configurations the adapter uses.
 sm_100a (``--arch sm_100a``) also needs the CUDA driver library, i.e. a GPU host.
 """
 
@@ -56,7 +56,7 @@ class GateConfig:
     """One kernel configuration: an upstream (or, later, fork) entry point and its inputs."""
 
     name: str
-    direction: str  # "fwd" or "bwd"
+    direction: str  # "fwd", "bwd" (upstream's entry points) or "bwd-kv64" (ours)
     block_size: tuple[int, int] | None  # (q, kv) tokens per sparse block; None: dense
     kernel: str  # the kernel class that must be compiled (for sm_90a)
     why: str
@@ -97,6 +97,13 @@ CONFIGS: tuple[GateConfig, ...] = (
         (128, 128),
         "FlashAttentionBackwardSm90",
         "block-sparse backward, 128x128 blocks (upstream refuses 64-token KV blocks)",
+    ),
+    GateConfig(
+        "bwd-sparse-q64-kv64",
+        "bwd-kv64",
+        (64, 64),
+        "FlashAttentionBackwardSm90KV64",
+        "the fork's block-sparse backward with 64x64 blocks (flash_attn_vsa.bwd_sm90)",
     ),
 )
 
@@ -295,7 +302,7 @@ def _sparse_tensors(torch: Any, block_size: tuple[int, int], direction: str) -> 
 
     q_blocks = -(-SEQLEN // block_size[0])
     kv_blocks = -(-SEQLEN // block_size[1])
-    rows, cols = (q_blocks, kv_blocks) if direction == "fwd" else (kv_blocks, q_blocks)
+    rows, cols = (q_blocks, kv_blocks) if direction == "fwd" else (kv_blocks, q_blocks)  # bwd*
 
     def index() -> tuple[Any, Any]:
         count = torch.empty(BATCH, HEADS, rows, dtype=torch.int32, device="cuda")
@@ -374,7 +381,14 @@ def _compile_one(config: GateConfig, arch: str, counter: CountingCompile) -> Gat
             else:
                 out, dout = torch.empty_like(q), torch.empty_like(q)
                 lse = torch.empty(BATCH, HEADS, SEQLEN, dtype=torch.float32, device="cuda")
-                _flash_attn_bwd(q, k, v, out, dout, lse, block_sparse_tensors=sparse)
+                if config.direction == "bwd-kv64":
+                    from flash_attn_vsa.bwd_sm90 import block_sparse_backward_kv64
+
+                    block_sparse_backward_kv64(
+                        q, k, v, out, dout, lse, sparse, softmax_scale=HEAD_DIM**-0.5
+                    )
+                else:
+                    _flash_attn_bwd(q, k, v, out, dout, lse, block_sparse_tensors=sparse)
 
     return timed_compile(config.name, counter, body, config.kernel if arch == "sm_90a" else None)
 

@@ -74,7 +74,10 @@ SYMBOLS: tuple[Symbol, ...] = (
     Symbol(
         _IFACE,
         "_flash_attn_bwd",
-        "backward entry point the adapter calls (dense and block-sparse); compile gate",
+        "backward entry point the adapter calls (dense and block-sparse); compile gate; "
+        "bwd_sm90 runs it with _tile_size_bwd_sm90 and FlashAttentionBackwardSm90 swapped "
+        "(it must look both up as module globals)",
+        source=True,
     ),
     Symbol(
         _IFACE,
@@ -168,8 +171,10 @@ SYMBOLS: tuple[Symbol, ...] = (
     Symbol(
         "flash_attn.cute.flash_bwd_sm90",
         "FlashAttentionBackwardSm90",
-        "the Hopper backward kernel class the KV64 backward delta builds on",
-        methods=("__init__", "__call__"),
+        "the Hopper backward kernel class bwd_sm90 subclasses (its register split is set in "
+        "__call__ before _setup_attributes, which the subclass overrides)",
+        methods=("__init__", "__call__", "_setup_attributes"),
+        source=True,
     ),
 )
 

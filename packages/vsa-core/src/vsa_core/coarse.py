@@ -69,12 +69,16 @@ def select_topk(
     valid_sizes: torch.Tensor,
     topk: int,
     tile_tokens: int,
+    *,
+    all_full: bool = False,
 ) -> BlockSparseLayout:
     """Top-k key tiles per (batch, head, query tile) by coarse score, as a layout.
 
     The layout comes straight from the ``topk`` indices (no boolean map), with block shape
     (tile_tokens, tile_tokens). Scores are built a group of heads at a time, so their memory
-    stays under ``SELECTION_CHUNK_BYTES`` beyond the [B, H, N, k] result.
+    stays under ``SELECTION_CHUNK_BYTES`` beyond the [B, H, N, k] result. ``all_full=True``
+    states that no tile is partial (a tiling without padding), recorded in the layout's
+    ``kv_blocks_full`` so kernels can skip key masking.
     """
     batch, num_tiles, heads, _ = q_pooled.shape
     empty = (valid_sizes == 0).to(q_pooled.device)
@@ -89,4 +93,5 @@ def select_topk(
         scores.masked_fill_(empty, float("-inf"))
         picks.append(torch.topk(scores, topk, dim=-1, sorted=False).indices)
     indices = torch.cat(picks, dim=1)
-    return BlockSparseLayout.from_topk(indices, valid_sizes, (tile_tokens, tile_tokens))
+    block_shape = (tile_tokens, tile_tokens)
+    return BlockSparseLayout.from_topk(indices, valid_sizes, block_shape, all_full=all_full)

@@ -91,6 +91,11 @@ class BlockSparseLayout:
     q_group_size: int = 1
     """Aligned groups of this many adjacent query blocks are known to share one key list
     (set by `refine` from a coarser parent); 1 when nothing is known."""
+    kv_blocks_full: bool = False
+    """True when every key block is known to be full (valid size == ``kv_block``), so kernels
+    may skip per-token key masking. The constructors set it when the valid sizes are on the
+    CPU (checked there, no device sync) or when told (``all_full=True``); `to` and `refine`
+    keep it. False means "not known": masking stays on, which is always correct."""
 
     # ---- shape ---------------------------------------------------------------------------
     @property
@@ -141,6 +146,7 @@ class BlockSparseLayout:
             self.kv_valid_sizes.to(device),
             self.block_shape,
             self.q_group_size,
+            self.kv_blocks_full,
         )
 
     def slot_mask(self) -> torch.Tensor:
@@ -164,13 +170,19 @@ class BlockSparseLayout:
         topk_indices: torch.Tensor,
         kv_valid_sizes: torch.Tensor,
         block_shape: tuple[int, int],
+        *,
+        all_full: bool = False,
     ) -> BlockSparseLayout:
-        """From ``torch.topk(...).indices`` [B, H, NQ, k] (distinct, unordered): all k kept."""
+        """From ``torch.topk(...).indices`` [B, H, NQ, k] (distinct, unordered): all k kept.
+
+        ``all_full=True`` states that every key block is full (see ``kv_blocks_full``); the
+        caller vouches for it (e.g. a tiling without padding)."""
         kv_indices = torch.sort(topk_indices.to(torch.int32), dim=-1).values
         counts = torch.full(
             kv_indices.shape[:-1], kv_indices.shape[-1], dtype=torch.int32, device=kv_indices.device
         )
-        return cls(kv_indices, counts, kv_valid_sizes.to(torch.int32), tuple(block_shape))
+        full = all_full or _full_on_host(kv_valid_sizes, block_shape[1])
+        return cls(kv_indices, counts, kv_valid_sizes.to(torch.int32), tuple(block_shape), 1, full)
 
     @classmethod
     def from_indices(
@@ -227,7 +239,8 @@ class BlockSparseLayout:
                     "kv_indices must not repeat a key block within one query block's list"
                 )
         ordered = torch.where(used, ordered, 0).to(torch.int32)
-        return cls(ordered, kv_counts, kv_valid_sizes.to(torch.int32), block_shape)
+        full = _full_on_host(kv_valid_sizes, block_shape[1])
+        return cls(ordered, kv_counts, kv_valid_sizes.to(torch.int32), block_shape, 1, full)
 
     @classmethod
     def from_block_mask(
@@ -265,7 +278,9 @@ class BlockSparseLayout:
         order = torch.sort((~block_mask).to(torch.uint8), dim=-1, stable=True).indices[..., :width]
         used = torch.arange(width, device=block_mask.device) < counts.unsqueeze(-1)
         indices = torch.where(used, order, 0).to(torch.int32)
-        return cls(indices, counts.clamp(max=width), kv_valid_sizes.to(torch.int32), block_shape)
+        full = _full_on_host(kv_valid_sizes, block_shape[1])
+        valid = kv_valid_sizes.to(torch.int32)
+        return cls(indices, counts.clamp(max=width), valid, block_shape, 1, full)
 
     def to_block_mask(self) -> torch.Tensor:
         """[B, H, NQ, NKV] bool map of the selected blocks (compatibility and tests only)."""
@@ -303,7 +318,9 @@ class BlockSparseLayout:
         kv = kv.repeat_interleave(fq, dim=2)
         counts = (self.kv_counts * fk).repeat_interleave(fq, dim=2)
         valid = (self.kv_valid_sizes.unsqueeze(-1) - child * kv_new).clamp(0, kv_new).flatten()
-        return BlockSparseLayout(kv, counts, valid, (q_new, kv_new), self.q_group_size * fq)
+        return BlockSparseLayout(
+            kv, counts, valid, (q_new, kv_new), self.q_group_size * fq, self.kv_blocks_full
+        )
 
     def rows_share_kv_lists(self, group: int = 2) -> torch.Tensor:
         """[B, H, NQ // group] bool: whether each aligned group of query blocks has one list.
@@ -321,6 +338,13 @@ class BlockSparseLayout:
         counts = self.kv_counts.view(*lead, -1, group)
         same_lists = (lists == lists[..., :1, :]).all(-1).all(-1)
         return same_lists & (counts == counts[..., :1]).all(-1)
+
+
+def _full_on_host(kv_valid_sizes: torch.Tensor, kv_block: int) -> bool:
+    """Whether every key block is full, when that can be read without a device sync."""
+    if kv_valid_sizes.device.type != "cpu":
+        return False
+    return bool((kv_valid_sizes == kv_block).all())
 
 
 def transpose_kv_lists(

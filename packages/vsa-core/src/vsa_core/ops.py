@@ -129,7 +129,8 @@ def video_sparse_attn(
 
     q_pooled, k_pooled, v_pooled = (pool_tiles(t, valid_sizes) for t in (q, k, v))
     coarse = coarse_attention(q_pooled, k_pooled, v_pooled, valid_sizes, scale)
-    layout = select_topk(q_pooled, k_pooled, valid_sizes, topk, tile_tokens)
+    all_full = tiling is not None and not tiling.has_padding
+    layout = select_topk(q_pooled, k_pooled, valid_sizes, topk, tile_tokens, all_full=all_full)
     fine, _ = _run_fine(q, k, v, layout, backend, scale)
     out = _combine(fine, coarse, gate, tile_tokens)
 

@@ -157,5 +157,5 @@ class FA4Backend(Backend):
         assert plan is not None
         return attention(
             q, k, v, layout.kv_indices, layout.kv_counts, layout.kv_valid_sizes, scale, plan,
-            layout.q_group_size,
+            layout.q_group_size, layout.kv_blocks_full,
         )  # fmt: skip

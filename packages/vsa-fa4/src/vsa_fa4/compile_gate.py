@@ -6,11 +6,13 @@ process with ``CUTE_DSL_ARCH=sm_90a``, ``FLASH_ATTENTION_ARCH=sm_90``,
 (`vsa_fa4.ops.forward_impl` / `backward_impl`: metadata construction, the partial-block
 ``mask_mod`` with the valid sizes in ``aux_tensors``, the FA4 call) on fake CUDA tensors under
 ``FakeTensorMode``, where upstream compiles its kernels and skips the launch. A configuration
-passes when its call returns and compiles its kernel class with our ``mask_mod`` in it.
+passes when its call returns and compiles its kernel class, with our ``mask_mod`` in it or
+(configurations marked unmasked) without it.
 
 The configurations cover every distinct kernel the schedules produce at head dim 128, bf16:
-forward for each physical tile, backward where upstream supports it on sm_90 (128-token key
-blocks). ::
+forward for each physical tile, backward with 128-token key blocks (upstream's kernel) and
+64-token key blocks (the fork's, ``flash_attn_vsa.bwd_sm90``), with our ``mask_mod`` and, for
+layouts without partial key blocks, without it. ::
 
     python -m vsa_fa4.compile_gate            # table; exit 1 on a failure
     python -m vsa_fa4.compile_gate --list
@@ -55,6 +57,7 @@ class GateConfig:
     schedule: str
     physical: tuple[int, int]  # the physical sparse block the plan must produce
     kernel: str
+    masked: bool = True  # partial key blocks possible: the kernels carry our mask_mod
 
 
 CONFIGS: tuple[GateConfig, ...] = (
@@ -70,10 +73,23 @@ CONFIGS: tuple[GateConfig, ...] = (
     GateConfig(
         "bwd-256x256", "bwd", (256, 256), "native", (256, 128), "FlashAttentionBackwardSm90"
     ),
-)
+    GateConfig(
+        "bwd-64x64", "bwd", (64, 64), "native", (64, 64), "FlashAttentionBackwardSm90KV64"
+    ),
+    # Layouts known to have no partial key block: kernels without a mask_mod.
+    GateConfig(
+        "fwd-128x128-full", "fwd", (128, 128), "native", (128, 128), "FlashAttentionForwardSm90",
+        masked=False,
+    ),
+    GateConfig(
+        "bwd-64x64-full", "bwd", (64, 64), "native", (64, 64), "FlashAttentionBackwardSm90KV64",
+        masked=False,
+    ),
+)  # fmt: skip
 """One configuration per distinct kernel (FA4 caches compiled kernels in the process, so a
 second configuration with the same physical tile would compile nothing). Logical 128x64 runs
-the paired kernel's tile (128x64); 64x128 adds a 64x128 forward and a Q64 backward kernel."""
+the paired kernel's tile (128x64) forward and the fork's 64x64 backward (as ``bwd-64x64``);
+64x128 adds a 64x128 forward and a Q64 backward kernel."""
 
 
 @dataclass
@@ -152,12 +168,13 @@ def _compile_one(config: GateConfig, counter: _Counter) -> GateResult:
             kv_counts = torch.zeros(BATCH, HEADS, num_q, **i32)
             valid = torch.zeros(num_kv, **i32)
             phys = physical_lists(kv_indices, kv_counts, valid, plan, 2)
-            args = (*phys, HEAD_DIM**-0.5, *plan.block_size)
+            args = (*phys, HEAD_DIM**-0.5, *plan.block_size, config.masked)
             out, lse = forward_impl(q, k, v, *args)
             if config.direction == "bwd":
                 backward_impl(torch.empty_like(out), q, k, v, out, lse, *args)
 
-    return timed_compile(config.name, counter, body, config.kernel + "+mask_mod")
+    kernel = config.kernel + ("+mask_mod" if config.masked else "")
+    return timed_compile(config.name, counter, body, kernel)
 
 
 def _worker(names: Sequence[str]) -> int:

@@ -2,7 +2,9 @@
 
 `run_forward` / `run_backward` take our `SparseLists` and the physical valid sizes, wrap them
 into ``BlockSparseTensorsTorch`` with the physical block size, pass the valid sizes to the
-partial-block ``mask_mod`` through ``aux_tensors`` and write into outputs the caller allocated
+partial-block ``mask_mod`` through ``aux_tensors`` (only when ``masked``: a kernel compiled with
+a mask_mod is slower even on full blocks, so layouts known to have no partial key block run
+without it) and write into outputs the caller allocated
 (so that the custom ops' fake implementations know every output's strides). Everything FA4
 needs is on the device; nothing here reads device data. Under
 ``torch._subclasses.fake_tensor.FakeTensorMode`` upstream compiles its kernel and skips the
@@ -38,6 +40,15 @@ def _block_sparse(cls: Any, lists: SparseLists, block_size: tuple[int, int]) -> 
     )
 
 
+def _masking(
+    mask_mod: Any, kv_valid_sizes: torch.Tensor, block_size: tuple[int, int], masked: bool
+) -> dict[str, Any]:
+    """FA4's mask_mod arguments for partial key blocks, or none when no block is partial."""
+    if not masked:
+        return {}
+    return {"mask_mod": mask_mod(block_size[1]), "aux_tensors": [kv_valid_sizes]}
+
+
 def _on_device(device: torch.device) -> contextlib.AbstractContextManager:
     """FA4 launches on the current device's current stream: make q's device current (a no-op
     when it already is, and on machines without CUDA, where fake tensors compile only)."""
@@ -61,6 +72,7 @@ def run_forward(
     kv_valid_sizes: torch.Tensor,
     scale: float,
     block_size: tuple[int, int],
+    masked: bool = True,
 ) -> None:
     """FA4 block-sparse forward into ``out`` [B, Sq, H, D] and ``lse`` [B, H, Sq] (float32)."""
     tensors_cls, fwd, _, mask_mod = _upstream()
@@ -70,8 +82,7 @@ def run_forward(
             k,
             v,
             softmax_scale=scale,
-            mask_mod=mask_mod(block_size[1]),
-            aux_tensors=[kv_valid_sizes],
+            **_masking(mask_mod, kv_valid_sizes, block_size, masked),
             block_sparse_tensors=_block_sparse(tensors_cls, lists, block_size),
             return_lse=True,
             out=out,
@@ -93,9 +104,15 @@ def run_backward(
     kv_valid_sizes: torch.Tensor,
     scale: float,
     block_size: tuple[int, int],
+    masked: bool = True,
 ) -> None:
-    """FA4 block-sparse backward (key-block-owned ``lists``) into ``dq``, ``dk``, ``dv``."""
+    """FA4 block-sparse backward (key-block-owned ``lists``) into ``dq``, ``dk``, ``dv``.
+
+    64x64 blocks run on the fork's sm_90 kernel (`flash_attn_vsa.bwd_sm90`; upstream refuses
+    them), everything else on upstream's ``_flash_attn_bwd``."""
     tensors_cls, _, bwd, mask_mod = _upstream()
+    if tuple(block_size) == (64, 64):
+        from flash_attn_vsa.bwd_sm90 import block_sparse_backward_kv64 as bwd
     with _on_device(q.device):
         bwd(
             q,
@@ -105,8 +122,7 @@ def run_backward(
             dout,
             lse,
             softmax_scale=scale,
-            mask_mod=mask_mod(block_size[1]),
-            aux_tensors=[kv_valid_sizes],
+            **_masking(mask_mod, kv_valid_sizes, block_size, masked),
             block_sparse_tensors=_block_sparse(tensors_cls, lists, block_size),
             dq=dq,
             dk=dk,

@@ -46,16 +46,18 @@ def forward_impl(
     scale: float,
     q_tile: int,
     kv_tile: int,
+    masked: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """FA4 block-sparse forward on [B, S, H, D] views with physical ``q_tile`` x ``kv_tile``
     lists ([B, H, Sq / q_tile, W] indices, [B, H, Sq / q_tile] counts, [Skv / kv_tile] valid
-    sizes). Returns (out [B, Sq, H, D], lse [B, H, Sq] float32, natural log, -inf for rows
-    that see no key). The body of ``torch.ops.vsa_fa4.fwd`` (`block_sparse_fwd`); the compile
+    sizes). ``masked=False`` promises that no key block is partial (no mask_mod compiled in).
+    Returns (out [B, Sq, H, D], lse [B, H, Sq] float32, natural log, -inf for rows that see
+    no key). The body of ``torch.ops.vsa_fa4.fwd`` (`block_sparse_fwd`); the compile
     gate calls it directly, since under a fake tensor mode the op would run its fake."""
     out, lse = _bshd(q, v.shape[-1]), _lse(q)
     lists = forward_lists(kv_indices, kv_counts, kv_valid_sizes, kv_tile)
     launch.run_forward(
-        q, k, v, out, lse, lists, kv_valid_sizes.contiguous(), scale, (q_tile, kv_tile)
+        q, k, v, out, lse, lists, kv_valid_sizes.contiguous(), scale, (q_tile, kv_tile), masked
     )
     return out, lse
 
@@ -64,7 +66,7 @@ block_sparse_fwd = torch.library.custom_op("vsa_fa4::fwd", forward_impl, mutates
 
 
 @block_sparse_fwd.register_fake
-def _(q, k, v, kv_indices, kv_counts, kv_valid_sizes, scale, q_tile, kv_tile):
+def _(q, k, v, kv_indices, kv_counts, kv_valid_sizes, scale, q_tile, kv_tile, masked=True):
     return _bshd(q, v.shape[-1]), _lse(q)
 
 
@@ -81,14 +83,22 @@ def backward_impl(
     scale: float,
     q_tile: int,
     kv_tile: int,
+    masked: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) of `forward_impl`, from FA4's key-block-owned backward (the
-    body of ``torch.ops.vsa_fa4.bwd``)."""
+    body of ``torch.ops.vsa_fa4.bwd``). With 64-token key blocks the backward runs 64x64
+    blocks (the fork's kernel): each 128-row query block becomes two 64-row blocks sharing
+    its list."""
     dq, dk, dv = _bshd(q, q.shape[-1]), _bshd(k, k.shape[-1]), _bshd(v, v.shape[-1])
+    if kv_tile == 64 and q_tile > 64:
+        split = q_tile // 64
+        kv_indices = kv_indices.repeat_interleave(split, dim=2)
+        kv_counts = kv_counts.repeat_interleave(split, dim=2)
+        q_tile = 64
     lists = backward_lists(kv_indices, kv_counts, kv_valid_sizes, kv_tile)
     launch.run_backward(
         dout, q, k, v, out, lse, dq, dk, dv, lists, kv_valid_sizes.contiguous(), scale,
-        (q_tile, kv_tile),
+        (q_tile, kv_tile), masked,
     )  # fmt: skip
     return dq, dk, dv
 
@@ -97,7 +107,10 @@ block_sparse_bwd = torch.library.custom_op("vsa_fa4::bwd", backward_impl, mutate
 
 
 @block_sparse_bwd.register_fake
-def _(dout, q, k, v, out, lse, kv_indices, kv_counts, kv_valid_sizes, scale, q_tile, kv_tile):
+def _(
+    dout, q, k, v, out, lse, kv_indices, kv_counts, kv_valid_sizes, scale, q_tile, kv_tile,
+    masked=True,
+):  # fmt: skip
     return _bshd(q, q.shape[-1]), _bshd(k, k.shape[-1]), _bshd(v, v.shape[-1])
 
 
@@ -114,12 +127,15 @@ def attention(
     scale: float,
     plan: Plan,
     q_group_size: int = 1,
+    kv_blocks_full: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Block-sparse attention of a logical layout's lists under ``plan`` (BSHD views in and
-    out). Plain tensor ops and the custom op only, so it traces whole under torch.compile."""
+    out). Plain tensor ops and the custom op only, so it traces whole under torch.compile.
+    ``kv_blocks_full`` (a layout's flag) drops the partial-block mask_mod from the kernels."""
     kv_indices, kv_counts, kv_valid_sizes = physical_lists(
         kv_indices, kv_counts, kv_valid_sizes, plan, q_group_size
     )
     return block_sparse_fwd(
-        q, k, v, kv_indices, kv_counts, kv_valid_sizes, scale, plan.q_tile, plan.kv_tile
-    )
+        q, k, v, kv_indices, kv_counts, kv_valid_sizes, scale, plan.q_tile, plan.kv_tile,
+        not kv_blocks_full,
+    )  # fmt: skip

@@ -17,8 +17,10 @@ stays cheap.
 - ``schedule="native"``: physical query blocks = logical ones.
 - ``schedule="auto"`` (default): ``"paired"`` when the layout allows it, else ``"native"``.
 
-The same module holds the rules of what upstream FA4 (the pinned release) accepts per
-architecture, with the reason for each refusal (`plan_refusal`).
+The same module holds the rules of what upstream FA4 (the pinned release) and the fork accept
+per architecture, with the reason for each refusal (`plan_refusal`). Backward passes with
+64-token key blocks on sm_90 run on the fork's kernel (`flash_attn_vsa.bwd_sm90`, 64x64 sparse
+blocks): a 128-row physical query block is handed to it as two 64-row blocks with one list.
 """
 
 from __future__ import annotations
@@ -117,7 +119,8 @@ def make_plan(
 def plan_refusal(
     capability: tuple[int, int], head_dim: int, plan: Plan, backward: bool
 ) -> str | None:
-    """Why upstream FA4 (the pinned release) cannot run ``plan`` here, or None when it can.
+    """Why FA4 (the pinned upstream release, or the fork's kernels where it has one) cannot
+    run ``plan`` here, or None when it can.
 
     Mirrors upstream's tile rules at the head dims in `HEAD_DIMS` (``_tile_size_fwd_sm90``,
     ``_fit_sm90_fwd_tile_to_block_sparsity``, ``_tile_size_bwd_sm90`` and the sm_100
@@ -130,12 +133,8 @@ def plan_refusal(
     q_tile, kv_tile = plan.block_size
     upstream = f"upstream FA4 {UPSTREAM_VERSION}"
     if arch == "sm_90":
-        if backward and kv_tile != 128:
-            return (
-                f"backward with {kv_tile}-token key blocks on sm_90: {upstream} refuses KV64 "
-                "backward on sm_90 (its backward key tile is 128 tokens); the fork's kernel is "
-                "not written yet"
-            )
+        if backward and kv_tile == 64:
+            return None  # the fork's KV64 backward (flash_attn_vsa.bwd_sm90), any query tile
         if backward and head_dim <= 64 and q_tile % 128:
             return (
                 f"backward with {q_tile}-token query blocks at head dim {head_dim} on sm_90: "

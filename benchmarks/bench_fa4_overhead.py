@@ -1,0 +1,187 @@
+"""The fa4 adapter's overhead over raw FA4 calls with prebuilt index tensors (H200, issue 4).
+
+For each block shape, at B=1, S=32768, H=12, D=128, bf16, 90% sparse (one exact256 mask
+refined to the block shape), three arms of the same kernel work, interleaved in rounds so
+drift hits them alike:
+
+- ``raw``: upstream ``_flash_attn_fwd`` / ``_flash_attn_bwd`` (the fork's
+  ``block_sparse_backward_kv64`` for 64-token key blocks, which upstream refuses) with
+  ``BlockSparseTensorsTorch`` built before timing, no mask_mod (every key block is full);
+- ``adapter``: ``vsa_fa4.block_sparse_attn`` on the layout: validation, physical lists
+  (pairing, 256 -> 128 refine), forward metadata, the custom op, and in ``bwd`` the
+  autograd backward with its key-block-owned metadata (the forward is not timed there);
+- ``adapter_masked``: the same with the layout's ``kv_blocks_full`` flag cleared, i.e. what
+  a layout whose valid sizes live on the GPU gets: the partial-block mask_mod compiled in.
+
+The adapter runs each shape's physical plan (``auto``: 64x64 layouts refined from 256 blocks
+pair onto 128-row tiles), and ``raw`` runs the same physical tiles. Reported: median ms per
+arm and round, and ``overhead = adapter / raw - 1`` from the medians over rounds. ::
+
+    python3 benchmarks/bench_fa4_overhead.py --out results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_common as bc
+
+from vsa_core import BlockSparseLayout
+
+
+def exact256_layout(seq: int, heads: int, sparsity: float, seed: int) -> BlockSparseLayout:
+    """Every 256-token query block keeps its diagonal block and round((1-s) * n) in all."""
+    n = seq // 256
+    keep = max(1, round((1 - sparsity) * n))
+    gen = torch.Generator().manual_seed(seed)
+    scores = torch.rand(1, heads, n, n, generator=gen)
+    scores[:, :, torch.arange(n), torch.arange(n)] = 2.0
+    valid = torch.full((n,), 256, dtype=torch.int32)
+    return BlockSparseLayout.from_topk(torch.topk(scores, keep, -1).indices, valid, (256, 256))
+
+
+def raw_tensors(layout: BlockSparseLayout, plan, backward: bool):
+    """FA4 index tensors of ``plan``'s physical blocks, built before timing (all full)."""
+    from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
+
+    from vsa_fa4.metadata import physical_lists
+
+    idx, cnt, valid = physical_lists(
+        layout.kv_indices, layout.kv_counts, layout.kv_valid_sizes, plan, layout.q_group_size
+    )
+    q_tile, kv_tile = plan.block_size
+    if backward and kv_tile == 64 and q_tile > 64:  # the fork's backward: 64-row query blocks
+        idx, cnt = (t.repeat_interleave(q_tile // 64, dim=2) for t in (idx, cnt))
+        q_tile = 64
+    if backward:
+        phys = BlockSparseLayout(idx, cnt, valid, (q_tile, kv_tile))
+        idx, cnt = phys.kv_to_q.to_padded(phys.num_q_blocks)
+    cnt = cnt.to(torch.int32).contiguous()
+    return BlockSparseTensorsTorch(
+        mask_block_cnt=torch.zeros_like(cnt),
+        mask_block_idx=torch.zeros((*cnt.shape, 1), dtype=torch.int32, device=cnt.device),
+        full_block_cnt=cnt,
+        full_block_idx=idx.to(torch.int32).contiguous(),
+        block_size=(q_tile, kv_tile),
+    )
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seq", type=int, default=32768)
+    ap.add_argument("--heads", type=int, default=12)
+    ap.add_argument("--sparsity", type=float, default=0.9)
+    ap.add_argument("--block-shapes", nargs="+", default=["128x128", "256x256", "128x64", "64x64"])
+    ap.add_argument("--modes", nargs="+", default=["fwd", "bwd"])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU (sm_90 or sm_100)", file=sys.stderr)
+        return 2
+
+    from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd
+
+    from flash_attn_vsa.bwd_sm90 import block_sparse_backward_kv64
+    from vsa_fa4 import block_sparse_attn
+    from vsa_fa4.backend import FA4Backend
+
+    dev = torch.device("cuda")
+    seq, heads, dim, scale = args.seq, args.heads, 128, 128**-0.5
+    gen = torch.Generator(device=dev).manual_seed(0)
+    q, k, v, dout = (
+        torch.randn(1, seq, heads, dim, device=dev, dtype=torch.bfloat16, generator=gen)
+        for _ in range(4)
+    )
+    base = exact256_layout(seq, heads, args.sparsity, seed=1)
+    doc = {
+        **bc.gpu_result_header("bench_fa4_overhead"),
+        "command": " ".join(["python3", *sys.argv]),
+        "versions": bc.runtime_versions(bc.distribution_versions()),
+        "shape": {"B": 1, "S": seq, "H": heads, "D": dim, "sparsity": args.sparsity},
+        "cells": [],
+    }
+    for label in args.block_shapes:
+        shape = tuple(int(x) for x in label.split("x"))
+        cpu_layout = base if shape == (256, 256) else base.refine(shape)
+        layout = cpu_layout.to(dev)
+        assert layout.kv_blocks_full  # valid sizes were on the CPU: known full
+        masked = dataclasses.replace(layout, kv_blocks_full=False)
+        plan = FA4Backend().plan(layout)
+        for mode in args.modes:
+            bwd = mode == "bwd"
+            tensors = raw_tensors(layout, plan, bwd)
+            if not bwd:
+                arms = {
+                    "raw": lambda _, t=tensors: _flash_attn_fwd(
+                        q, k, v, softmax_scale=scale, block_sparse_tensors=t, return_lse=True
+                    ),
+                    "adapter": lambda _, lay=layout: block_sparse_attn(q, k, v, lay),
+                    "adapter_masked": lambda _, lay=masked: block_sparse_attn(q, k, v, lay),
+                }
+                setups = dict.fromkeys(arms)
+            else:
+                out, lse = block_sparse_attn(q, k, v, layout)
+                kv64 = tensors.block_size == (64, 64)
+                raw_bwd = block_sparse_backward_kv64 if kv64 else None
+
+                def raw(_, t=tensors, out=out, lse=lse, kv64=kv64, raw_bwd=raw_bwd):
+                    if kv64:
+                        return raw_bwd(q, k, v, out, dout, lse, t, softmax_scale=scale)
+                    return _flash_attn_bwd(
+                        q, k, v, out, dout, lse, softmax_scale=scale, block_sparse_tensors=t
+                    )
+
+                def graph(lay):
+                    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+                    o, _ = block_sparse_attn(*leaves, lay)
+                    return o, leaves
+
+                arms = {
+                    "raw": raw,
+                    "adapter": lambda s: torch.autograd.grad(s[0], s[1], dout),
+                    "adapter_masked": lambda s: torch.autograd.grad(s[0], s[1], dout),
+                }
+                setups = {
+                    "raw": None,
+                    "adapter": lambda lay=layout: graph(lay),
+                    "adapter_masked": lambda lay=masked: graph(lay),
+                }
+            rounds: dict[str, list[float]] = {a: [] for a in arms}
+            for _ in range(args.rounds):
+                for arm, fn in arms.items():
+                    timing = bc.time_fn(fn, dev, setup=setups[arm], warmup=3, reps=args.reps)
+                    rounds[arm].append(timing.median_ms)
+            med = {a: statistics.median(t) for a, t in rounds.items()}
+            cell = {
+                "block_shape": label,
+                "physical": list(plan.block_size),
+                "schedule": plan.schedule,
+                "mode": mode,
+                "raw_kernel": "flash_attn_vsa.bwd_sm90" if bwd and tensors.block_size == (64, 64)
+                else "upstream",
+                "ms_per_round": rounds,
+                "median_ms": med,
+                "overhead": med["adapter"] / med["raw"] - 1,
+                "overhead_masked": med["adapter_masked"] / med["raw"] - 1,
+            }  # fmt: skip
+            doc["cells"].append(cell)
+            print(json.dumps(cell), flush=True)
+            if args.out:
+                args.out.write_text(json.dumps(doc, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

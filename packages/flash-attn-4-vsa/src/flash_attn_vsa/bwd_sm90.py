@@ -1,0 +1,207 @@
+"""Block-sparse backward with 64-token key blocks on Hopper (sm_90): the fork's first delta.
+
+Upstream FA4 (4.0.0b36) runs its sm_90 backward at head dim 128 with 128-row key tiles held by
+two MMA warpgroups, and its block-sparse backward requires the sparse key block to equal that
+tile, so it refuses VSA's 64-token key blocks. Its kernel class,
+``flash_attn.cute.flash_bwd_sm90.FlashAttentionBackwardSm90``, is parameterised by tile shape,
+warpgroup layouts and pipeline stages, though, and the whole backward (preprocess, block-sparse
+main loop, postprocess) is correct at 64x64 tiles under every warpgroup layout we measured on
+an H200 (``experiments/kv64_bwd_configs.py``; NOTES.md). What it lacks is a configuration that
+is fast there:
+
+- shrinking the two-warpgroup layout to 64 key rows leaves each warpgroup a 32-row or 32-wide
+  slice: 0.48-0.62 of dense backward;
+- **one MMA warpgroup owning the whole 64x64 tile**, S = Q K^T unswapped (M = 64 query rows),
+  P and dS through shared memory: 0.71. Upstream sizes registers only for two or three MMA
+  warpgroups, giving a lone one 160 registers and spilling (592 B of stack); our subclass
+  gives it 240 (no spills).
+
+This module is that delta: `KV64_CONFIG` (the tile configuration), `kernel_class()` (the
+subclass with the register split) and `block_sparse_backward_kv64`, which runs upstream's
+``_flash_attn_bwd`` with both swapped in for the duration of the call. Everything else
+(preprocess, postprocess, block-sparse iteration, mask_mod on partial blocks) is upstream's.
+
+Upstream internals this relies on (fingerprinted in ``upstream_api.json``):
+``interface._tile_size_bwd_sm90`` and ``interface.FlashAttentionBackwardSm90`` (looked up as
+module globals by ``_flash_attn_bwd`` when it builds a kernel), ``BwdConfig``'s fields, and
+``FlashAttentionBackwardSm90._setup_attributes`` running after its register split is chosen.
+The configuration keys upstream's compile cache (tile shape, stages, layouts and thread count
+are in its key), and upstream itself never builds this key (its head-dim <= 128 backward uses
+128-row key tiles), so our kernel and upstream's never share a cache entry.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from typing import Any
+
+BLOCK_SIZE = (64, 64)
+"""The sparse block (query tokens, key tokens) this backward runs. Query blocks of 128 run as
+two 64-row blocks with the same key lists (see `q128_to_q64_lists` in the adapter)."""
+
+HEAD_DIMS = (64, 128)
+"""Head dims (q/k and v alike) the configuration is compiled and tested for."""
+
+MMA_REGISTERS = 240
+"""Registers per thread of the lone MMA warpgroup (the producer warpgroup keeps 24)."""
+PRODUCER_REGISTERS = 24
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Our copy of the fields of upstream's ``interface.BwdConfig`` that we set."""
+
+    m_block_size: int = 64
+    n_block_size: int = 64
+    num_stages_Q: int = 2
+    num_stages_dO: int = 2
+    num_stages_PdS: int = 2
+    SdP_swapAB: bool = False
+    dKV_swapAB: bool = False
+    dQ_swapAB: bool = False
+    AtomLayoutMSdP: int = 1
+    AtomLayoutNdKV: int = 1
+    AtomLayoutMdQ: int = 1
+    num_wg: int = 1
+
+    def upstream(self) -> Any:
+        from flash_attn.cute.interface import BwdConfig
+
+        return BwdConfig(**asdict(self))
+
+
+KV64_CONFIG = TileConfig()
+"""One MMA warpgroup per 64x64 tile, S unswapped, P and dS staged in shared memory, two
+stages of Q and dO (the fastest of the layouts measured; NOTES.md)."""
+
+
+@functools.cache
+def kernel_class() -> type:
+    """Upstream's sm_90 backward kernel class with registers sized for one MMA warpgroup."""
+    from flash_attn.cute.flash_bwd_sm90 import FlashAttentionBackwardSm90
+
+    class FlashAttentionBackwardSm90KV64(FlashAttentionBackwardSm90):
+        """Same kernel; with a single MMA warpgroup it gets `MMA_REGISTERS` registers per
+        thread (upstream's split for three warpgroups, 160, spills this tile)."""
+
+        def _setup_attributes(self) -> None:
+            if self.num_wg_mma == 1:
+                self.num_mma_regs_wg0 = MMA_REGISTERS
+                self.num_mma_regs_wg1 = MMA_REGISTERS
+                self.num_mma_regs = MMA_REGISTERS
+                self.num_producer_regs = PRODUCER_REGISTERS
+            super()._setup_attributes()
+
+    return FlashAttentionBackwardSm90KV64
+
+
+_lock = threading.RLock()
+_active = threading.local()
+
+
+@functools.cache
+def _install() -> None:
+    """Route upstream's sm_90 backward configuration through `_config_for`, once per process.
+
+    The replacement answers with `KV64_CONFIG` only inside `kv64_scope` on the calling thread
+    and defers to upstream's own function everywhere else, so other callers of upstream
+    (other threads included) are unaffected.
+    """
+    import flash_attn.cute.interface as interface
+
+    upstream_config = interface._tile_size_bwd_sm90
+
+    def _config_for(*args: Any, **kwargs: Any) -> Any:
+        if getattr(_active, "config", None) is not None:
+            return _active.config
+        return upstream_config(*args, **kwargs)
+
+    _config_for.__wrapped__ = upstream_config  # type: ignore[attr-defined]
+    interface._tile_size_bwd_sm90 = _config_for
+
+
+@contextmanager
+def kv64_scope(config: TileConfig = KV64_CONFIG) -> Iterator[None]:
+    """Within this block, on this thread, upstream's ``_flash_attn_bwd`` builds its sm_90
+    kernel with ``config`` and `kernel_class`. Calls are serialized (the kernel class is a
+    module global of upstream's interface while a call compiles)."""
+    import flash_attn.cute.interface as interface
+
+    _install()
+    with _lock:
+        saved_class = interface.FlashAttentionBackwardSm90
+        interface.FlashAttentionBackwardSm90 = kernel_class()
+        _active.config = config.upstream()
+        try:
+            yield
+        finally:
+            _active.config = None
+            interface.FlashAttentionBackwardSm90 = saved_class
+
+
+def check_call(q: Any, k: Any, v: Any, block_size: tuple[int, int]) -> None:
+    """ValueError unless this backward can run these inputs (shapes and dtypes only)."""
+    if tuple(block_size) != BLOCK_SIZE:
+        raise ValueError(f"block_size must be {BLOCK_SIZE} (query, key tokens), got {block_size}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.shape[-1] not in HEAD_DIMS:
+            raise ValueError(f"{name}'s head dim must be one of {HEAD_DIMS}, got {t.shape[-1]}")
+    if q.shape[-2] != k.shape[-2]:
+        raise ValueError(
+            f"k must have q's number of heads {q.shape[-2]} (no GQA here), got {k.shape[-2]}"
+        )
+    for name, t in (("q", q), ("k", k)):
+        if t.shape[1] % BLOCK_SIZE[0]:
+            raise ValueError(f"{name}'s sequence length must be a multiple of 64, got {t.shape[1]}")
+
+
+def block_sparse_backward_kv64(
+    q: Any,
+    k: Any,
+    v: Any,
+    out: Any,
+    dout: Any,
+    lse: Any,
+    block_sparse_tensors: Any,
+    *,
+    softmax_scale: float,
+    mask_mod: Any = None,
+    aux_tensors: list[Any] | None = None,
+    dq: Any = None,
+    dk: Any = None,
+    dv: Any = None,
+) -> tuple[Any, Any, Any]:
+    """Block-sparse attention backward on sm_90 with 64x64 sparse blocks.
+
+    Arguments as upstream's ``_flash_attn_bwd``: BSHD ``q, k, v, out, dout`` (fp16/bf16), ``lse``
+    [B, H, S] float32 from the forward, ``block_sparse_tensors`` an FA4
+    ``BlockSparseTensorsTorch`` in the backward direction (per 64-token key block: the 64-token
+    query blocks that attend to it, full and partial lists apart) with ``block_size=(64, 64)``,
+    optional ``mask_mod`` + ``aux_tensors`` applied on the partial lists, and optional
+    preallocated ``dq, dk, dv``. Returns ``(dq, dk, dv)``. Key blocks no query block attends to
+    get zero dk/dv.
+    """
+    from flash_attn.cute.interface import _flash_attn_bwd
+
+    check_call(q, k, v, tuple(block_sparse_tensors.block_size or ()))
+    with kv64_scope():
+        grads = _flash_attn_bwd(
+            q,
+            k,
+            v,
+            out,
+            dout,
+            lse,
+            softmax_scale=softmax_scale,
+            mask_mod=mask_mod,
+            aux_tensors=aux_tensors,
+            block_sparse_tensors=block_sparse_tensors,
+            dq=dq,
+            dk=dk,
+            dv=dv,
+        )
+    return grads[0], grads[1], grads[2]

@@ -1,0 +1,169 @@
+"""The fork's KV64 backward (`flash_attn_vsa.bwd_sm90`): argument checks and the scoped
+configuration swap on the CPU; correctness against a float32 reference on an sm_90 GPU.
+
+GPU cases: 64x64 blocks, head dims 64 and 128, key blocks full, partial (through a mask_mod
+on the partial lists) and empty (selected by nobody: dk = dv = 0), query blocks selecting
+0..5 key blocks, outputs pre-filled with NaN (every element must be written). Relative L2
+error of dq, dk, dv <= 1e-2.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from flash_attn_vsa import bwd_sm90, upstream_version
+
+needs_upstream = pytest.mark.skipif(upstream_version() is None, reason="needs flash-attn-4")
+
+
+class _Shape:
+    def __init__(self, *shape):
+        self.shape = shape
+
+
+@pytest.mark.parametrize(
+    ("q", "k", "block", "match"),
+    [
+        ((1, 128, 2, 128), (1, 128, 2, 128), (128, 64), "block_size must be"),
+        ((1, 128, 2, 96), (1, 128, 2, 96), (64, 64), "head dim must be one of"),
+        ((1, 128, 4, 128), (1, 128, 2, 128), (64, 64), "no GQA"),
+        ((1, 100, 2, 128), (1, 128, 2, 128), (64, 64), "multiple of 64"),
+    ],
+)
+def test_check_call_names_the_problem(q, k, block, match):
+    with pytest.raises(ValueError, match=match):
+        bwd_sm90.check_call(_Shape(*q), _Shape(*k), _Shape(*k), block)
+
+
+def test_config_is_one_mma_warpgroup_of_64x64():
+    cfg = bwd_sm90.KV64_CONFIG
+    assert (cfg.m_block_size, cfg.n_block_size, cfg.num_wg) == (64, 64, 1)
+    assert not cfg.SdP_swapAB  # measured: the swapped single-warpgroup layout is 0.49 vs 0.71
+
+
+@needs_upstream
+def test_scope_swaps_upstream_globals_only_inside_and_only_for_its_thread():
+    import flash_attn.cute.interface as interface
+
+    original_class = interface.FlashAttentionBackwardSm90
+    upstream_cfg = interface._tile_size_bwd_sm90(128, 128, False, False)
+    seen_elsewhere = []
+    with bwd_sm90.kv64_scope():
+        assert interface.FlashAttentionBackwardSm90 is bwd_sm90.kernel_class()
+        inside = interface._tile_size_bwd_sm90(128, 128, False, False)
+        assert (inside.m_block_size, inside.n_block_size, inside.num_wg) == (64, 64, 1)
+
+        def elsewhere():
+            seen_elsewhere.append(interface._tile_size_bwd_sm90(128, 128, False, False))
+
+        other = threading.Thread(target=elsewhere)
+        other.start()
+        other.join()
+    assert seen_elsewhere == [upstream_cfg]  # another thread still gets upstream's config
+    assert interface.FlashAttentionBackwardSm90 is original_class
+    assert interface._tile_size_bwd_sm90(128, 128, False, False) == upstream_cfg
+    assert issubclass(bwd_sm90.kernel_class(), original_class)
+
+
+# ---- GPU ---------------------------------------------------------------------------------------
+def _sm90() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+SEQ, HEADS, BLOCK = 1536, 3, 64
+
+
+def _lists(rows: list[list[list[int]]], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[H][R] lists of ints -> counts [1, H, R], indices [1, H, R, width] (padded with 0)."""
+    counts = torch.tensor([[len(r) for r in head] for head in rows], dtype=torch.int32)
+    idx = torch.zeros(len(rows), len(rows[0]), width, dtype=torch.int32)
+    for h, head in enumerate(rows):
+        for r, row in enumerate(head):
+            idx[h, r, : len(row)] = torch.tensor(row, dtype=torch.int32)
+    return counts[None].cuda(), idx[None].cuda()
+
+
+def _case(seed: int):
+    """Per head: query block i selects i % 6 key blocks; key blocks cycle full / partial /
+    empty (valid sizes), block 5 is selected by no query block."""
+    gen = torch.Generator().manual_seed(seed)
+    n = SEQ // BLOCK
+    pattern = [BLOCK, 37, 0, BLOCK, 1, BLOCK, 63]
+    valid = torch.tensor([pattern[i % len(pattern)] for i in range(n)], dtype=torch.int32)
+    selected = torch.zeros(HEADS, n, n, dtype=torch.bool)  # [H, q block, key block]
+    for h in range(HEADS):
+        for i in range(n):
+            choices = [j for j in torch.randperm(n, generator=gen).tolist() if j != 5]
+            selected[h, i, choices[: i % 6]] = True
+    return valid, selected
+
+
+def _tensors(valid, selected):
+    from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
+
+    n = valid.shape[0]
+    full_rows, part_rows = [], []
+    for h in range(HEADS):
+        # backward direction: per key block, the query blocks selecting it
+        queries = [torch.nonzero(selected[h, :, j]).flatten().tolist() for j in range(n)]
+        full_rows.append([q if valid[j] == BLOCK else [] for j, q in enumerate(queries)])
+        part_rows.append([q if 0 < valid[j] < BLOCK else [] for j, q in enumerate(queries)])
+    full_cnt, full_idx = _lists(full_rows, n)
+    part_cnt, part_idx = _lists(part_rows, n)
+    return BlockSparseTensorsTorch(
+        mask_block_cnt=part_cnt,
+        mask_block_idx=part_idx,
+        full_block_cnt=full_cnt,
+        full_block_idx=full_idx,
+        block_size=(BLOCK, BLOCK),
+    )
+
+
+def _reference(q, k, v, dout, valid, selected, scale):
+    keys = torch.arange(BLOCK) < valid[:, None]  # [n, BLOCK] real key tokens
+    pairs = selected.repeat_interleave(BLOCK, 1).repeat_interleave(BLOCK, 2)
+    pairs &= keys.flatten()[None, None, :]
+    pairs = pairs[None].cuda()  # [1, H, S, S]
+    qf, kf, vf = (t.detach().float().transpose(1, 2).requires_grad_() for t in (q, k, v))
+    s = (qf @ kf.transpose(-1, -2) * scale).masked_fill(~pairs, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - lse.nan_to_num(0, 0, 0)[..., None]).nan_to_num(0.0) * pairs
+    out = p @ vf
+    out.backward(dout.float().transpose(1, 2))
+    return out.transpose(1, 2), lse, [t.grad.transpose(1, 2) for t in (qf, kf, vf)]
+
+
+@pytest.mark.gpu
+@needs_upstream
+@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_kv64_backward_matches_the_reference(head_dim, dtype):
+    mask_mod = pytest.importorskip("vsa_fa4._mask").valid_size_mask_mod(BLOCK)
+    valid, selected = _case(seed=head_dim)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    q, k, v, dout = (
+        torch.randn(1, SEQ, HEADS, head_dim, device="cuda", dtype=dtype, generator=gen)
+        for _ in range(4)
+    )
+    pad = (torch.arange(BLOCK) >= valid[:, None]).flatten().cuda()
+    k[:, pad], v[:, pad] = 30.0, -30.0  # finite garbage in padding: must stay masked
+    scale = head_dim**-0.5
+    ref_out, ref_lse, ref_grads = _reference(q, k, v, dout, valid, selected, scale)
+    out = ref_out.to(dtype).contiguous()
+    lse = ref_lse.float().contiguous()  # natural log, -inf for rows that see no key
+    grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
+    dq, dk, dv = bwd_sm90.block_sparse_backward_kv64(
+        q, k, v, out, dout, lse, _tensors(valid, selected), softmax_scale=scale,
+        mask_mod=mask_mod, aux_tensors=[valid.cuda()], dq=grads[0], dk=grads[1], dv=grads[2],
+    )  # fmt: skip
+    for name, got, want in zip(("dq", "dk", "dv"), (dq, dk, dv), ref_grads, strict=True):
+        assert torch.isfinite(got).all(), name
+        err = ((got.float() - want).norm() / want.norm()).item()
+        assert err <= 1e-2, (name, err)
+    # Key block 5 is selected by nobody: its dk, dv are exactly zero.
+    unselected = slice(5 * BLOCK, 6 * BLOCK)
+    assert bool((dk[:, unselected] == 0).all()) and bool((dv[:, unselected] == 0).all())
