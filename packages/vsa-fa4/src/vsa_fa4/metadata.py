@@ -123,20 +123,35 @@ def forward_lists(
     )
 
 
+def unmasked_forward_lists(
+    kv_indices: torch.Tensor, kv_counts: torch.Tensor, num_kv: int
+) -> SparseLists:
+    """`forward_lists` of a layout whose key blocks are all full: the lists as they are, all in
+    the full slots, no partial list (no split, so a few tensor ops fewer per call)."""
+    zero = torch.zeros_like(kv_counts, dtype=torch.int32)
+    keep = max(1, min(kv_indices.shape[-1], num_kv))
+    indices = kv_indices[..., :keep] if kv_indices.shape[-1] else zero.unsqueeze(-1)
+    return SparseLists(zero, zero.unsqueeze(-1), kv_counts.to(torch.int32), indices)
+
+
 def backward_lists(
     kv_indices: torch.Tensor,
     kv_counts: torch.Tensor,
     kv_valid_sizes: torch.Tensor,
     kv_tile: int,
+    masked: bool = True,
 ) -> SparseLists:
     """Per key block: the query blocks selecting it, as full or partial lists (physical lists
-    in). Padded to ``num_q_blocks`` (see the module doc for why that bound); one index tensor
-    is shared by both lists, the counts say which list a key block's queries are in (an empty
-    key block is in neither: FA4 then writes zero dK/dV for it)."""
+        in). Padded to ``num_q_blocks`` (see the module doc for why that bound); one index tensor
+        is shared by both lists, the counts say which list a key block's queries are in (an empty
+        key block is in neither: FA4 then writes zero dK/dV for it). ``masked=False``: every key
+    block is known to be full, so all go in the full lists."""
     num_q = kv_indices.shape[-2]
     num_kv = kv_valid_sizes.shape[0]
     q_indices, q_counts = transpose_kv_lists(kv_indices, kv_counts, num_kv).to_padded(num_q)
     zero = torch.zeros_like(q_counts)
+    if not masked:  # every key block full: everything in the full lists
+        return SparseLists(zero, zero.unsqueeze(-1), q_counts, q_indices)
     full = kv_valid_sizes >= kv_tile
     partial = (kv_valid_sizes > 0) & (kv_valid_sizes < kv_tile)
     return SparseLists(

@@ -22,7 +22,12 @@ import torch
 
 from vsa_core.backends.custom_ops import register_block_sparse_autograd
 from vsa_fa4 import launch
-from vsa_fa4.metadata import backward_lists, forward_lists, physical_lists
+from vsa_fa4.metadata import (
+    backward_lists,
+    forward_lists,
+    physical_lists,
+    unmasked_forward_lists,
+)
 from vsa_fa4.schedule import Plan
 
 
@@ -55,7 +60,10 @@ def forward_impl(
     no key). The body of ``torch.ops.vsa_fa4.fwd`` (`block_sparse_fwd`); the compile
     gate calls it directly, since under a fake tensor mode the op would run its fake."""
     out, lse = _bshd(q, v.shape[-1]), _lse(q)
-    lists = forward_lists(kv_indices, kv_counts, kv_valid_sizes, kv_tile)
+    if masked:
+        lists = forward_lists(kv_indices, kv_counts, kv_valid_sizes, kv_tile)
+    else:
+        lists = unmasked_forward_lists(kv_indices, kv_counts, kv_valid_sizes.shape[0])
     launch.run_forward(
         q, k, v, out, lse, lists, kv_valid_sizes.contiguous(), scale, (q_tile, kv_tile), masked
     )
@@ -95,7 +103,7 @@ def backward_impl(
         kv_indices = kv_indices.repeat_interleave(split, dim=2)
         kv_counts = kv_counts.repeat_interleave(split, dim=2)
         q_tile = 64
-    lists = backward_lists(kv_indices, kv_counts, kv_valid_sizes, kv_tile)
+    lists = backward_lists(kv_indices, kv_counts, kv_valid_sizes, kv_tile, masked)
     launch.run_backward(
         dout, q, k, v, out, lse, dq, dk, dv, lists, kv_valid_sizes.contiguous(), scale,
         (q_tile, kv_tile), masked,
