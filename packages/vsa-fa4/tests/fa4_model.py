@@ -67,7 +67,15 @@ def backward_pairs(lists, valid, block_size, q_len, kv_len) -> torch.Tensor:
     return pairs
 
 
+def _check_contiguous(lists) -> None:
+    # FA4 compiles its kernels for the index tensors' strides (the first call's): hand it
+    # contiguous tensors only.
+    for name, t in zip(lists._fields, lists, strict=True):
+        assert t.is_contiguous(), f"{name} is not contiguous"
+
+
 def run_forward(q, k, v, out, lse, lists, kv_valid_sizes, scale, block_size, masked=True) -> None:
+    _check_contiguous(lists)
     valid = kv_valid_sizes.cpu() if masked else None
     pairs = forward_pairs(lists, valid, block_size, q.shape[1], k.shape[1])
     qd, kd, vd = (t.double().permute(0, 2, 1, 3) for t in (q, k, v))  # [B, H, S, D]
@@ -85,6 +93,7 @@ def run_forward(q, k, v, out, lse, lists, kv_valid_sizes, scale, block_size, mas
 def run_backward(
     dout, q, k, v, out, lse, dq, dk, dv, lists, kv_valid_sizes, scale, block_size, masked=True
 ) -> None:
+    _check_contiguous(lists)
     valid = kv_valid_sizes.cpu() if masked else None
     pairs = backward_pairs(lists, valid, block_size, q.shape[1], k.shape[1])
     qd, kd, vd, od, dod = (t.double().permute(0, 2, 1, 3) for t in (q, k, v, out, dout))

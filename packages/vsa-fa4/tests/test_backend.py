@@ -6,6 +6,7 @@ installed ``flash_attn.cute`` is looked up (or patched away) without importing i
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -226,3 +227,12 @@ def test_forward_refuses_what_supports_refuses():
     q = torch.zeros(1, 128, 1, 128, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="the fa4 backend cannot run this call: needs a CUDA"):
         FA4Backend().forward(q, q, q, layout, 1.0)
+
+
+def test_auto_ranks_fa4_below_triton_for_unpaired_64_row_blocks_on_sm90(gpu):
+    backend = gpu((9, 0))
+    unpaired = call((64, 64), grad=True)
+    paired = dataclasses.replace(unpaired, q_group_size=4)
+    assert backend.priority_for(unpaired) == 5 < 10 < backend.priority_for(paired) == 20
+    assert backend.priority_for(call((128, 64))) == 20
+    assert gpu((10, 0)).priority_for(call((64, 64))) == 20

@@ -209,12 +209,15 @@ def full_layout(block_shape, num_q: int = 6, num_kv: int = 7):
     )
 
 
-@pytest.mark.parametrize("block_shape", [(64, 64), (128, 128), (256, 256)])
+@pytest.mark.parametrize("block_shape", [(64, 64), (128, 128), (256, 256), "paired"])
 def test_layout_without_partial_blocks_launches_without_mask_mod(
     fa4_model, monkeypatch, block_shape
 ):
     calls = recording(fa4_model, monkeypatch)
-    layout = full_layout(block_shape)
+    if block_shape == "paired":  # strided views of the lists: must reach FA4 contiguous
+        layout = full_layout((128, 64)).refine((64, 64))
+    else:
+        layout = full_layout(block_shape)
     assert layout.kv_blocks_full and layout.refine((64, 64)).kv_blocks_full
     _, got, want = run_both(layout)
     assert [c[2] for c in calls] == [False, False]  # forward and backward, no mask_mod

@@ -109,6 +109,20 @@ class FA4Backend(Backend):
             call.capability, call.head_dim, native_plan(call.block_shape), call.requires_grad
         )
 
+    def priority_for(self, call: AttentionCall) -> int:
+        """Below Triton (10) for 64-token query blocks on sm_90 that cannot pair onto 128-row
+        tiles (``q_group_size`` odd, as for the coarse stage's own layouts), else `priority`.
+
+        Measured on an H200 (2026-11-29, benchmarks/results/): upstream's 64-row forward runs
+        at about Triton's speed unmasked and slower with the partial-block mask_mod, and the
+        whole VSA op at Wan 2.1 720p (40 heads, 87.5%, partial tiles) ran 2.68x / 2.63x faster
+        than dense (fwd / fwd+bwd) on fa4 against 3.10x / 3.22x on Triton. Paired 64-token
+        layouts (refined from coarser blocks) run faster on fa4 (forward 572 vs 421 TFLOP/s,
+        exact256 masks), so they keep fa4 first."""
+        if call.capability == (9, 0) and call.block_shape[0] == 64 and call.q_group_size % 2:
+            return 5
+        return self.priority
+
     def _call_refusal(self, call: AttentionCall) -> str | None:
         """Refusals that do not depend on the schedule."""
         if not find_flash_attn_cute():

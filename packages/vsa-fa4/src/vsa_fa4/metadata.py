@@ -117,9 +117,9 @@ def forward_lists(
     keep = min(width, num_kv)  # FA4: a list's width must not exceed the number of key blocks
     return SparseLists(
         mask_block_cnt=n_partial[..., -1].contiguous(),
-        mask_block_idx=packed[..., width : width + keep],
+        mask_block_idx=packed[..., width : width + keep].contiguous(),
         full_block_cnt=n_full[..., -1].contiguous(),
-        full_block_idx=packed[..., :keep],
+        full_block_idx=packed[..., :keep].contiguous(),
     )
 
 
@@ -127,11 +127,15 @@ def unmasked_forward_lists(
     kv_indices: torch.Tensor, kv_counts: torch.Tensor, num_kv: int
 ) -> SparseLists:
     """`forward_lists` of a layout whose key blocks are all full: the lists as they are, all in
-    the full slots, no partial list (no split, so a few tensor ops fewer per call)."""
-    zero = torch.zeros_like(kv_counts, dtype=torch.int32)
-    keep = max(1, min(kv_indices.shape[-1], num_kv))
-    indices = kv_indices[..., :keep] if kv_indices.shape[-1] else zero.unsqueeze(-1)
-    return SparseLists(zero, zero.unsqueeze(-1), kv_counts.to(torch.int32), indices)
+    the full slots, no partial list (no split, so a few tensor ops fewer per call). Made
+    contiguous: the paired schedule hands over strided views, and FA4 compiles its kernels
+    for the strides it first sees."""
+    zero = torch.zeros(kv_counts.shape, dtype=torch.int32, device=kv_counts.device)
+    keep = min(kv_indices.shape[-1], num_kv)
+    indices = kv_indices[..., :keep] if keep else zero.unsqueeze(-1)
+    return SparseLists(
+        zero, zero.unsqueeze(-1), kv_counts.to(torch.int32).contiguous(), indices.contiguous()
+    )
 
 
 def backward_lists(
@@ -149,6 +153,7 @@ def backward_lists(
     num_q = kv_indices.shape[-2]
     num_kv = kv_valid_sizes.shape[0]
     q_indices, q_counts = transpose_kv_lists(kv_indices, kv_counts, num_kv).to_padded(num_q)
+    q_indices, q_counts = q_indices.contiguous(), q_counts.to(torch.int32).contiguous()
     zero = torch.zeros_like(q_counts)
     if not masked:  # every key block full: everything in the full lists
         return SparseLists(zero, zero.unsqueeze(-1), q_counts, q_indices)

@@ -27,6 +27,9 @@ class AttentionCall:
     head_dim: int
     block_shape: tuple[int, int]
     requires_grad: bool
+    q_group_size: int = 1
+    """Aligned groups of this many query blocks share one key list (the layout's
+    ``q_group_size``): backends that pair query blocks may rank themselves by it."""
 
     @property
     def capability(self) -> tuple[int, int] | None:
@@ -46,6 +49,7 @@ class AttentionCall:
             block_shape=layout.block_shape,
             requires_grad=torch.is_grad_enabled()
             and (q.requires_grad or k.requires_grad or v.requires_grad),
+            q_group_size=layout.q_group_size,
         )
 
 
@@ -62,6 +66,11 @@ class Backend:
     def supports(self, call: AttentionCall) -> str | None:
         """Return None when this backend can run ``call``, else the reason it cannot."""
         raise NotImplementedError
+
+    def priority_for(self, call: AttentionCall) -> int:
+        """This backend's rank for ``call`` under ``backend="auto"`` (default: ``priority``).
+        Override to step back on calls another backend is measured to run faster."""
+        return self.priority
 
     def forward(
         self,

@@ -1,11 +1,12 @@
 """Backend discovery and selection.
 
 Backends are plug-ins: any installed distribution may register a `Backend` subclass under the
-``vsa.backends`` entry-point group. ``backend="auto"`` picks the highest-priority backend whose
-``supports()`` accepts the call; the built-in ``reference`` backend accepts everything, so auto
-always finds one. The one override is the ``VSA_BACKEND`` environment variable, which replaces
-``"auto"`` (an explicit ``backend=`` argument in code wins over it). A named backend that refuses
-a call raises ``ValueError`` with its reason: never a silent fallback.
+``vsa.backends`` entry-point group. ``backend="auto"`` picks the highest-priority backend (its
+``priority_for(call)``, by default its class ``priority``) whose ``supports()`` accepts the
+call; the built-in ``reference`` backend accepts everything, so auto always finds one. The one
+override is the ``VSA_BACKEND`` environment variable, which replaces ``"auto"`` (an explicit
+``backend=`` argument in code wins over it). A named backend that refuses a call raises
+``ValueError`` with its reason: never a silent fallback.
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ def get_backend(name: str) -> Backend:
 def explain(call: AttentionCall) -> list[tuple[str, str | None]]:
     """(name, refusal reason or None) for every backend, highest priority first."""
     rows = []
-    for entry in _by_priority():
+    for entry in _by_priority(call):
         if entry.backend is None:
             rows.append((entry.name, entry.load_error))
         else:
@@ -107,13 +108,19 @@ def select_backend(call: AttentionCall, backend: str = "auto") -> Backend:
         if reason is not None:
             raise ValueError(f"{source}={requested!r} cannot run this call: {reason}")
         return chosen
-    for entry in _by_priority():
+    for entry in _by_priority(call):
         if entry.backend is not None and entry.backend.supports(call) is None:
             return entry.backend
     refusals = "; ".join(f"{name}: {why}" for name, why in explain(call))
     raise ValueError(f"no backend supports this call ({refusals})")
 
 
-def _by_priority() -> list[BackendEntry]:
-    entries = backend_entries().values()
-    return sorted(entries, key=lambda e: (-(e.backend.priority if e.backend else -1), e.name))
+def _by_priority(call: AttentionCall | None = None) -> list[BackendEntry]:
+    """Backends, highest priority first (for ``call``: each backend's `priority_for` it)."""
+
+    def rank(entry: BackendEntry) -> int:
+        if entry.backend is None:
+            return -1
+        return entry.backend.priority if call is None else entry.backend.priority_for(call)
+
+    return sorted(backend_entries().values(), key=lambda e: (-rank(e), e.name))
