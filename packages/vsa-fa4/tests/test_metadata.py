@@ -13,6 +13,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from vsa_core import BlockSparseLayout
+from vsa_fa4 import metadata
 from vsa_fa4.metadata import SparseLists, backward_lists, forward_lists, physical_lists
 from vsa_fa4.schedule import make_plan
 
@@ -241,3 +242,28 @@ def test_metadata_reads_no_device_data():
         bwd = backward_lists(kv_indices, kv_counts, valid, plan.kv_tile)
     assert fwd.full_block_idx.shape == (1, 2, 4, 10)
     assert bwd.full_block_idx.shape == (1, 2, 10, 4)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_dense_and_sorted_transposes_agree(seed, monkeypatch):
+    """`padded_transpose` builds small transposes densely and large ones by sorting: both
+    give the same lists (ascending query blocks, zeros past the count)."""
+    gen = torch.Generator().manual_seed(seed)
+    num_q, num_kv, width = 9 + seed, 7 + 2 * seed, 5
+    kv = torch.rand(2, 3, num_q, num_kv, generator=gen).argsort(-1)[..., :width].to(torch.int32)
+    counts = torch.randint(0, width + 1, (2, 3, num_q), generator=gen, dtype=torch.int32)
+    dense = metadata.padded_transpose(kv, counts, num_kv)
+    monkeypatch.setattr(metadata, "DENSE_TRANSPOSE_MAX_ENTRIES", 0)
+    by_sort = metadata.padded_transpose(kv, counts, num_kv)
+    for a, b in zip(dense, by_sort, strict=True):
+        assert a.dtype == b.dtype == torch.int32 and a.is_contiguous()
+        assert torch.equal(a, b)
+    # and both are the transpose of the selection
+    selected = torch.zeros(2, 3, num_q, num_kv, dtype=torch.bool)
+    for b_, h, i in torch.cartesian_prod(torch.arange(2), torch.arange(3), torch.arange(num_q)):
+        selected[b_, h, i, kv[b_, h, i, : counts[b_, h, i]].long()] = True
+    q_idx, q_cnt = dense
+    assert torch.equal(q_cnt, selected.sum(2, dtype=torch.int32))
+    for b_, h, j in torch.cartesian_prod(torch.arange(2), torch.arange(3), torch.arange(num_kv)):
+        want = torch.nonzero(selected[b_, h, :, j]).flatten().to(torch.int32)
+        assert torch.equal(q_idx[b_, h, j, : len(want)], want)

@@ -11,7 +11,7 @@ owned). Here:
   block's valid size, read from ``aux_tensors``), and **dropped** when empty (valid 0);
 - the forward lists keep the layout's ascending order and have the layout's width (clipped
   to the number of key blocks, which FA4 requires and no list can exceed);
-- the backward lists are `vsa_core.layout.transpose_kv_lists` padded to ``num_q_blocks``.
+- the backward lists are the kv -> q transpose padded to ``num_q_blocks`` (`padded_transpose`).
   Whether a (query, key) block pair is full or partial depends on the key block only, so one
   padded index tensor serves both backward lists and only the counts differ.
 
@@ -138,6 +138,39 @@ def unmasked_forward_lists(
     )
 
 
+DENSE_TRANSPOSE_MAX_ENTRIES = 1 << 24
+"""Up to this many entries in the [B, H, NKV, NQ] backward index tensor the transpose is built
+densely (a dozen tensor ops); beyond it with `vsa_core.layout.transpose_kv_lists` (a sort,
+about 50 ops), whose transients stay O(B * H * NQ * W) instead of O(B * H * NKV * NQ) int64."""
+
+
+def padded_transpose(
+    kv_indices: torch.Tensor, kv_counts: torch.Tensor, num_kv: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per key block, the ascending query blocks that select it: ([B, H, NKV, NQ] int32
+    indices, 0 past the count; [B, H, NKV] int32 counts). Sync-free; the path depends on
+    shapes only (see `DENSE_TRANSPOSE_MAX_ENTRIES`)."""
+    *lead, num_q, width = kv_indices.shape
+    entries = num_kv * num_q
+    for n in lead:
+        entries *= n
+    if entries > DENSE_TRANSPOSE_MAX_ENTRIES:
+        q_indices, q_counts = transpose_kv_lists(kv_indices, kv_counts, num_kv).to_padded(num_q)
+        return q_indices.contiguous(), q_counts.to(torch.int32).contiguous()
+    device = kv_indices.device
+    used = torch.arange(width, device=device) < kv_counts.unsqueeze(-1)
+    # selected[b, h, i, j]: query block i selects key block j (unused slots hit column NKV).
+    selected = torch.zeros(*lead, num_q, num_kv + 1, dtype=torch.bool, device=device)
+    selected.scatter_(-1, torch.where(used, kv_indices.long(), num_kv), True)
+    by_key = selected[..., :num_kv].transpose(-1, -2)  # [B, H, NKV, NQ]
+    rank = torch.cumsum(by_key, dim=-1, dtype=torch.int32)  # inclusive, ascending query order
+    dest = torch.where(by_key, rank - 1, num_q).long()  # unselected -> a dropped last column
+    q_indices = torch.zeros(*lead, num_kv, num_q + 1, dtype=torch.int32, device=device)
+    queries = torch.arange(num_q, device=device, dtype=torch.int32).expand(by_key.shape)
+    q_indices.scatter_(-1, dest, queries)
+    return q_indices[..., :num_q].contiguous(), rank[..., -1].contiguous()
+
+
 def backward_lists(
     kv_indices: torch.Tensor,
     kv_counts: torch.Tensor,
@@ -146,14 +179,12 @@ def backward_lists(
     masked: bool = True,
 ) -> SparseLists:
     """Per key block: the query blocks selecting it, as full or partial lists (physical lists
-        in). Padded to ``num_q_blocks`` (see the module doc for why that bound); one index tensor
-        is shared by both lists, the counts say which list a key block's queries are in (an empty
-        key block is in neither: FA4 then writes zero dK/dV for it). ``masked=False``: every key
+    in). Padded to ``num_q_blocks`` (see the module doc for why that bound); one index tensor
+    is shared by both lists, the counts say which list a key block's queries are in (an empty
+    key block is in neither: FA4 then writes zero dK/dV for it). ``masked=False``: every key
     block is known to be full, so all go in the full lists."""
-    num_q = kv_indices.shape[-2]
     num_kv = kv_valid_sizes.shape[0]
-    q_indices, q_counts = transpose_kv_lists(kv_indices, kv_counts, num_kv).to_padded(num_q)
-    q_indices, q_counts = q_indices.contiguous(), q_counts.to(torch.int32).contiguous()
+    q_indices, q_counts = padded_transpose(kv_indices, kv_counts, num_kv)
     zero = torch.zeros_like(q_counts)
     if not masked:  # every key block full: everything in the full lists
         return SparseLists(zero, zero.unsqueeze(-1), q_counts, q_indices)
