@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -110,6 +112,27 @@ def test_auto_picks_highest_priority_accepting(fresh_registry):
     assert select_backend(_call()) is mid
     unregister_backend("fake-mid")
     assert isinstance(select_backend(_call()), ReferenceBackend)
+
+
+def test_auto_ranks_by_priority_for_the_call(fresh_registry):
+    """A backend may step back for some calls (e.g. where another is measured faster)."""
+
+    class SteppingBack(FakeBackend):
+        def priority_for(self, call):
+            return 1 if call.q_group_size == 1 else self.priority
+
+    stepping = SteppingBack("fake-stepping", priority=1000)
+    other = FakeBackend("fake-other", priority=500)
+    register_backend(stepping)
+    register_backend(other)
+    assert select_backend(_call()) is other
+    names = [n for n, _ in explain(_call())]
+    assert names.index("fake-other") < names.index("fake-stepping")
+    paired = dataclasses.replace(_call(), q_group_size=2)
+    assert select_backend(paired) is stepping
+    q, k, v, layout = _inputs()
+    assert AttentionCall.describe(q, k, v, layout).q_group_size == layout.q_group_size == 1
+    assert AttentionCall.describe(q, k, v, layout.refine((2, 4))).q_group_size == 2
 
 
 def test_env_override_applies_to_auto_only(fresh_registry, monkeypatch):

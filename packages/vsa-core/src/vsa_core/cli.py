@@ -58,7 +58,7 @@ def collect_info() -> dict:
     backends = []
     for name, entry in sorted(
         backend_entries().items(),
-        key=lambda kv: -(kv[1].backend.priority if kv[1].backend else -1),
+        key=lambda kv: -(kv[1].backend.priority_for(call) if kv[1].backend else -1),
     ):
         if entry.backend is None:
             state, reason = "unusable", entry.load_error
