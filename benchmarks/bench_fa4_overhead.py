@@ -37,6 +37,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_common as bc
+from bench_vsa import fa4_block_sparse_tensors
 
 from vsa_core import BlockSparseLayout
 
@@ -65,17 +66,9 @@ def raw_tensors(layout: BlockSparseLayout, plan, backward: bool):
     if backward and kv_tile == 64 and q_tile > 64:  # the fork's backward: 64-row query blocks
         idx, cnt = (t.repeat_interleave(q_tile // 64, dim=2) for t in (idx, cnt))
         q_tile = 64
-    if backward:
-        phys = BlockSparseLayout(idx, cnt, valid, (q_tile, kv_tile))
-        idx, cnt = phys.kv_to_q.to_padded(phys.num_q_blocks)
-    cnt = cnt.to(torch.int32).contiguous()
-    return BlockSparseTensorsTorch(
-        mask_block_cnt=torch.zeros_like(cnt),
-        mask_block_idx=torch.zeros((*cnt.shape, 1), dtype=torch.int32, device=cnt.device),
-        full_block_cnt=cnt,
-        full_block_idx=idx.to(torch.int32).contiguous(),
-        block_size=(q_tile, kv_tile),
-    )
+    phys = BlockSparseLayout(idx.contiguous(), cnt.contiguous(), valid, (q_tile, kv_tile))
+    forward, backward_t = fa4_block_sparse_tensors(BlockSparseTensorsTorch, phys, backward)
+    return backward_t if backward else forward
 
 
 def host_ms(fn, setup, device, reps: int = 10) -> float:

@@ -24,108 +24,31 @@ import torch
 
 from vsa_core import BlockSparseLayout
 
-COMMON = dict(m_block_size=64, n_block_size=64, dKV_swapAB=False, dQ_swapAB=False)
+
+def tile_config(stages: str, swap: bool, num_wg: int, n_dkv: int = 1) -> dict:
+    """A 64x64 ``BwdConfig``: stages "Q,dO,PdS", S swapped or not, MMA warpgroups, and how the
+    dK/dV MMA splits key rows over them (``AtomLayoutNdKV``)."""
+    q, do, pds = (int(x) for x in stages.split(","))
+    return dict(m_block_size=64, n_block_size=64, num_stages_Q=q, num_stages_dO=do,
+                num_stages_PdS=pds, SdP_swapAB=swap, dKV_swapAB=False, dQ_swapAB=False,
+                AtomLayoutMSdP=1, AtomLayoutNdKV=n_dkv, AtomLayoutMdQ=1, num_wg=num_wg)  # fmt: skip
+
+
 CONFIGS = {
     # two MMA warpgroups, FA3's hdim-128 layout shrunk to 64 key rows (each WG: 32 key rows)
-    "fa3like": dict(
-        COMMON,
-        num_stages_Q=2,
-        num_stages_dO=2,
-        num_stages_PdS=2,
-        SdP_swapAB=True,
-        AtomLayoutMSdP=1,
-        AtomLayoutNdKV=2,
-        AtomLayoutMdQ=1,
-    ),
+    "fa3like": tile_config("2,2,2", swap=True, num_wg=2, n_dkv=2),
     # two MMA warpgroups splitting N: S/dP by key columns, dK/dV/dQ by head-dim halves
-    "split": dict(
-        COMMON,
-        num_stages_Q=2,
-        num_stages_dO=2,
-        num_stages_PdS=2,
-        SdP_swapAB=False,
-        AtomLayoutMSdP=1,
-        AtomLayoutNdKV=1,
-        AtomLayoutMdQ=1,
-    ),
-    "split_s1": dict(
-        COMMON,
-        num_stages_Q=1,
-        num_stages_dO=1,
-        num_stages_PdS=1,
-        SdP_swapAB=False,
-        AtomLayoutMSdP=1,
-        AtomLayoutNdKV=1,
-        AtomLayoutMdQ=1,
-    ),
+    "split": tile_config("2,2,2", swap=False, num_wg=2),
+    "split_s1": tile_config("1,1,1", swap=False, num_wg=2),
     # one MMA warpgroup owning the whole 64-row key tile (P^T and dS^T stay in registers)
-    "one_wg": dict(
-        COMMON,
-        num_stages_Q=2,
-        num_stages_dO=2,
-        num_stages_PdS=2,
-        SdP_swapAB=True,
-        AtomLayoutMSdP=1,
-        AtomLayoutNdKV=1,
-        AtomLayoutMdQ=1,
-        num_wg=1,
-    ),
-    "one_wg_s1": dict(
-        COMMON,
-        num_stages_Q=1,
-        num_stages_dO=1,
-        num_stages_PdS=1,
-        SdP_swapAB=True,
-        AtomLayoutMSdP=1,
-        AtomLayoutNdKV=1,
-        AtomLayoutMdQ=1,
-        num_wg=1,
-    ),
-    "one_wg_noswap": dict(
-        COMMON,
-        num_stages_Q=2,
-        num_stages_dO=2,
-        num_stages_PdS=2,
-        SdP_swapAB=False,
-        AtomLayoutMSdP=1,
-        AtomLayoutNdKV=1,
-        AtomLayoutMdQ=1,
-        num_wg=1,
-    ),
+    "one_wg": tile_config("2,2,2", swap=True, num_wg=1),
+    "one_wg_s1": tile_config("1,1,1", swap=True, num_wg=1),
+    # one MMA warpgroup, S unswapped: P and dS go through shared memory (the one shipped)
+    "one_wg_noswap": tile_config("2,2,2", swap=False, num_wg=1),
     # stage variations of the fastest layout (smaller shared memory per CTA)
-    "one_wg_noswap_pds1": dict(
-        COMMON,
-        num_stages_Q=2,
-        num_stages_dO=2,
-        num_stages_PdS=1,
-        SdP_swapAB=False,
-        AtomLayoutMSdP=1,
-        AtomLayoutNdKV=1,
-        AtomLayoutMdQ=1,
-        num_wg=1,
-    ),
-    "one_wg_noswap_do1": dict(
-        COMMON,
-        num_stages_Q=2,
-        num_stages_dO=1,
-        num_stages_PdS=1,
-        SdP_swapAB=False,
-        AtomLayoutMSdP=1,
-        AtomLayoutNdKV=1,
-        AtomLayoutMdQ=1,
-        num_wg=1,
-    ),
-    "one_wg_noswap_s1": dict(
-        COMMON,
-        num_stages_Q=1,
-        num_stages_dO=1,
-        num_stages_PdS=1,
-        SdP_swapAB=False,
-        AtomLayoutMSdP=1,
-        AtomLayoutNdKV=1,
-        AtomLayoutMdQ=1,
-        num_wg=1,
-    ),
+    "one_wg_noswap_pds1": tile_config("2,2,1", swap=False, num_wg=1),
+    "one_wg_noswap_do1": tile_config("2,1,1", swap=False, num_wg=1),
+    "one_wg_noswap_s1": tile_config("1,1,1", swap=False, num_wg=1),
 }
 
 
