@@ -154,14 +154,20 @@ def gate_environment(arch: str = DEFAULT_ARCH, dump_dir: str | None = None) -> d
     return env
 
 
-def select_configs(names: Sequence[str] | None) -> list[GateConfig]:
+def pick_by_name(configs: Sequence[Any], names: Sequence[str] | None) -> list[Any]:
+    """The configurations named (in that order; all when ``names`` is empty), each having a
+    ``name``; ValueError listing the known names for an unknown one."""
     if not names:
-        return list(CONFIGS)
-    by_name = {c.name: c for c in CONFIGS}
+        return list(configs)
+    by_name = {c.name: c for c in configs}
     unknown = [n for n in names if n not in by_name]
     if unknown:
         raise ValueError(f"unknown configuration(s) {unknown}; known: {sorted(by_name)}")
     return [by_name[n] for n in names]
+
+
+def select_configs(names: Sequence[str] | None) -> list[GateConfig]:
+    return pick_by_name(CONFIGS, names)
 
 
 def run_gate(

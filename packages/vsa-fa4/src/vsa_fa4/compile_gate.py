@@ -25,7 +25,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 from flash_attn_vsa.compile_gate import (
@@ -34,10 +34,12 @@ from flash_attn_vsa.compile_gate import (
     HEADS,
     SEQLEN,
     CountingCompile,
+    GateReport,
     GateResult,
     fake_cuda_qkv,
     format_results,
     gate_environment,
+    pick_by_name,
     run_worker,
     serve_worker,
     timed_compile,
@@ -92,26 +94,8 @@ the paired kernel's tile (128x64) forward and the fork's 64x64 backward (as ``bw
 64x128 adds a 64x128 forward and a Q64 backward kernel."""
 
 
-@dataclass
-class GateReport:
-    results: list[GateResult]
-    import_seconds: float | None = None
-    returncode: int = 0
-    stderr_tail: str = ""
-
-    @property
-    def ok(self) -> bool:
-        return bool(self.results) and all(r.ok for r in self.results)
-
-
 def select_configs(names: Sequence[str] | None) -> list[GateConfig]:
-    if not names:
-        return list(CONFIGS)
-    by_name = {c.name: c for c in CONFIGS}
-    unknown = [n for n in names if n not in by_name]
-    if unknown:
-        raise ValueError(f"unknown configuration(s) {unknown}; known: {sorted(by_name)}")
-    return [by_name[n] for n in names]
+    return pick_by_name(CONFIGS, names)
 
 
 def run_gate(configs: Sequence[str] | None = None, *, timeout: float = 600.0) -> GateReport:
@@ -126,6 +110,7 @@ def run_gate(configs: Sequence[str] | None = None, *, timeout: float = 600.0) ->
         result_prefix=RESULT_PREFIX,
     )
     return GateReport(
+        arch=ARCH,
         results=output.results_for([config.name for config in selected], exit_label=""),
         import_seconds=output.info.get("import_seconds"),
         returncode=output.returncode,
@@ -219,7 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _worker(names)
     report = run_gate(names)
     if args.json:
-        print(json.dumps({"ok": report.ok, **asdict(report)}, indent=2))
+        print(json.dumps(report.to_json(), indent=2))
     else:
         print(format_report(report))
     return 0 if report.ok else 1
