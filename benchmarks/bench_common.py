@@ -519,20 +519,8 @@ def gate_check(
     tensor is finite and its max abs error is at most max(1e-2, 8 x the rounding floor of
     ``dtype`` on the reference).
     """
-    gate = GateResult(passed=True)
-    if not outputs:
-        return GateResult(False, reason="the arm returned no tensors")
-    for name, got in outputs.items():
-        if name not in reference:
-            return GateResult(False, gate.tensors, f"no reference for output {name!r}")
-        ref = reference[name]
-        if rows is not None:
-            got, ref = got.index_select(1, rows), ref.index_select(1, rows)
-        if tuple(got.shape) != tuple(ref.shape):
-            gate.passed = False
-            gate.reason = f"{name}: shape {tuple(got.shape)} != reference {tuple(ref.shape)}"
-            gate.tensors[name] = {"max_abs_err": None, "tol": GATE_ABS_FLOOR, "finite": False}
-            continue
+
+    def judge(name: str, got: torch.Tensor, ref: torch.Tensor) -> tuple[dict[str, Any], str | None]:
         got32 = got.detach().float()
         finite = bool(torch.isfinite(got32).all())
         err = float((got32 - ref.float()).abs().max()) if finite and got32.numel() else None
@@ -540,10 +528,47 @@ def gate_check(
             err = 0.0
         tol = max(GATE_ABS_FLOOR, GATE_ROUNDING_FACTOR * rounding_floor(ref, dtype))
         ok = finite and err is not None and err <= tol
-        gate.tensors[name] = {"max_abs_err": err, "tol": tol, "finite": finite, "passed": ok}
-        if not ok:
+        entry = {"max_abs_err": err, "tol": tol, "finite": finite, "passed": ok}
+        if ok:
+            return entry, None
+        if not finite:
+            return entry, "non-finite values"
+        return entry, f"max abs err {err:.3e} > tol {tol:.3e}"
+
+    return compare_tensors(
+        outputs, reference, rows, judge, "the arm returned no tensors", mismatch_tol=GATE_ABS_FLOOR
+    )
+
+
+def compare_tensors(
+    outputs: dict[str, torch.Tensor],
+    reference: dict[str, torch.Tensor],
+    rows: torch.Tensor | None,
+    judge: Callable[[str, torch.Tensor, torch.Tensor], tuple[dict[str, Any], str | None]],
+    empty_reason: str,
+    *,
+    mismatch_tol: float | None = None,
+) -> GateResult:
+    """Every output against its reference (``rows`` selects positions of dim 1): missing
+    references and shape mismatches are failures, the rest is ``judge``'s call (its entry for
+    the report, and why it failed or None). The reasons of all failures are joined."""
+    gate = GateResult(passed=True)
+    if not outputs:
+        return GateResult(False, reason=empty_reason)
+    for name, got in outputs.items():
+        if name not in reference:
+            return GateResult(False, gate.tensors, f"no reference for output {name!r}")
+        ref = reference[name]
+        if rows is not None:
+            got, ref = got.index_select(1, rows), ref.index_select(1, rows)
+        if tuple(got.shape) != tuple(ref.shape):
+            entry = {"max_abs_err": None, "tol": mismatch_tol, "finite": False}
+            why: str | None = f"shape {tuple(got.shape)} != reference {tuple(ref.shape)}"
+        else:
+            entry, why = judge(name, got, ref)
+        gate.tensors[name] = entry
+        if why is not None:
             gate.passed = False
-            why = "non-finite values" if not finite else f"max abs err {err:.3e} > tol {tol:.3e}"
             gate.reason = f"{gate.reason}; {name}: {why}" if gate.reason else f"{name}: {why}"
     return gate
 
@@ -666,21 +691,8 @@ def match_check(
     most 2e-5 / 1e-10 x max(1, max |reference|); bf16 / fp16, relative L2 error at most 1e-2
     for ``out`` and 2e-2 for gradients. Every tensor must be finite.
     """
-    gate = GateResult(passed=True)
-    if not outputs:
-        return GateResult(False, reason="no tensors to compare")
-    for name, got in outputs.items():
-        if name not in reference:
-            return GateResult(False, gate.tensors, f"no reference for output {name!r}")
-        ref = reference[name]
-        if rows is not None:
-            got, ref = got.index_select(1, rows), ref.index_select(1, rows)
-        if tuple(got.shape) != tuple(ref.shape):
-            gate.passed = False
-            why = f"shape {tuple(got.shape)} != reference {tuple(ref.shape)}"
-            gate.reason = f"{gate.reason}; {name}: {why}".lstrip("; ")
-            gate.tensors[name] = {"max_abs_err": None, "tol": None, "finite": False}
-            continue
+
+    def judge(name: str, got: torch.Tensor, ref: torch.Tensor) -> tuple[dict[str, Any], str | None]:
         got64, ref64 = got.detach().double(), ref.detach().double()
         finite = bool(torch.isfinite(got64).all())
         entry: dict[str, Any] = {"finite": finite, "max_abs_err": None, "rel_l2_err": None}
@@ -695,18 +707,14 @@ def match_check(
             tol = MATCH_REL_L2["out" if name == "out" else "grad"]
             entry.update(criterion="rel_l2_err", tol=tol)
         err = entry[entry["criterion"]]
-        ok = finite and err is not None and err <= entry["tol"]
-        entry["passed"] = ok
-        gate.tensors[name] = entry
-        if not ok:
-            gate.passed = False
-            why = (
-                "non-finite values"
-                if not finite
-                else f"{entry['criterion'].replace('_', ' ')} {err:.3e} > tol {entry['tol']:.3e}"
-            )
-            gate.reason = f"{gate.reason}; {name}: {why}" if gate.reason else f"{name}: {why}"
-    return gate
+        entry["passed"] = ok = finite and err is not None and err <= entry["tol"]
+        if ok:
+            return entry, None
+        if not finite:
+            return entry, "non-finite values"
+        return entry, f"{entry['criterion'].replace('_', ' ')} {err:.3e} > tol {entry['tol']:.3e}"
+
+    return compare_tensors(outputs, reference, rows, judge, "no tensors to compare")
 
 
 # ---- machine description --------------------------------------------------------------------
