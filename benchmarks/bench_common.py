@@ -85,6 +85,16 @@ GATE_ROUNDING_FACTOR = 8.0
 
 
 # ---- small helpers --------------------------------------------------------------------------
+def budget_spent(time_budget_min: float | None, started: float) -> bool:
+    """Whether a run's ``--time-budget-min`` has run out since ``started`` (time.monotonic)."""
+    return time_budget_min is not None and time.monotonic() - started > time_budget_min * 60
+
+
+def mark_not_run(rec: dict[str, Any], time_budget_min: float | None) -> None:
+    """Record a cell the time budget left unstarted."""
+    rec.update(status="not_run", reason=f"--time-budget-min {time_budget_min} spent")
+
+
 def utc_now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 

@@ -582,6 +582,10 @@ def run_op_cell(
         del runner
 
 
+def cell_label(number: int, total: int, shape: Shape, sparsity: float, mode: str) -> str:
+    return f"[{number}/{total}] {shape.name} x{shape.heads} heads {sparsity * 100:g}% {mode}"
+
+
 def run_benchmark(
     cfg: Config,
     device: torch.device,
@@ -600,20 +604,13 @@ def run_benchmark(
             dense: dict[str, Any] | None = None
             for sparsity in cfg.sparsities:
                 rec = base_record(cfg, shape, tiling, sparsity, mode)
-                label = (
-                    f"[{len(results) + 1}/{total}] {shape.name} x{shape.heads} heads "
-                    f"{sparsity * 100:g}% {mode}"
-                )
+                label = cell_label(len(results) + 1, total, shape, sparsity, mode)
 
                 def log(step: str, label: str = label) -> None:
                     bc.log(f"{label}: {step}", replica=replica)
 
-                if cfg.time_budget_min is not None and (
-                    time.monotonic() - started > cfg.time_budget_min * 60
-                ):
-                    rec.update(
-                        status="not_run", reason=f"--time-budget-min {cfg.time_budget_min} spent"
-                    )
+                if bc.budget_spent(cfg.time_budget_min, started):
+                    bc.mark_not_run(rec, cfg.time_budget_min)
                 else:
                     if dense is None:
                         log(f"dense baseline on {tiling.seq_len} real tokens")
@@ -825,22 +822,18 @@ def run_sequence_parallel(
             for sparsity in cfg.sparsities:
                 rec = base_record(cfg, shape, tiling, sparsity, mode)
                 rec.update(world_size=world, process_group=process_group)
-                label = (
-                    f"[{len(results) + 1}/{total}] {shape.name} x{shape.heads} heads "
-                    f"{sparsity * 100:g}% {mode}, {world} ranks"
-                )
+                label = cell_label(len(results) + 1, total, shape, sparsity, mode)
+                label += f", {world} ranks"
 
                 def log(step: str, label: str = label) -> None:
                     if rank == 0:
                         bc.log(f"{label}: {step}", replica=replica)
 
-                spent = cfg.time_budget_min is not None and (
-                    time.monotonic() - started > cfg.time_budget_min * 60
-                )
-                if cfg.time_budget_min is not None and bc.any_rank(spent, device):
-                    rec.update(
-                        status="not_run", reason=f"--time-budget-min {cfg.time_budget_min} spent"
-                    )
+                # every rank must agree, since the cell's collectives follow
+                if cfg.time_budget_min is not None and bc.any_rank(
+                    bc.budget_spent(cfg.time_budget_min, started), device
+                ):
+                    bc.mark_not_run(rec, cfg.time_budget_min)
                 elif unsupported is not None:
                     rec.update(status="skipped", reason=unsupported)
                 else:

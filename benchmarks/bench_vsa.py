@@ -935,12 +935,6 @@ def run_benchmark(
     started = time.monotonic()
     need_grads = any(m != "fwd" for m in cfg.modes)
 
-    def out_of_time() -> bool:
-        return (
-            cfg.time_budget_min is not None
-            and time.monotonic() - started > cfg.time_budget_min * 60
-        )
-
     def record(rec: dict[str, Any], label: str) -> None:
         nonlocal done
         done += 1
@@ -962,9 +956,9 @@ def run_benchmark(
             f"S={cell.seq_len} {cell.mode} {sparsity_label(cell.sparsity)} "
             f"{block_label(cell.block_shape) or '-'} {arm.name}"
         )
-        if out_of_time():
+        if bc.budget_spent(cfg.time_budget_min, started):
             rec = base_record(cfg, cell, arm)
-            rec.update(status="not_run", reason=f"--time-budget-min {cfg.time_budget_min} spent")
+            bc.mark_not_run(rec, cfg.time_budget_min)
         else:
 
             def announce() -> None:
