@@ -62,11 +62,9 @@ def raw_tensors(layout: BlockSparseLayout, plan, backward: bool):
     idx, cnt, valid = physical_lists(
         layout.kv_indices, layout.kv_counts, layout.kv_valid_sizes, plan, layout.q_group_size
     )
-    q_tile, kv_tile = plan.block_size
-    if backward and kv_tile == 64 and q_tile > 64:  # the fork's backward: 64-row query blocks
-        idx, cnt = (t.repeat_interleave(q_tile // 64, dim=2) for t in (idx, cnt))
-        q_tile = 64
-    phys = BlockSparseLayout(idx.contiguous(), cnt.contiguous(), valid, (q_tile, kv_tile))
+    phys = BlockSparseLayout(idx.contiguous(), cnt.contiguous(), valid, plan.block_size)
+    if backward and plan.kv_tile == 64:  # the fork's backward runs 64-row query blocks
+        phys = phys.refine((64, 64))
     forward, backward_t = fa4_block_sparse_tensors(BlockSparseTensorsTorch, phys, backward)
     return backward_t if backward else forward
 

@@ -534,13 +534,7 @@ class Fa4RawArm(Arm):
             return None
         from flash_attn_vsa.bwd_sm90 import block_sparse_backward_kv64
 
-        split = layout.q_block // 64
-        q64 = BlockSparseLayout(
-            layout.kv_indices.repeat_interleave(split, dim=2),
-            layout.kv_counts.repeat_interleave(split, dim=2),
-            layout.kv_valid_sizes,
-            (64, 64),
-        )
+        q64 = layout.refine((64, 64))  # 128-row query blocks: two 64-row blocks, one list
         return block_sparse_backward_kv64, fa4_block_sparse_tensors(self.tensor_cls, q64, True)[1]
 
     def classify_error(self, exc: BaseException) -> str | None:
