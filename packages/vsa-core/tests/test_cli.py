@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from vsa_core import cli
+from vsa_core.backends import Backend, register_backend, unregister_backend
 from vsa_core.layout import BlockSparseLayout
 from vsa_core.tiling import VideoTiling
 
@@ -35,6 +36,46 @@ def test_info_text(capsys):
     out = capsys.readouterr().out
     assert "backend='auto' picks:" in out
     assert "reference  available" in out
+
+
+class TrainsOnlyWideBlocks(Backend):
+    """Runs every forward but refuses backward with 64-token key blocks; ranks itself first
+    unless 64-row query blocks come unpaired."""
+
+    name = "info-test"
+    priority = 1000
+
+    def supports(self, call):
+        if call.requires_grad and call.block_shape[1] == 64:
+            return "no backward with 64-token key blocks"
+        return None
+
+    def priority_for(self, call):
+        return -1 if call.block_shape[0] == 64 and call.q_group_size == 1 else self.priority
+
+
+def test_info_shape_table_gives_each_verdict_its_reason_and_auto(capsys):
+    register_backend(TrainsOnlyWideBlocks())
+    try:
+        assert cli.main(["info", "--json"]) == 0
+        rows = json.loads(capsys.readouterr().out)["shapes"]
+        assert cli.main(["info"]) == 0
+        text = capsys.readouterr().out
+    finally:
+        unregister_backend("info-test")
+    by_key = {(tuple(r["block_shape"]), r["q_group_size"], r["requires_grad"]): r for r in rows}
+    assert len(by_key) == 2 * len(cli.INFO_SHAPES)
+    assert by_key[((128, 64), 1, True)]["verdicts"]["info-test"] == (
+        "no backward with 64-token key blocks"
+    )
+    assert by_key[((128, 64), 1, True)]["auto_picks"] == "reference"  # refused: falls back
+    assert by_key[((128, 64), 1, False)]["auto_picks"] == "info-test"
+    assert by_key[((64, 64), 1, False)]["auto_picks"] == "reference"  # ranked below: unpaired
+    assert by_key[((64, 64), 2, False)]["auto_picks"] == "info-test"
+    assert by_key[((256, 256), 1, True)]["verdicts"]["info-test"] is None
+    line = next(ln for ln in text.splitlines() if ln.strip().startswith("128x64 "))
+    assert "info-test ok/no[1]" in line and "auto: info-test / reference" in line
+    assert "[1] no backward with 64-token key blocks" in text
 
 
 def test_demo_small_latent_reports_error_and_mass(capsys):

@@ -72,6 +72,7 @@ def collect_info() -> dict:
         backends.append({"name": name, "origin": entry.origin, "state": state, "reason": reason})
     return {
         "python": platform.python_version(),
+        "shapes": _shape_table(device),
         "packages": {name: _version(name) for name in OUR_PACKAGES},
         "dependencies": {name: _version(name) for name in THIRD_PARTY},
         "torch_cuda": torch.version.cuda,
@@ -80,6 +81,68 @@ def collect_info() -> dict:
         "auto_picks": select_backend(call).name,
         "backends": backends,
     }
+
+
+INFO_SHAPES: tuple[tuple[tuple[int, int], int], ...] = (
+    ((64, 64), 1),
+    ((64, 64), 2),
+    ((128, 64), 1),
+    ((128, 128), 1),
+    ((256, 256), 1),
+)
+"""(block shape, q_group_size) rows of ``vsa info``'s table: 64x64 twice, since a layout whose
+aligned query-block pairs share key lists (refined from a coarser one) may rank differently."""
+
+
+def _shape_table(device: torch.device) -> list[dict]:
+    """Per block shape and pass (inference, training): every usable backend's verdict on a
+    bf16, head dim 128 call on ``device`` (None = runs it, else its reason) and auto's pick."""
+    usable = {
+        name: entry.backend
+        for name, entry in backend_entries().items()
+        if entry.backend is not None and entry.backend.availability() is None
+    }
+    rows = []
+    for block_shape, group in INFO_SHAPES:
+        for grad in (False, True):
+            call = AttentionCall(device, torch.bfloat16, 128, block_shape, grad, group)
+            rows.append(
+                {
+                    "block_shape": list(block_shape),
+                    "q_group_size": group,
+                    "requires_grad": grad,
+                    "verdicts": {name: b.supports(call) for name, b in usable.items()},
+                    "auto_picks": select_backend(call).name,
+                }
+            )
+    return rows
+
+
+def _print_shape_table(rows: list[dict]) -> None:
+    names = sorted({n for r in rows for n in r["verdicts"]})
+    print("per block shape (bfloat16, head_dim 128; forward / forward+backward):")
+    reasons: dict[str, int] = {}
+    by_shape: dict[str, list[dict]] = {}
+    for r in rows:
+        label = "x".join(map(str, r["block_shape"]))
+        if r["q_group_size"] > 1:
+            label += f" (pairs share lists, q_group_size {r['q_group_size']})"
+        by_shape.setdefault(label, []).append(r)
+    for label, (fwd, bwd) in by_shape.items():
+        cells = []
+        for name in names:
+            marks = []
+            for r in (fwd, bwd):
+                reason = r["verdicts"].get(name)
+                if reason is None:
+                    marks.append("ok")
+                else:
+                    marks.append(f"no[{reasons.setdefault(reason, len(reasons) + 1)}]")
+            cells.append(f"{name} {'/'.join(marks)}")
+        picks = f"auto: {fwd['auto_picks']} / {bwd['auto_picks']}"
+        print(f"  {label:<44} {'  '.join(cells)}  {picks}")
+    for reason, number in reasons.items():
+        print(f"  [{number}] {reason}")
 
 
 def run_info(as_json: bool = False) -> int:
@@ -104,6 +167,7 @@ def run_info(as_json: bool = False) -> int:
             line += f": {b['reason']}"
         print(line)
     print(f"backend='auto' picks: {info['auto_picks']}")
+    _print_shape_table(info["shapes"])
     return 0
 
 
