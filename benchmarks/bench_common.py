@@ -276,6 +276,54 @@ def time_fn(
     return Timing(statistics.median(times), min(times), max(times), reps, warmed, times)
 
 
+def time_interleaved(
+    arms: dict[str, tuple[Callable[[Any], Any], Callable[[], Any] | None]],
+    device: torch.device,
+    *,
+    warmup: int = 3,
+    reps: int = 20,
+) -> dict[str, list[float]]:
+    """Per arm, the time (ms) of each of ``reps`` calls ``fn(setup())``, arms interleaved.
+
+    ``arms`` maps a name to ``(fn, setup)``. Every repetition calls each arm once, the order
+    rotated by one per repetition, so that clock and thermal drift and the position in the
+    sequence hit all arms alike; repetition ``i`` of two arms is a paired sample. Nothing
+    synchronizes between calls (``warmup`` rounds first fill the device's queue), so on CUDA
+    each call's time (events around ``fn``, the setup's work enqueued before the start event)
+    is its device time, its host cost hidden as long as the host keeps ahead of the device.
+    """
+    names = list(arms)
+
+    def rounds(count: int, record: bool) -> list[tuple[str, Any, Any]]:
+        done = []
+        for i in range(count):
+            for name in names[i % len(names) :] + names[: i % len(names)]:
+                fn, setup = arms[name]
+                state = setup() if setup is not None else None
+                if device.type == "cuda":
+                    start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+                    start.record()
+                    fn(state)
+                    end.record()
+                else:
+                    start = time.perf_counter()
+                    fn(state)
+                    end = time.perf_counter()
+                if record:
+                    done.append((name, start, end))
+                del state
+        return done
+
+    rounds(warmup, record=False)
+    done = rounds(max(1, reps), record=True)
+    synchronize(device)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for name, start, end in done:
+        ms = float(start.elapsed_time(end)) if device.type == "cuda" else (end - start) * 1e3
+        times[name].append(ms)
+    return times
+
+
 def peak_extra_mib(fn: Callable[[], Any], device: torch.device) -> float | None:
     """Peak memory allocated during ``fn()`` beyond what was allocated before (MiB); its
     result is held until the peak is read. None off CUDA."""

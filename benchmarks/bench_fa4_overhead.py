@@ -1,22 +1,27 @@
 """The fa4 adapter's overhead over raw FA4 calls with prebuilt index tensors (H200, issue 4).
 
 For each block shape, at B=1, S=32768, H=12, D=128, bf16, 90% sparse (one exact256 mask
-refined to the block shape), three arms of the same kernel work, interleaved in rounds so
-drift hits them alike:
+refined to the block shape), these arms of the same kernel work:
 
 - ``raw``: upstream ``_flash_attn_fwd`` / ``_flash_attn_bwd`` (the fork's
   ``block_sparse_backward_kv64`` for 64-token key blocks, which upstream refuses) with
   ``BlockSparseTensorsTorch`` built before timing, no mask_mod (every key block is full);
 - ``adapter``: ``vsa_fa4.block_sparse_attn`` on the layout: validation, physical lists
   (pairing, 256 -> 128 refine), forward metadata, the custom op, and in ``bwd`` the
-  autograd backward with its key-block-owned metadata (the forward is not timed there);
+  autograd backward with its key-block-owned metadata;
 - ``adapter_masked``: the same with the layout's ``kv_blocks_full`` flag cleared, i.e. what
-  a layout whose valid sizes live on the GPU gets: the partial-block mask_mod compiled in.
+  a layout whose valid sizes live on the GPU gets: the partial-block mask_mod compiled in;
+- ``adapter_torch_lists`` (bwd): the adapter with the backward lists built by tensor ops
+  instead of the one-kernel path (``vsa_fa4.metadata.backward_lists(impl="torch")``).
 
-The adapter runs each shape's physical plan (``auto``: 64x64 layouts refined from 256 blocks
-pair onto 128-row tiles), and ``raw`` runs the same physical tiles. Reported: median ms per
-arm and round (CUDA events; calls queued back to back), ``overhead = adapter / raw - 1``
-from the medians over rounds, and each arm's host time to issue one call (``host_ms``). ::
+In ``bwd`` every arm's untimed setup runs the adapter's forward (building the autograd graph;
+``raw`` discards it), so all arms time a backward that follows a forward. The arms are
+interleaved call by call (`bench_common.time_interleaved`: order rotated per repetition, no
+synchronization, the device's queue kept full), so each call's CUDA-event time is device
+time: the metadata kernels and whatever else the adapter adds on the device. Reported per
+arm: median ms; ``overhead`` = median over repetitions of (arm / raw) - 1, from paired
+samples; and the host time to issue one call with the device idle before it (``host_ms``),
+which a caller hides while it stays below the device time. ::
 
     python3 benchmarks/bench_fa4_overhead.py --out results.json
 """
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import statistics
 import sys
@@ -83,6 +89,11 @@ def host_ms(fn, setup, device, reps: int = 10) -> float:
     return statistics.median(times)
 
 
+def paired_overhead(arm: list[float], raw: list[float]) -> float:
+    """Median of the per-repetition ratios arm / raw, minus 1."""
+    return statistics.median(a / r for a, r in zip(arm, raw, strict=True)) - 1
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seq", type=int, default=32768)
@@ -90,8 +101,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sparsity", type=float, default=0.9)
     ap.add_argument("--block-shapes", nargs="+", default=["128x128", "256x256", "128x64", "64x64"])
     ap.add_argument("--modes", nargs="+", default=["fwd", "bwd"])
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=40)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -101,7 +112,7 @@ def main(argv=None) -> int:
     from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd
 
     from flash_attn_vsa.bwd_sm90 import block_sparse_backward_kv64
-    from vsa_fa4 import block_sparse_attn
+    from vsa_fa4 import block_sparse_attn, metadata, ops
     from vsa_fa4.backend import FA4Backend
 
     dev = torch.device("cuda")
@@ -117,8 +128,18 @@ def main(argv=None) -> int:
         "command": " ".join(["python3", *sys.argv]),
         "versions": bc.runtime_versions(bc.distribution_versions()),
         "shape": {"B": 1, "S": seq, "H": heads, "D": dim, "sparsity": args.sparsity},
+        "timing": {"warmup": args.warmup, "reps": args.reps, "method": "interleaved"},
         "cells": [],
     }
+    torch_lists = functools.partial(metadata.backward_lists, impl="torch")
+
+    def with_torch_lists(s):
+        ops.backward_lists = torch_lists
+        try:
+            return torch.autograd.grad(s[0], s[1], dout)
+        finally:
+            ops.backward_lists = metadata.backward_lists
+
     for label in args.block_shapes:
         shape = tuple(int(x) for x in label.split("x"))
         cpu_layout = base if shape == (256, 256) else base.refine(shape)
@@ -159,19 +180,21 @@ def main(argv=None) -> int:
                     "raw": raw,
                     "adapter": lambda s: torch.autograd.grad(s[0], s[1], dout),
                     "adapter_masked": lambda s: torch.autograd.grad(s[0], s[1], dout),
+                    "adapter_torch_lists": with_torch_lists,
                 }
                 setups = {
-                    "raw": None,
+                    "raw": lambda lay=layout: graph(lay),
                     "adapter": lambda lay=layout: graph(lay),
                     "adapter_masked": lambda lay=masked: graph(lay),
+                    "adapter_torch_lists": lambda lay=layout: graph(lay),
                 }
-            rounds: dict[str, list[float]] = {a: [] for a in arms}
-            for _ in range(args.rounds):
-                for arm, fn in arms.items():
-                    timing = bc.time_fn(fn, dev, setup=setups[arm], warmup=3, reps=args.reps)
-                    rounds[arm].append(timing.median_ms)
+            times = bc.time_interleaved(
+                {a: (fn, setups[a]) for a, fn in arms.items()},
+                dev,
+                warmup=args.warmup,
+                reps=args.reps,
+            )
             host = {a: host_ms(fn, setups[a], dev) for a, fn in arms.items()}
-            med = {a: statistics.median(t) for a, t in rounds.items()}
             cell = {
                 "block_shape": label,
                 "physical": list(plan.block_size),
@@ -179,14 +202,17 @@ def main(argv=None) -> int:
                 "mode": mode,
                 "raw_kernel": "flash_attn_vsa.bwd_sm90" if bwd and tensors.block_size == (64, 64)
                 else "upstream",
-                "ms_per_round": rounds,
-                "median_ms": med,
-                "overhead": med["adapter"] / med["raw"] - 1,
-                "overhead_masked": med["adapter_masked"] / med["raw"] - 1,
+                "median_ms": {a: statistics.median(t) for a, t in times.items()},
+                "overhead": {
+                    a: paired_overhead(t, times["raw"]) for a, t in times.items() if a != "raw"
+                },
                 "host_ms": host,
+                "times_ms": times,
             }  # fmt: skip
             doc["cells"].append(cell)
-            print(json.dumps(cell), flush=True)
+            keys = ("block_shape", "mode", "median_ms", "overhead", "host_ms")
+            brief = {key: cell[key] for key in keys}
+            print(json.dumps(brief), flush=True)
             if args.out:
                 args.out.write_text(json.dumps(doc, indent=1))
     return 0

@@ -15,6 +15,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from collections import namedtuple
 from pathlib import Path
 
@@ -545,3 +546,22 @@ def test_fa4_overhead_raw_tensors_follow_the_adapters_physical_plan():
     # every selected (64-row query block, 64-token key block) pair once, in both directions
     pairs = int(layout.kv_counts.sum())
     assert int(bwd.full_block_cnt.sum()) == pairs == 2 * int(fwd.full_block_cnt.sum())
+
+
+def test_time_interleaved_rotates_arms_and_keeps_setup_untimed():
+    calls: list[str] = []
+
+    def arm(name: str, sleep_s: float):
+        def fn(state):
+            assert state == f"{name}-state"
+            calls.append(name)
+            time.sleep(sleep_s)
+
+        return fn, lambda: (calls.append(f"{name}-setup"), time.sleep(0.01), f"{name}-state")[2]
+
+    arms = {"a": arm("a", 0.0), "b": arm("b", 0.004), "c": arm("c", 0.0)}
+    times = bc.time_interleaved(arms, torch.device("cpu"), warmup=1, reps=3)
+    assert {n: len(t) for n, t in times.items()} == {"a": 3, "b": 3, "c": 3}
+    assert min(times["b"]) >= 4.0 and max(times["a"]) < 4.0  # the 10 ms setup is not timed
+    order = [c for c in calls if "-" not in c]
+    assert order == ["a", "b", "c", "a", "b", "c", "b", "c", "a", "c", "a", "b"]  # rotated

@@ -28,9 +28,11 @@ plan, so the functions run inside CUDA graphs and under ``torch.compile``.
 
 from __future__ import annotations
 
+import importlib.util
 from typing import NamedTuple
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from vsa_core.layout import BlockSparseLayout, transpose_kv_lists
 from vsa_fa4.schedule import Plan
@@ -177,12 +179,31 @@ def backward_lists(
     kv_valid_sizes: torch.Tensor,
     kv_tile: int,
     masked: bool = True,
+    q_split: int = 1,
+    impl: str = "auto",
 ) -> SparseLists:
     """Per key block: the query blocks selecting it, as full or partial lists (physical lists
     in). Padded to ``num_q_blocks`` (see the module doc for why that bound); one index tensor
     is shared by both lists, the counts say which list a key block's queries are in (an empty
     key block is in neither: FA4 then writes zero dK/dV for it). ``masked=False``: every key
-    block is known to be full, so all go in the full lists."""
+    block is known to be full, so all go in the full lists. ``q_split``: each listed query
+    block stands for that many physical query blocks (``i -> i * q_split + s``), so that a
+    128-row list can feed the 64-row backward without repeating it first.
+
+    ``impl``: ``"triton"`` (one kernel, `vsa_fa4.backward_lists_triton`), ``"torch"`` (tensor
+    ops, also what runs under a fake tensor mode and on the CPU) or ``"auto"``: triton for
+    real CUDA tensors when Triton imports, else torch. Both give identical tensors."""
+    if impl not in ("auto", "torch", "triton"):
+        raise ValueError(f"impl must be 'auto', 'torch' or 'triton', got {impl!r}")
+    if impl == "triton" or (impl == "auto" and _triton_can_run(kv_indices)):
+        from vsa_fa4.backward_lists_triton import backward_lists_triton
+
+        return backward_lists_triton(
+            kv_indices, kv_counts, kv_valid_sizes, kv_tile, masked, q_split
+        )
+    if q_split > 1:
+        kv_indices = kv_indices.repeat_interleave(q_split, dim=-2)
+        kv_counts = kv_counts.repeat_interleave(q_split, dim=-1)
     num_kv = kv_valid_sizes.shape[0]
     q_indices, q_counts = padded_transpose(kv_indices, kv_counts, num_kv)
     zero = torch.zeros_like(q_counts)
@@ -196,3 +217,10 @@ def backward_lists(
         full_block_cnt=torch.where(full, q_counts, zero),
         full_block_idx=q_indices,
     )
+
+
+def _triton_can_run(t: torch.Tensor) -> bool:
+    """Real (not fake) CUDA tensors and an importable Triton."""
+    if t.device.type != "cuda" or isinstance(t, FakeTensor):
+        return False
+    return importlib.util.find_spec("triton") is not None

@@ -98,12 +98,9 @@ def backward_impl(
     blocks (the fork's kernel): each 128-row query block becomes two 64-row blocks sharing
     its list."""
     dq, dk, dv = _bshd(q, q.shape[-1]), _bshd(k, k.shape[-1]), _bshd(v, v.shape[-1])
-    if kv_tile == 64 and q_tile > 64:
-        split = q_tile // 64
-        kv_indices = kv_indices.repeat_interleave(split, dim=2)
-        kv_counts = kv_counts.repeat_interleave(split, dim=2)
-        q_tile = 64
-    lists = backward_lists(kv_indices, kv_counts, kv_valid_sizes, kv_tile, masked)
+    q_split = q_tile // 64 if kv_tile == 64 else 1
+    lists = backward_lists(kv_indices, kv_counts, kv_valid_sizes, kv_tile, masked, q_split)
+    q_tile //= q_split
     launch.run_backward(
         dout, q, k, v, out, lse, dq, dk, dv, lists, kv_valid_sizes.contiguous(), scale,
         (q_tile, kv_tile), masked,

@@ -1,0 +1,115 @@
+"""The one-kernel backward lists (`vsa_fa4.backward_lists_triton`) equal the tensor-op ones.
+
+On a GPU the kernel runs compiled; on a CPU machine under Triton's interpreter in a child
+process (the interpreter must be chosen before triton is first imported). Shapes cross every
+block boundary of the kernel (32 query blocks, 16 list slots, 32 key blocks), with empty,
+partial and full key blocks, empty and full lists, a key block every query block selects,
+``q_split`` 1 and 2, masked and unmasked.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from vsa_core import BlockSparseLayout
+from vsa_fa4.metadata import backward_lists
+
+I32 = torch.int32
+
+
+def random_lists(seed: int, num_q: int, num_kv: int, width: int, kv_tile: int, heads: int = 2):
+    gen = torch.Generator().manual_seed(seed)
+    kind = torch.randint(0, 3, (num_kv,), generator=gen)  # 0 empty, 1 partial, 2 full
+    sizes = torch.where(kind == 2, kv_tile, torch.randint(1, kv_tile, (num_kv,), generator=gen))
+    sizes = torch.where(kind == 0, 0, sizes).to(I32)
+    width = min(width, num_kv)
+    order = torch.rand(1, heads, num_q, num_kv, generator=gen).argsort(-1)[..., :width]
+    counts = torch.randint(0, width + 1, (1, heads, num_q), generator=gen)
+    counts[..., 0] = width  # at least one full-width list
+    if num_q > 2 and width:  # key block 0 first in every list: selected by all (a "sink")
+        rest = 1 + torch.rand(1, heads, num_q, num_kv - 1, generator=gen).argsort(-1)
+        order = torch.cat([torch.zeros_like(rest[..., :1]), rest], -1)[..., :width]
+        counts = torch.clamp(counts, min=1)
+    layout = BlockSparseLayout.from_indices(
+        order.sort(-1).values.to(I32),
+        counts.to(I32),
+        kv_valid_sizes=sizes,
+        block_shape=(64, kv_tile),
+    )
+    return layout.kv_indices, layout.kv_counts, layout.kv_valid_sizes
+
+
+CASES = [  # (num_q, num_kv, width)
+    (1, 1, 1),
+    (3, 5, 2),
+    (33, 31, 17),
+    (64, 70, 16),
+    (70, 33, 33),
+    (40, 65, 5),
+    (5, 8, 0),
+]
+
+
+def compare_on(device: str) -> int:
+    """Assert the kernel's lists equal the torch path's for every case; return the count."""
+    checked = 0
+    for seed, (num_q, num_kv, width) in enumerate(CASES):
+        for kv_tile in (64, 128):
+            idx, cnt, valid = (
+                x.to(device) for x in random_lists(seed, num_q, num_kv, width, kv_tile)
+            )
+            for masked in (True, False):
+                for q_split in (1, 2):
+                    args = (idx, cnt, valid, kv_tile, masked, q_split)
+                    want = backward_lists(*args, impl="torch")
+                    got = backward_lists(*args, impl="triton")
+                    for name, a, b in zip(want._fields, want, got, strict=True):
+                        assert a.dtype == b.dtype == I32, name
+                        assert a.shape == b.shape, (name, a.shape, b.shape)
+                        assert torch.equal(a.cpu(), b.cpu()), (
+                            f"{name} differs: num_q={num_q} num_kv={num_kv} width={width} "
+                            f"kv_tile={kv_tile} masked={masked} q_split={q_split}"
+                        )
+                    assert (got.full_block_idx is got.mask_block_idx) == masked
+                    checked += 1
+    return checked
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_kernel_lists_equal_the_torch_lists_on_the_gpu():
+    assert compare_on("cuda") == len(CASES) * 8
+
+
+def test_auto_picks_torch_off_cuda():
+    idx, cnt, valid = random_lists(0, 4, 4, 2, 64)
+    assert backward_lists(idx, cnt, valid, 64).full_block_idx.device.type == "cpu"
+    with pytest.raises(ValueError, match="impl must be"):
+        backward_lists(idx, cnt, valid, 64, impl="cuda")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the kernel runs compiled")
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"), reason="already interpreting"
+)
+def test_kernel_lists_equal_the_torch_lists_under_the_interpreter():
+    pytest.importorskip("triton")
+    result = subprocess.run(
+        [sys.executable, str(Path(__file__)), "cpu"],
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert result.stdout.strip() == f"checked {len(CASES) * 8}"
+
+
+if __name__ == "__main__":
+    print(f"checked {compare_on(sys.argv[1])}")
