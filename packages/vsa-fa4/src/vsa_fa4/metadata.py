@@ -190,9 +190,10 @@ def backward_lists(
     block stands for that many physical query blocks (``i -> i * q_split + s``), so that a
     128-row list can feed the 64-row backward without repeating it first.
 
-    ``impl``: ``"triton"`` (one kernel, `vsa_fa4.backward_lists_triton`), ``"torch"`` (tensor
-    ops, also what runs under a fake tensor mode and on the CPU) or ``"auto"``: triton for
-    real CUDA tensors when Triton imports, else torch. Both give identical tensors."""
+    ``impl``: ``"triton"`` (two kernels and a memset, `vsa_fa4.backward_lists_triton`),
+    ``"torch"`` (tensor ops, also what runs under a fake tensor mode and on the CPU) or
+    ``"auto"``: triton for real CUDA tensors when Triton imports, else torch. Both give
+    identical tensors."""
     if impl not in ("auto", "torch", "triton"):
         raise ValueError(f"impl must be 'auto', 'torch' or 'triton', got {impl!r}")
     if impl == "triton" or (impl == "auto" and _triton_can_run(kv_indices)):
