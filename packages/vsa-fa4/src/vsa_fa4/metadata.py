@@ -11,7 +11,8 @@ owned). Here:
   block's valid size, read from ``aux_tensors``), and **dropped** when empty (valid 0);
 - the forward lists keep the layout's ascending order and have the layout's width (clipped
   to the number of key blocks, which FA4 requires and no list can exceed);
-- the backward lists are the kv -> q transpose padded to ``num_q_blocks`` (`padded_transpose`).
+- the backward lists are the kv -> q transpose padded to ``num_q_blocks`` (`backward_lists`:
+  two Triton kernels on CUDA, `padded_transpose` and tensor ops elsewhere).
   Whether a (query, key) block pair is full or partial depends on the key block only, so one
   padded index tensor serves both backward lists and only the counts differ.
 
