@@ -73,7 +73,7 @@ def sync_calls(fn) -> list[str]:
         finally:
             torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
-    return [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    return [str(w.message) for w in caught if "called a synchronizing" in str(w.message)]
 
 
 def main(argv=None) -> int:
