@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+import sm90_cases as cases
 import torch
 
 from flash_attn_vsa import bwd_sm90, upstream_version
@@ -68,96 +69,24 @@ def test_scope_swaps_upstream_globals_only_inside_and_only_for_its_thread():
     assert issubclass(bwd_sm90.kernel_class(), original_class)
 
 
-# ---- GPU ---------------------------------------------------------------------------------------
-def _sm90() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-
-
-SEQ, HEADS, BLOCK = 1536, 3, 64
-
-
-def _lists(rows: list[list[list[int]]], width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """[H][R] lists of ints -> counts [1, H, R], indices [1, H, R, width] (padded with 0)."""
-    counts = torch.tensor([[len(r) for r in head] for head in rows], dtype=torch.int32)
-    idx = torch.zeros(len(rows), len(rows[0]), width, dtype=torch.int32)
-    for h, head in enumerate(rows):
-        for r, row in enumerate(head):
-            idx[h, r, : len(row)] = torch.tensor(row, dtype=torch.int32)
-    return counts[None].cuda(), idx[None].cuda()
-
-
-def _case(seed: int):
-    """Per head: query block i selects i % 6 key blocks; key blocks cycle full / partial /
-    empty (valid sizes), block 5 is selected by no query block."""
-    gen = torch.Generator().manual_seed(seed)
-    n = SEQ // BLOCK
-    pattern = [BLOCK, 37, 0, BLOCK, 1, BLOCK, 63]
-    valid = torch.tensor([pattern[i % len(pattern)] for i in range(n)], dtype=torch.int32)
-    selected = torch.zeros(HEADS, n, n, dtype=torch.bool)  # [H, q block, key block]
-    for h in range(HEADS):
-        for i in range(n):
-            choices = [j for j in torch.randperm(n, generator=gen).tolist() if j != 5]
-            selected[h, i, choices[: i % 6]] = True
-    return valid, selected
-
-
-def _tensors(valid, selected):
-    from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
-
-    n = valid.shape[0]
-    full_rows, part_rows = [], []
-    for h in range(HEADS):
-        # backward direction: per key block, the query blocks selecting it
-        queries = [torch.nonzero(selected[h, :, j]).flatten().tolist() for j in range(n)]
-        full_rows.append([q if valid[j] == BLOCK else [] for j, q in enumerate(queries)])
-        part_rows.append([q if 0 < valid[j] < BLOCK else [] for j, q in enumerate(queries)])
-    full_cnt, full_idx = _lists(full_rows, n)
-    part_cnt, part_idx = _lists(part_rows, n)
-    return BlockSparseTensorsTorch(
-        mask_block_cnt=part_cnt,
-        mask_block_idx=part_idx,
-        full_block_cnt=full_cnt,
-        full_block_idx=full_idx,
-        block_size=(BLOCK, BLOCK),
-    )
-
-
-def _reference(q, k, v, dout, valid, selected, scale):
-    keys = torch.arange(BLOCK) < valid[:, None]  # [n, BLOCK] real key tokens
-    pairs = selected.repeat_interleave(BLOCK, 1).repeat_interleave(BLOCK, 2)
-    pairs &= keys.flatten()[None, None, :]
-    pairs = pairs[None].cuda()  # [1, H, S, S]
-    qf, kf, vf = (t.detach().float().transpose(1, 2).requires_grad_() for t in (q, k, v))
-    s = (qf @ kf.transpose(-1, -2) * scale).masked_fill(~pairs, float("-inf"))
-    lse = torch.logsumexp(s, -1)
-    p = torch.exp(s - lse.nan_to_num(0, 0, 0)[..., None]).nan_to_num(0.0) * pairs
-    out = p @ vf
-    out.backward(dout.float().transpose(1, 2))
-    return out.transpose(1, 2), lse, [t.grad.transpose(1, 2) for t in (qf, kf, vf)]
-
-
+# ---- GPU ----------------------------------------------------------------------------------------
 @pytest.mark.gpu
 @needs_upstream
-@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.skipif(not cases.sm90(), reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_kv64_backward_matches_the_reference(head_dim, dtype):
-    mask_mod = pytest.importorskip("vsa_fa4._mask").valid_size_mask_mod(BLOCK)
-    valid, selected = _case(seed=head_dim)
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    q, k, v, dout = (
-        torch.randn(1, SEQ, HEADS, head_dim, device="cuda", dtype=dtype, generator=gen)
-        for _ in range(4)
-    )
-    pad = (torch.arange(BLOCK) >= valid[:, None]).flatten().cuda()
-    k[:, pad], v[:, pad] = 30.0, -30.0  # finite garbage in padding: must stay masked
+    mask_mod = pytest.importorskip("vsa_fa4._mask").valid_size_mask_mod(cases.BLOCK)
+    valid, selected = cases.case(seed=head_dim)
+    q, k, v, dout = cases.inputs(head_dim, dtype, valid)
     scale = head_dim**-0.5
-    ref_out, ref_lse, ref_grads = _reference(q, k, v, dout, valid, selected, scale)
+    ref_out, ref_lse, ref_grads = cases.reference(q, k, v, dout, valid, selected, scale)
     out = ref_out.to(dtype).contiguous()
     lse = ref_lse.float().contiguous()  # natural log, -inf for rows that see no key
     grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
+    tensors = cases.sparse_tensors(valid, selected, backward=True)
     dq, dk, dv = bwd_sm90.block_sparse_backward_kv64(
-        q, k, v, out, dout, lse, _tensors(valid, selected), softmax_scale=scale,
+        q, k, v, out, dout, lse, tensors, softmax_scale=scale,
         mask_mod=mask_mod, aux_tensors=[valid.cuda()], dq=grads[0], dk=grads[1], dv=grads[2],
     )  # fmt: skip
     for name, got, want in zip(("dq", "dk", "dv"), (dq, dk, dv), ref_grads, strict=True):
@@ -165,5 +94,5 @@ def test_kv64_backward_matches_the_reference(head_dim, dtype):
         err = ((got.float() - want).norm() / want.norm()).item()
         assert err <= 1e-2, (name, err)
     # Key block 5 is selected by nobody: its dk, dv are exactly zero.
-    unselected = slice(5 * BLOCK, 6 * BLOCK)
+    unselected = slice(5 * cases.BLOCK, 6 * cases.BLOCK)
     assert bool((dk[:, unselected] == 0).all()) and bool((dv[:, unselected] == 0).all())

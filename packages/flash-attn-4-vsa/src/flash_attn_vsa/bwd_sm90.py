@@ -39,12 +39,11 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
 
-BLOCK_SIZE = (64, 64)
-"""The sparse block (query tokens, key tokens) this backward runs. Query blocks of 128 run as
-two 64-row blocks with the same key lists (see `q128_to_q64_lists` in the adapter)."""
+from flash_attn_vsa.sm90_blocks import BLOCK_SIZE, HEAD_DIMS, check_call
 
-HEAD_DIMS = (64, 128)
-"""Head dims (q/k and v alike) the configuration is compiled and tested for."""
+__all__ = ["BLOCK_SIZE", "HEAD_DIMS", "KV64_CONFIG", "block_sparse_backward_kv64", "check_call"]
+# Query blocks of 128 tokens run as two 64-row blocks with the same key lists (the adapter's
+# `vsa_fa4.metadata.backward_lists` with q_split=2).
 
 MMA_REGISTERS = 240
 """Registers per thread of the lone MMA warpgroup (the producer warpgroup keeps 24)."""
@@ -141,22 +140,6 @@ def kv64_scope(config: TileConfig = KV64_CONFIG) -> Iterator[None]:
         finally:
             _active.config = None
             interface.FlashAttentionBackwardSm90 = saved_class
-
-
-def check_call(q: Any, k: Any, v: Any, block_size: tuple[int, int]) -> None:
-    """ValueError unless this backward can run these inputs (shapes and dtypes only)."""
-    if tuple(block_size) != BLOCK_SIZE:
-        raise ValueError(f"block_size must be {BLOCK_SIZE} (query, key tokens), got {block_size}")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.shape[-1] not in HEAD_DIMS:
-            raise ValueError(f"{name}'s head dim must be one of {HEAD_DIMS}, got {t.shape[-1]}")
-    if q.shape[-2] != k.shape[-2]:
-        raise ValueError(
-            f"k must have q's number of heads {q.shape[-2]} (no GQA here), got {k.shape[-2]}"
-        )
-    for name, t in (("q", q), ("k", k)):
-        if t.shape[1] % BLOCK_SIZE[0]:
-            raise ValueError(f"{name}'s sequence length must be a multiple of 64, got {t.shape[1]}")
 
 
 def block_sparse_backward_kv64(

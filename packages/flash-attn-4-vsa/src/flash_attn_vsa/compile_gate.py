@@ -56,7 +56,7 @@ class GateConfig:
     """One kernel configuration: an upstream (or, later, fork) entry point and its inputs."""
 
     name: str
-    direction: str  # "fwd", "bwd" (upstream's entry points) or "bwd-kv64" (ours)
+    direction: str  # "fwd", "bwd" (upstream's entry points), "fwd-q64" or "bwd-kv64" (ours)
     block_size: tuple[int, int] | None  # (q, kv) tokens per sparse block; None: dense
     kernel: str  # the kernel class that must be compiled (for sm_90a)
     why: str
@@ -83,6 +83,14 @@ CONFIGS: tuple[GateConfig, ...] = (
         (64, 64),
         "FlashAttentionForwardSm90",
         "block-sparse forward, 64x64 blocks (VSA's 4x4x4 tiles)",
+    ),
+    GateConfig(
+        "fwd-sparse-q64-kv64-two-ctas",
+        "fwd-q64",
+        (64, 64),
+        "FlashAttentionForwardSm90TwoCtas",
+        "the fork's block-sparse forward with 64x64 blocks, two CTAs per SM "
+        "(flash_attn_vsa.fwd_sm90)",
     ),
     GateConfig(
         "bwd-dense",
@@ -308,7 +316,8 @@ def _sparse_tensors(torch: Any, block_size: tuple[int, int], direction: str) -> 
 
     q_blocks = -(-SEQLEN // block_size[0])
     kv_blocks = -(-SEQLEN // block_size[1])
-    rows, cols = (q_blocks, kv_blocks) if direction == "fwd" else (kv_blocks, q_blocks)  # bwd*
+    forward = direction.startswith("fwd")
+    rows, cols = (q_blocks, kv_blocks) if forward else (kv_blocks, q_blocks)
 
     def index() -> tuple[Any, Any]:
         count = torch.empty(BATCH, HEADS, rows, dtype=torch.int32, device="cuda")
@@ -384,6 +393,10 @@ def _compile_one(config: GateConfig, arch: str, counter: CountingCompile) -> Gat
                     return_lse=True,
                     _arch=_arch_number(arch),
                 )
+            elif config.direction == "fwd-q64":
+                from flash_attn_vsa.fwd_sm90 import block_sparse_forward_q64
+
+                block_sparse_forward_q64(q, k, v, sparse, softmax_scale=HEAD_DIM**-0.5)
             else:
                 out, dout = torch.empty_like(q), torch.empty_like(q)
                 lse = torch.empty(BATCH, HEADS, SEQLEN, dtype=torch.float32, device="cuda")

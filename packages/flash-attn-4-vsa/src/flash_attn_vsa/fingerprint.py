@@ -69,7 +69,10 @@ SYMBOLS: tuple[Symbol, ...] = (
     Symbol(
         _IFACE,
         "_flash_attn_fwd",
-        "forward entry point the adapter calls (dense and block-sparse); compile gate",
+        "forward entry point the adapter calls (dense and block-sparse); compile gate; "
+        "fwd_sm90 runs it with FlashAttentionForwardSm90 (a module global it constructs) and "
+        "its compile_cache (in, get, set) scoped to our kernel class",
+        source=True,
     ),
     Symbol(
         _IFACE,
@@ -165,8 +168,11 @@ SYMBOLS: tuple[Symbol, ...] = (
     Symbol(
         "flash_attn.cute.flash_fwd_sm90",
         "FlashAttentionForwardSm90",
-        "the Hopper forward kernel class that fork kernels build on",
-        methods=("__init__", "__call__"),
+        "the Hopper forward kernel class fwd_sm90 subclasses (its register split is set in "
+        "__call__ before _setup_attributes, which the subclass overrides, and __call__ "
+        "launches through self.kernel(...).launch(min_blocks_per_mp=...))",
+        methods=("__init__", "__call__", "_setup_attributes", "kernel"),
+        source=True,
     ),
     Symbol(
         "flash_attn.cute.flash_bwd_sm90",

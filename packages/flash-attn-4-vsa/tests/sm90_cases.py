@@ -1,0 +1,94 @@
+"""Shared GPU cases of the fork's sm_90 deltas: a 64x64 block-sparse pattern with full,
+partial and empty key blocks and 0..5 selected key blocks per query block, FA4's index tensors
+for it in either direction, and a float32 reference (forward and gradients)."""
+
+from __future__ import annotations
+
+import torch
+
+SEQ, HEADS, BLOCK = 1536, 3, 64
+
+
+def sm90() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+def lists(rows: list[list[list[int]]], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[H][R] lists of ints -> counts [1, H, R], indices [1, H, R, width] (padded with 0)."""
+    counts = torch.tensor([[len(r) for r in head] for head in rows], dtype=torch.int32)
+    idx = torch.zeros(len(rows), len(rows[0]), width, dtype=torch.int32)
+    for h, head in enumerate(rows):
+        for r, row in enumerate(head):
+            idx[h, r, : len(row)] = torch.tensor(row, dtype=torch.int32)
+    return counts[None].cuda(), idx[None].cuda()
+
+
+def case(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per head: query block i selects i % 6 key blocks; key blocks cycle full / partial /
+    empty (valid sizes), block 5 is selected by no query block."""
+    gen = torch.Generator().manual_seed(seed)
+    n = SEQ // BLOCK
+    pattern = [BLOCK, 37, 0, BLOCK, 1, BLOCK, 63]
+    valid = torch.tensor([pattern[i % len(pattern)] for i in range(n)], dtype=torch.int32)
+    selected = torch.zeros(HEADS, n, n, dtype=torch.bool)  # [H, q block, key block]
+    for h in range(HEADS):
+        for i in range(n):
+            choices = [j for j in torch.randperm(n, generator=gen).tolist() if j != 5]
+            selected[h, i, choices[: i % 6]] = True
+    return valid, selected
+
+
+def sparse_tensors(valid: torch.Tensor, selected: torch.Tensor, backward: bool):
+    """FA4's ``BlockSparseTensorsTorch`` of the case: forward (per query block, its key blocks)
+    or backward (per key block, the query blocks selecting it); full and partial key blocks in
+    separate lists, empty ones in neither."""
+    from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
+
+    n = valid.shape[0]
+    full_rows, part_rows = [], []
+    for h in range(HEADS):
+        if backward:
+            rows = [torch.nonzero(selected[h, :, j]).flatten().tolist() for j in range(n)]
+            full_rows.append([r if valid[j] == BLOCK else [] for j, r in enumerate(rows)])
+            part_rows.append([r if 0 < valid[j] < BLOCK else [] for j, r in enumerate(rows)])
+        else:
+            rows = [torch.nonzero(selected[h, i]).flatten().tolist() for i in range(n)]
+            full_rows.append([[j for j in r if valid[j] == BLOCK] for r in rows])
+            part_rows.append([[j for j in r if 0 < valid[j] < BLOCK] for r in rows])
+    full_cnt, full_idx = lists(full_rows, n)
+    part_cnt, part_idx = lists(part_rows, n)
+    return BlockSparseTensorsTorch(
+        mask_block_cnt=part_cnt,
+        mask_block_idx=part_idx,
+        full_block_cnt=full_cnt,
+        full_block_idx=full_idx,
+        block_size=(BLOCK, BLOCK),
+    )
+
+
+def reference(q, k, v, dout, valid, selected, scale):
+    """Float32 (out [B, S, H, D], lse [B, H, S], [dq, dk, dv]) of the case."""
+    keys = torch.arange(BLOCK) < valid[:, None]  # [n, BLOCK] real key tokens
+    pairs = selected.repeat_interleave(BLOCK, 1).repeat_interleave(BLOCK, 2)
+    pairs &= keys.flatten()[None, None, :]
+    pairs = pairs[None].cuda()  # [1, H, S, S]
+    qf, kf, vf = (t.detach().float().transpose(1, 2).requires_grad_() for t in (q, k, v))
+    s = (qf @ kf.transpose(-1, -2) * scale).masked_fill(~pairs, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - lse.nan_to_num(0, 0, 0)[..., None]).nan_to_num(0.0) * pairs
+    out = p @ vf
+    out.backward(dout.float().transpose(1, 2))
+    return out.transpose(1, 2), lse, [t.grad.transpose(1, 2) for t in (qf, kf, vf)]
+
+
+def inputs(head_dim: int, dtype: torch.dtype, valid: torch.Tensor):
+    """q, k, v, dout [1, SEQ, HEADS, head_dim] with finite garbage in the padding of partial
+    key blocks (it must stay masked)."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    q, k, v, dout = (
+        torch.randn(1, SEQ, HEADS, head_dim, device="cuda", dtype=dtype, generator=gen)
+        for _ in range(4)
+    )
+    pad = (torch.arange(BLOCK) >= valid[:, None]).flatten().cuda()
+    k[:, pad], v[:, pad] = 30.0, -30.0
+    return q, k, v, dout

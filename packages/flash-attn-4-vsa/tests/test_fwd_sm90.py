@@ -1,0 +1,108 @@
+"""The fork's two-CTA Q64/KV64 forward (`flash_attn_vsa.fwd_sm90`): its scope on the CPU (which
+kernel class and which compile cache upstream uses, per thread), correctness against a
+float32 reference and against upstream's own kernel on an sm_90 GPU.
+
+GPU cases (`sm90_cases`): 64x64 blocks, head dims 64 and 128, bf16 and fp16, key blocks full,
+partial (through a mask_mod on the partial lists) and empty, query blocks selecting 0..5 key
+blocks, ``out`` and ``lse`` pre-filled with NaN (every element must be written).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import sm90_cases as cases
+import torch
+
+from flash_attn_vsa import fwd_sm90, sm90_blocks, upstream_version
+
+needs_upstream = pytest.mark.skipif(upstream_version() is None, reason="needs flash-attn-4")
+
+
+def test_shares_the_sm90_argument_checks():
+    assert fwd_sm90.check_call is sm90_blocks.check_call
+    assert fwd_sm90.BLOCK_SIZE == (64, 64)
+    assert fwd_sm90.MMA_REGISTERS + fwd_sm90.PRODUCER_REGISTERS == 256  # x 128 threads x 2 CTAs
+
+
+@needs_upstream
+def test_scope_picks_kernel_class_and_cache_per_thread():
+    import flash_attn.cute.interface as interface
+    from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90
+
+    with fwd_sm90.two_cta_scope():
+        inside = fwd_sm90.current_kernel_class()
+        interface._flash_attn_fwd.compile_cache["test-key"] = "ours"
+        seen = {}
+
+        def elsewhere():
+            seen["class"] = fwd_sm90.current_kernel_class()
+            seen["has_key"] = "test-key" in interface._flash_attn_fwd.compile_cache
+
+        other = threading.Thread(target=elsewhere)
+        other.start()
+        other.join()
+    assert inside is fwd_sm90.kernel_class()
+    assert issubclass(inside, FlashAttentionForwardSm90)
+    assert fwd_sm90.current_kernel_class() is FlashAttentionForwardSm90
+    assert seen == {"class": FlashAttentionForwardSm90, "has_key": False}  # upstream's there
+    assert "test-key" not in interface._flash_attn_fwd.compile_cache
+    with fwd_sm90.two_cta_scope():
+        assert interface._flash_attn_fwd.compile_cache["test-key"] == "ours"
+        del interface._flash_attn_fwd.compile_cache.own["test-key"]
+    # Upstream's interface builds its kernels through the scoped class, still a subclass.
+    assert issubclass(interface.FlashAttentionForwardSm90, FlashAttentionForwardSm90)
+
+
+# ---- GPU ----------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@needs_upstream
+@pytest.mark.skipif(not cases.sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_two_cta_forward_matches_the_reference_and_upstream(head_dim, dtype):
+    from flash_attn.cute.interface import _flash_attn_fwd
+
+    mask_mod = pytest.importorskip("vsa_fa4._mask").valid_size_mask_mod(cases.BLOCK)
+    valid, selected = cases.case(seed=head_dim + 7)
+    q, k, v, dout = cases.inputs(head_dim, dtype, valid)
+    scale = head_dim**-0.5
+    ref_out, ref_lse, _ = cases.reference(q, k, v, dout, valid, selected, scale)
+    tensors = cases.sparse_tensors(valid, selected, backward=False)
+    masking = {"mask_mod": mask_mod, "aux_tensors": [valid.cuda()]}
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((1, cases.HEADS, cases.SEQ), float("nan"), device="cuda")
+    got_out, got_lse = fwd_sm90.block_sparse_forward_q64(
+        q, k, v, tensors, softmax_scale=scale, out=out, lse=lse, **masking
+    )
+    assert got_out.data_ptr() == out.data_ptr() and got_lse.data_ptr() == lse.data_ptr()
+    assert torch.isfinite(got_out).all()
+    err = ((got_out.float() - ref_out).norm() / ref_out.norm()).item()
+    assert err <= 1e-2, err
+    sees_keys = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(got_lse), sees_keys)  # -inf exactly where no key is seen
+    assert (got_lse[sees_keys] - ref_lse[sees_keys]).abs().max().item() <= 1e-2
+    assert bool((got_out.transpose(1, 2)[~sees_keys] == 0).all())
+    # Same kernel body as upstream's one-CTA launch: the same numbers.
+    up_out, up_lse = _flash_attn_fwd(
+        q, k, v, softmax_scale=scale, block_sparse_tensors=tensors, return_lse=True, **masking
+    )[:2]
+    assert (got_out.float() - up_out.float()).abs().max().item() <= 1e-6 + 2**-8 * float(
+        up_out.float().abs().max()
+    )
+    assert torch.allclose(got_lse[sees_keys], up_lse[sees_keys], atol=1e-5, rtol=0)
+
+
+@pytest.mark.gpu
+@needs_upstream
+@pytest.mark.skipif(not cases.sm90(), reason="needs an sm_90 GPU")
+def test_wrong_block_size_is_refused_before_any_launch():
+    q = torch.zeros(1, 128, 2, 128, device="cuda", dtype=torch.bfloat16)
+    tensors = cases.sparse_tensors(
+        torch.full((2,), 64, dtype=torch.int32), torch.zeros(cases.HEADS, 2, 2, dtype=torch.bool),
+        backward=False,
+    )  # fmt: skip
+    tensors = tensors._replace(block_size=(128, 64))
+    with pytest.raises(ValueError, match="block_size must be"):
+        fwd_sm90.block_sparse_forward_q64(q, q, q, tensors, softmax_scale=0.1)
