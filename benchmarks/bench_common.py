@@ -208,27 +208,9 @@ def _rep_times(
     fn: Callable[[Any], Any], state: Callable[[], Any], device: torch.device, reps: int
 ) -> list[float]:
     """The time (ms) of each of ``reps`` calls ``fn(state())``, ``state()`` untimed: CUDA events
-    recorded on the current stream on a GPU, perf_counter on the CPU."""
-    times: list[float] = []
-    if device.type == "cuda":
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-        for i in range(reps):
-            s = state()
-            starts[i].record()
-            fn(s)
-            ends[i].record()
-            del s
-        torch.cuda.synchronize(device)
-        times = [float(a.elapsed_time(b)) for a, b in zip(starts, ends, strict=True)]
-    else:
-        for _ in range(reps):
-            s = state()
-            t0 = time.perf_counter()
-            fn(s)
-            times.append((time.perf_counter() - t0) * 1e3)
-            del s
-    return times
+    recorded on the current stream on a GPU, perf_counter on the CPU (`time_interleaved` with
+    one arm and no warm-up)."""
+    return time_interleaved({"fn": (fn, state)}, device, warmup=0, reps=reps)["fn"]
 
 
 def time_fn(

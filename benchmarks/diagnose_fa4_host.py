@@ -36,18 +36,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_common as bc
-from bench_fa4_overhead import exact256_layout, raw_tensors
-
-
-def host_ms(fn, reps: int = 20) -> float:
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    torch.cuda.synchronize()
-    return statistics.median(times)
+from bench_fa4_overhead import exact256_layout, host_ms, raw_tensors
 
 
 def cprofile_text(fn, calls: int = 20, rows: int = 40) -> str:
@@ -149,7 +138,9 @@ def main(argv=None) -> int:
         syncs[label] = {"adapter_fwd": sync_calls(adapter_fwd),
                         "autograd_bwd": sync_calls(autograd_bwd)}  # fmt: skip
         cell = {"block_shape": label, "physical": list(plan.block_size)}
-        cell.update({name: host_ms(fn) for name, fn in pieces.items()})
+        cell.update(
+            {name: host_ms(lambda _, f=fn: f(), None, dev, reps=20) for name, fn in pieces.items()}
+        )
         cell["autograd_bwd"] = statistics.median(autograd_bwd() for _ in range(20))
         hosts["cells"].append(cell)
         print(json.dumps(cell), flush=True)

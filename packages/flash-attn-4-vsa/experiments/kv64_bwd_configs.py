@@ -150,6 +150,17 @@ def timed(fn, reps=20, warmup=3):
     return statistics.median(times)
 
 
+def jsonl_emitter(path):
+    """A function that prints a record as one JSON line and appends it to ``path``."""
+
+    def emit(rec):
+        print(json.dumps(rec), flush=True)
+        with open(path, "a") as log:
+            log.write(json.dumps(rec) + "\n")
+
+    return emit
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -159,12 +170,7 @@ def main():
     args = ap.parse_args()
     from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd
 
-    log_path = os.path.join(args.out, "kv64_bwd_configs.jsonl")
-
-    def emit(rec):
-        print(json.dumps(rec), flush=True)
-        with open(log_path, "a") as log:
-            log.write(json.dumps(rec) + "\n")
+    emit = jsonl_emitter(os.path.join(args.out, "kv64_bwd_configs.jsonl"))
 
     torch.manual_seed(0)
     D, scale = 128, 128**-0.5

@@ -26,7 +26,6 @@ its own list), arms interleaved call by call. ::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -40,7 +39,14 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parents[2] / "benchmarks"))
 
 import bench_common as bc  # noqa: E402
-from kv64_bwd_configs import exact256_layout, fa4_tensors, random_layout, reference, rel_l2  # noqa: E402
+from kv64_bwd_configs import (  # noqa: E402
+    exact256_layout,
+    fa4_tensors,
+    jsonl_emitter,
+    random_layout,
+    reference,
+    rel_l2,
+)
 
 VARIANTS = {"upstream": None, "two_cta_232": 232, "two_cta_224": 224}
 
@@ -104,12 +110,7 @@ def main() -> int:
     args = ap.parse_args()
     from flash_attn.cute.interface import _flash_attn_fwd, flash_attn_func
 
-    log_path = os.path.join(args.out, "q64_fwd_two_ctas.jsonl")
-
-    def emit(rec):
-        print(json.dumps(rec), flush=True)
-        with open(log_path, "a") as log:
-            log.write(json.dumps(rec) + "\n")
+    emit = jsonl_emitter(os.path.join(args.out, "q64_fwd_two_ctas.jsonl"))
 
     emit({"case": "meta", **bc.gpu_result_header("q64_fwd_two_ctas"),
           "command": " ".join(["python3", *sys.argv]),
