@@ -63,7 +63,9 @@ class GateConfig:
 
 
 CONFIGS: tuple[GateConfig, ...] = (
-    GateConfig("fwd-64x64", "fwd", (64, 64), "native", (64, 64), "FlashAttentionForwardSm90"),
+    GateConfig(
+        "fwd-64x64", "fwd", (64, 64), "native", (64, 64), "FlashAttentionForwardSm90TwoCtas"
+    ),
     GateConfig(
         "fwd-64x64-paired", "fwd", (64, 64), "paired", (128, 64), "FlashAttentionForwardSm90"
     ),

@@ -18,7 +18,8 @@ stays cheap.
 - ``schedule="auto"`` (default): ``"paired"`` when the layout allows it, else ``"native"``.
 
 The same module holds the rules of what upstream FA4 (the pinned release) and the fork accept
-per architecture, with the reason for each refusal (`plan_refusal`). Backward passes with
+per architecture, with the reason for each refusal (`plan_refusal`). Native 64x64 forwards run
+on the fork's two-CTA-per-SM launch (`flash_attn_vsa.fwd_sm90`). Backward passes with
 64-token key blocks on sm_90 run on the fork's kernel (`flash_attn_vsa.bwd_sm90`, 64x64 sparse
 blocks): a 128-row physical query block is handed to it as two 64-row blocks with one list.
 """
