@@ -528,14 +528,15 @@ class Fa4RawArm(Arm):
         return None
 
     def kv64_backward(self, layout: BlockSparseLayout) -> tuple[Any, Any] | None:
-        """On sm_90 upstream refuses KV64 backward: the fork's kernel (64x64 blocks) and its
-        tensors, query blocks of 128 split into two 64-row blocks with one list."""
+        """On sm_90 upstream refuses KV64 backward: the fork's kernels (64x64 and 128x64
+        blocks) and their tensors."""
         if self.capability[0] != 9 or layout.kv_block != 64:
             return None
         from flash_attn_vsa.bwd_sm90 import block_sparse_backward_kv64
 
-        q64 = layout.refine((64, 64))  # 128-row query blocks: two 64-row blocks, one list
-        return block_sparse_backward_kv64, fa4_block_sparse_tensors(self.tensor_cls, q64, True)[1]
+        return block_sparse_backward_kv64, fa4_block_sparse_tensors(self.tensor_cls, layout, True)[
+            1
+        ]
 
     def classify_error(self, exc: BaseException) -> str | None:
         msg = str(exc)
@@ -557,7 +558,7 @@ class Fa4RawArm(Arm):
         fork = self.kv64_backward(cell.layout) if cell.mode != "fwd" else None
         if fork is not None:
             fork_bwd, bwd_t = fork
-            info["backward"] = "flash_attn_vsa.bwd_sm90 (64x64 blocks; upstream refuses KV64)"
+            info["backward"] = "flash_attn_vsa.bwd_sm90 (upstream refuses KV64)"
 
             def bwd(q, k, v, out, dout, lse, softmax_scale, block_sparse_tensors):
                 return fork_bwd(q, k, v, out, dout, lse, block_sparse_tensors,

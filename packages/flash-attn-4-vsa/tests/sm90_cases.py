@@ -1,5 +1,6 @@
-"""Shared GPU cases of the fork's sm_90 deltas: a 64x64 block-sparse pattern with full,
-partial and empty key blocks and 0..5 selected key blocks per query block, FA4's index tensors
+"""Shared GPU cases of the fork's sm_90 deltas: a block-sparse pattern of 64-token key blocks
+(query blocks of 64 or 128 tokens) with full, partial and empty key blocks and 0..5 selected
+key blocks per query block, FA4's index tensors
 for it in either direction, and a float32 reference (forward and gradients)."""
 
 from __future__ import annotations
@@ -23,16 +24,17 @@ def lists(rows: list[list[list[int]]], width: int) -> tuple[torch.Tensor, torch.
     return counts[None].cuda(), idx[None].cuda()
 
 
-def case(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def case(seed: int, q_block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """Per head: query block i selects i % 6 key blocks; key blocks cycle full / partial /
     empty (valid sizes), block 5 is selected by no query block."""
     gen = torch.Generator().manual_seed(seed)
     n = SEQ // BLOCK
+    n_q = SEQ // q_block
     pattern = [BLOCK, 37, 0, BLOCK, 1, BLOCK, 63]
     valid = torch.tensor([pattern[i % len(pattern)] for i in range(n)], dtype=torch.int32)
-    selected = torch.zeros(HEADS, n, n, dtype=torch.bool)  # [H, q block, key block]
+    selected = torch.zeros(HEADS, n_q, n, dtype=torch.bool)  # [H, q block, key block]
     for h in range(HEADS):
-        for i in range(n):
+        for i in range(n_q):
             choices = [j for j in torch.randperm(n, generator=gen).tolist() if j != 5]
             selected[h, i, choices[: i % 6]] = True
     return valid, selected
@@ -44,7 +46,7 @@ def sparse_tensors(valid: torch.Tensor, selected: torch.Tensor, backward: bool):
     separate lists, empty ones in neither."""
     from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
 
-    n = valid.shape[0]
+    n, n_q = valid.shape[0], selected.shape[1]
     full_rows, part_rows = [], []
     for h in range(HEADS):
         if backward:
@@ -52,24 +54,26 @@ def sparse_tensors(valid: torch.Tensor, selected: torch.Tensor, backward: bool):
             full_rows.append([r if valid[j] == BLOCK else [] for j, r in enumerate(rows)])
             part_rows.append([r if 0 < valid[j] < BLOCK else [] for j, r in enumerate(rows)])
         else:
-            rows = [torch.nonzero(selected[h, i]).flatten().tolist() for i in range(n)]
+            rows = [torch.nonzero(selected[h, i]).flatten().tolist() for i in range(n_q)]
             full_rows.append([[j for j in r if valid[j] == BLOCK] for r in rows])
             part_rows.append([[j for j in r if 0 < valid[j] < BLOCK] for r in rows])
-    full_cnt, full_idx = lists(full_rows, n)
-    part_cnt, part_idx = lists(part_rows, n)
+    width = n_q if backward else n
+    full_cnt, full_idx = lists(full_rows, width)
+    part_cnt, part_idx = lists(part_rows, width)
     return BlockSparseTensorsTorch(
         mask_block_cnt=part_cnt,
         mask_block_idx=part_idx,
         full_block_cnt=full_cnt,
         full_block_idx=full_idx,
-        block_size=(BLOCK, BLOCK),
+        block_size=(SEQ // n_q, BLOCK),
     )
 
 
 def reference(q, k, v, dout, valid, selected, scale):
     """Float32 (out [B, S, H, D], lse [B, H, S], [dq, dk, dv]) of the case."""
     keys = torch.arange(BLOCK) < valid[:, None]  # [n, BLOCK] real key tokens
-    pairs = selected.repeat_interleave(BLOCK, 1).repeat_interleave(BLOCK, 2)
+    q_block = SEQ // selected.shape[1]
+    pairs = selected.repeat_interleave(q_block, 1).repeat_interleave(BLOCK, 2)
     pairs &= keys.flatten()[None, None, :]
     pairs = pairs[None].cuda()  # [1, H, S, S]
     qf, kf, vf = (t.detach().float().transpose(1, 2).requires_grad_() for t in (q, k, v))

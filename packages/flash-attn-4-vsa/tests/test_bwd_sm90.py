@@ -1,9 +1,9 @@
 """The fork's KV64 backward (`flash_attn_vsa.bwd_sm90`): argument checks and the scoped
 configuration swap on the CPU; correctness against a float32 reference on an sm_90 GPU.
 
-GPU cases: 64x64 blocks, head dims 64 and 128, key blocks full, partial (through a mask_mod
-on the partial lists) and empty (selected by nobody: dk = dv = 0), query blocks selecting
-0..5 key blocks, outputs pre-filled with NaN (every element must be written). Relative L2
+GPU cases: 64x64 and 128x64 blocks, head dims 64 and 128, key blocks full, partial (through a
+mask_mod on the partial lists) and empty (selected by nobody: dk = dv = 0), query blocks
+selecting 0..5 key blocks, outputs pre-filled with NaN (every element must be written). Relative L2
 error of dq, dk, dv <= 1e-2.
 """
 
@@ -28,7 +28,8 @@ class _Shape:
 @pytest.mark.parametrize(
     ("q", "k", "block", "match"),
     [
-        ((1, 128, 2, 128), (1, 128, 2, 128), (128, 64), "block_size must be"),
+        ((1, 128, 2, 128), (1, 128, 2, 128), (64, 128), "block_size must be"),
+        ((1, 192, 2, 128), (1, 192, 2, 128), (128, 64), "multiple of 128"),
         ((1, 128, 2, 96), (1, 128, 2, 96), (64, 64), "head dim must be one of"),
         ((1, 128, 4, 128), (1, 128, 2, 128), (64, 64), "no GQA"),
         ((1, 100, 2, 128), (1, 128, 2, 128), (64, 64), "multiple of 64"),
@@ -36,13 +37,19 @@ class _Shape:
 )
 def test_check_call_names_the_problem(q, k, block, match):
     with pytest.raises(ValueError, match=match):
-        bwd_sm90.check_call(_Shape(*q), _Shape(*k), _Shape(*k), block)
+        bwd_sm90.check_call(_Shape(*q), _Shape(*k), _Shape(*k), block, bwd_sm90.BWD_BLOCK_SIZES)
 
 
-def test_config_is_one_mma_warpgroup_of_64x64():
-    cfg = bwd_sm90.KV64_CONFIG
+def test_configs_per_block_size():
+    cfg = bwd_sm90.config_for((64, 64))
+    assert cfg is bwd_sm90.KV64_CONFIG
     assert (cfg.m_block_size, cfg.n_block_size, cfg.num_wg) == (64, 64, 1)
     assert not cfg.SdP_swapAB  # measured: the swapped single-warpgroup layout is 0.49 vs 0.71
+    cfg = bwd_sm90.config_for((128, 64))
+    assert (cfg.m_block_size, cfg.n_block_size, cfg.num_wg) == (128, 64, 2)
+    # each warpgroup owns 64 query rows of S/dP and dQ: full 64-row wgmmas, no query subtiles
+    assert (cfg.AtomLayoutMSdP, cfg.AtomLayoutMdQ) == (2, 2)
+    assert (cfg.num_stages_Q, cfg.num_stages_dO, cfg.num_stages_PdS) == (2, 1, 1)
 
 
 @needs_upstream
@@ -75,9 +82,10 @@ def test_scope_swaps_upstream_globals_only_inside_and_only_for_its_thread():
 @pytest.mark.skipif(not cases.sm90(), reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_kv64_backward_matches_the_reference(head_dim, dtype):
+@pytest.mark.parametrize("q_block", [64, 128])
+def test_kv64_backward_matches_the_reference(head_dim, dtype, q_block):
     mask_mod = pytest.importorskip("vsa_fa4._mask").valid_size_mask_mod(cases.BLOCK)
-    valid, selected = cases.case(seed=head_dim)
+    valid, selected = cases.case(seed=head_dim, q_block=q_block)
     q, k, v, dout = cases.inputs(head_dim, dtype, valid)
     scale = head_dim**-0.5
     ref_out, ref_lse, ref_grads = cases.reference(q, k, v, dout, valid, selected, scale)

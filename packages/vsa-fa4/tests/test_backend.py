@@ -153,7 +153,7 @@ def test_sm90_runs_every_forward(gpu, block_shape, head_dim, dtype):
 @pytest.mark.parametrize("block_shape", [(64, 64), (128, 64)])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_sm90_kv64_backward_runs_on_the_fork(gpu, block_shape, head_dim):
-    # Upstream refuses it; flash_attn_vsa.bwd_sm90 runs it (128-row query blocks as two 64s).
+    # Upstream refuses it; flash_attn_vsa.bwd_sm90 runs it (64x64 and 128x64 tiles).
     backend = gpu((9, 0))
     assert backend.supports(call(block_shape, head_dim=head_dim, grad=True)) is None
     plan = make_plan(block_shape)

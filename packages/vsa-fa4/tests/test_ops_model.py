@@ -238,13 +238,13 @@ def test_partial_blocks_keep_the_mask_mod(fa4_model, monkeypatch):
 
 
 @pytest.mark.parametrize("schedule", ["native", "paired"])
-def test_kv64_backward_runs_64x64_blocks(fa4_model, monkeypatch, schedule):
-    """KV64 backward goes to the fork's 64x64 kernel: 128-row query blocks (logical 128x64,
-    or paired 64x64) are handed over as two 64-row blocks with one list."""
+def test_kv64_backward_keeps_128_row_query_blocks(fa4_model, monkeypatch, schedule):
+    """KV64 backward goes to the fork's kernels with the forward's physical blocks: 128-row
+    query blocks (logical 128x64, or paired 64x64) stay 128-row (its 128x64 tiles)."""
     calls = recording(fa4_model, monkeypatch)
     base = counted_layout((128, 64))
     layout = base if schedule == "native" else base.refine((64, 64))
     plan, got, want = run_both(layout)
     assert plan.block_size == (128, 64)
-    assert [c[:2] for c in calls] == [("fwd", (128, 64)), ("bwd", (64, 64))]
+    assert [c[:2] for c in calls] == [("fwd", (128, 64)), ("bwd", (128, 64))]
     assert_close(got, want)

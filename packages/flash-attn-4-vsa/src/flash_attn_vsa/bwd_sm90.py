@@ -16,10 +16,15 @@ is fast there:
   warpgroups, giving a lone one 160 registers and spilling (592 B of stack); our subclass
   gives it 240 (no spills).
 
-This module is that delta: `KV64_CONFIG` (the tile configuration), `kernel_class()` (the
-subclass with the register split) and `block_sparse_backward_kv64`, which runs upstream's
-``_flash_attn_bwd`` with both swapped in for the duration of the call. Everything else
-(preprocess, postprocess, block-sparse iteration, mask_mod on partial blocks) is upstream's.
+128-token query blocks over 64-token key blocks run 128x64 tiles with two MMA warpgroups, each
+owning 64 query rows (`Q128_KV64_CONFIG`): 0.67-0.68 of dense against 0.64-0.65 for the same
+blocks split into 64-row ones.
+
+This module is that delta: the tile configurations (`config_for` a block size),
+`kernel_class()` (the subclass with the register split) and `block_sparse_backward_kv64`,
+which runs upstream's ``_flash_attn_bwd`` with both swapped in for the duration of the call.
+Everything else (preprocess, postprocess, block-sparse iteration, mask_mod on partial blocks)
+is upstream's.
 
 Upstream internals this relies on (fingerprinted in ``upstream_api.json``):
 ``interface._tile_size_bwd_sm90`` and ``interface.FlashAttentionBackwardSm90`` (looked up as
@@ -39,11 +44,17 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from flash_attn_vsa.sm90_blocks import BLOCK_SIZE, HEAD_DIMS, check_call
+from flash_attn_vsa.sm90_blocks import BWD_BLOCK_SIZES, HEAD_DIMS, check_call
 
-__all__ = ["BLOCK_SIZE", "HEAD_DIMS", "KV64_CONFIG", "block_sparse_backward_kv64", "check_call"]
-# Query blocks of 128 tokens run as two 64-row blocks with the same key lists (the adapter's
-# `vsa_fa4.metadata.backward_lists` with q_split=2).
+__all__ = [
+    "BWD_BLOCK_SIZES",
+    "HEAD_DIMS",
+    "KV64_CONFIG",
+    "Q128_KV64_CONFIG",
+    "block_sparse_backward_kv64",
+    "check_call",
+    "config_for",
+]
 
 MMA_REGISTERS = 240
 """Registers per thread of the lone MMA warpgroup (the producer warpgroup keeps 24)."""
@@ -83,6 +94,28 @@ def _upstream_config(config: TileConfig) -> Any:
 KV64_CONFIG = TileConfig()
 """One MMA warpgroup per 64x64 tile, S unswapped, P and dS staged in shared memory, two
 stages of Q and dO (the fastest of the layouts measured; NOTES.md)."""
+
+
+Q128_KV64_CONFIG = TileConfig(
+    m_block_size=128,
+    num_stages_Q=2,
+    num_stages_dO=1,
+    num_stages_PdS=1,
+    AtomLayoutMSdP=2,
+    AtomLayoutNdKV=1,
+    AtomLayoutMdQ=2,
+    num_wg=2,
+)
+"""128-row query tiles over a 64-row key tile, two MMA warpgroups: each owns 64 query rows for
+S, dP and dQ (full 64x64x128 wgmmas) and half the head dim for dK and dV. Two stages of Q, one
+of dO and P/dS: 226 KB of shared memory at head dim 128, the most a CTA may have. On an H200
+0.67-0.68 of dense backward where the same blocks split into two 64-row ones run at 0.64-0.65
+(one stage of Q: 0.41; NOTES.md, experiment 4)."""
+
+
+def config_for(block_size: tuple[int, int]) -> TileConfig:
+    """The tile configuration of a sparse block in `BWD_BLOCK_SIZES`."""
+    return KV64_CONFIG if tuple(block_size) == (64, 64) else Q128_KV64_CONFIG
 
 
 @functools.cache
@@ -165,20 +198,23 @@ def block_sparse_backward_kv64(
     dk: Any = None,
     dv: Any = None,
 ) -> tuple[Any, Any, Any]:
-    """Block-sparse attention backward on sm_90 with 64x64 sparse blocks.
+    """Block-sparse attention backward on sm_90 with 64-token key blocks (64x64 or 128x64
+    sparse blocks).
 
     Arguments as upstream's ``_flash_attn_bwd``: BSHD ``q, k, v, out, dout`` (fp16/bf16), ``lse``
     [B, H, S] float32 from the forward, ``block_sparse_tensors`` an FA4
-    ``BlockSparseTensorsTorch`` in the backward direction (per 64-token key block: the 64-token
-    query blocks that attend to it, full and partial lists apart) with ``block_size=(64, 64)``,
+    ``BlockSparseTensorsTorch`` in the backward direction (per 64-token key block: the query
+    blocks that attend to it, full and partial lists apart) with ``block_size`` (64, 64) or
+    (128, 64),
     optional ``mask_mod`` + ``aux_tensors`` applied on the partial lists, and optional
     preallocated ``dq, dk, dv``. Returns ``(dq, dk, dv)``. Key blocks no query block attends to
     get zero dk/dv.
     """
     from flash_attn.cute.interface import _flash_attn_bwd
 
-    check_call(q, k, v, tuple(block_sparse_tensors.block_size or ()))
-    with kv64_scope():
+    block_size = tuple(block_sparse_tensors.block_size or ())
+    check_call(q, k, v, block_size, BWD_BLOCK_SIZES)
+    with kv64_scope(config_for(block_size)):
         grads = _flash_attn_bwd(
             q,
             k,

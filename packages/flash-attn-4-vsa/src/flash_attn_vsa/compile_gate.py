@@ -113,6 +113,14 @@ CONFIGS: tuple[GateConfig, ...] = (
         "FlashAttentionBackwardSm90KV64",
         "the fork's block-sparse backward with 64x64 blocks (flash_attn_vsa.bwd_sm90)",
     ),
+    GateConfig(
+        "bwd-sparse-q128-kv64",
+        "bwd-kv64",
+        (128, 64),
+        "FlashAttentionBackwardSm90KV64",
+        "the fork's block-sparse backward with 128x64 blocks, two MMA warpgroups "
+        "(flash_attn_vsa.bwd_sm90)",
+    ),
 )
 
 

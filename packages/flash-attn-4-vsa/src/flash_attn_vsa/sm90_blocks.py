@@ -1,21 +1,33 @@
-"""What the fork's sm_90 deltas (`bwd_sm90`, `fwd_sm90`) run: 64x64 sparse blocks at head dims
-64 and 128, as many key heads as query heads, and the argument checks that say so."""
+"""What the fork's sm_90 deltas (`bwd_sm90`, `fwd_sm90`) run: 64-token key blocks (64x64 sparse
+blocks forward; 64x64 and 128x64 backward) at head dims 64 and 128, as many key heads as query
+heads, and the argument checks that say so."""
 
 from __future__ import annotations
 
 from typing import Any
 
 BLOCK_SIZE = (64, 64)
-"""The sparse block (query tokens, key tokens) the deltas run."""
+"""The sparse block (query tokens, key tokens) the forward delta runs."""
+
+BWD_BLOCK_SIZES = ((64, 64), (128, 64))
+"""The sparse blocks the backward delta runs."""
 
 HEAD_DIMS = (64, 128)
 """Head dims (q/k and v alike) the deltas are compiled and tested for."""
 
 
-def check_call(q: Any, k: Any, v: Any, block_size: tuple[int, int]) -> None:
-    """ValueError unless the deltas can run these inputs (shapes and block size only)."""
-    if tuple(block_size) != BLOCK_SIZE:
-        raise ValueError(f"block_size must be {BLOCK_SIZE} (query, key tokens), got {block_size}")
+def check_call(
+    q: Any,
+    k: Any,
+    v: Any,
+    block_size: tuple[int, int],
+    allowed: tuple[tuple[int, int], ...] = (BLOCK_SIZE,),
+) -> None:
+    """ValueError unless a delta running the ``allowed`` sparse blocks can run these inputs
+    (shapes and block size only)."""
+    if tuple(block_size) not in allowed:
+        wanted = " or ".join(str(b) for b in allowed)
+        raise ValueError(f"block_size must be {wanted} (query, key tokens), got {block_size}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.shape[-1] not in HEAD_DIMS:
             raise ValueError(f"{name}'s head dim must be one of {HEAD_DIMS}, got {t.shape[-1]}")
@@ -23,6 +35,8 @@ def check_call(q: Any, k: Any, v: Any, block_size: tuple[int, int]) -> None:
         raise ValueError(
             f"k must have q's number of heads {q.shape[-2]} (no GQA here), got {k.shape[-2]}"
         )
-    for name, t in (("q", q), ("k", k)):
-        if t.shape[1] % BLOCK_SIZE[0]:
-            raise ValueError(f"{name}'s sequence length must be a multiple of 64, got {t.shape[1]}")
+    for name, t, block in (("q", q, block_size[0]), ("k", k, block_size[1])):
+        if t.shape[1] % block:
+            raise ValueError(
+                f"{name}'s sequence length must be a multiple of {block}, got {t.shape[1]}"
+            )

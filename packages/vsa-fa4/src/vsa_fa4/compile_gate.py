@@ -80,6 +80,10 @@ CONFIGS: tuple[GateConfig, ...] = (
     GateConfig(
         "bwd-64x64", "bwd", (64, 64), "native", (64, 64), "FlashAttentionBackwardSm90KV64"
     ),
+    GateConfig(
+        "bwd-64x64-paired", "bwd", (64, 64), "paired", (128, 64),
+        "FlashAttentionBackwardSm90KV64",
+    ),
     # Layouts known to have no partial key block: kernels without a mask_mod.
     GateConfig(
         "fwd-128x128-full", "fwd", (128, 128), "native", (128, 128), "FlashAttentionForwardSm90",
@@ -92,8 +96,8 @@ CONFIGS: tuple[GateConfig, ...] = (
 )  # fmt: skip
 """One configuration per distinct kernel (FA4 caches compiled kernels in the process, so a
 second configuration with the same physical tile would compile nothing). Logical 128x64 runs
-the paired kernel's tile (128x64) forward and the fork's 64x64 backward (as ``bwd-64x64``);
-64x128 adds a 64x128 forward and a Q64 backward kernel."""
+the paired kernel's tiles (128x64, forward and the fork's two-warpgroup backward, as
+``bwd-64x64-paired``); 64x128 adds a 64x128 forward and a Q64 backward kernel."""
 
 
 def select_configs(names: Sequence[str] | None) -> list[GateConfig]:

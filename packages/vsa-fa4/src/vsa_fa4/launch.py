@@ -117,10 +117,11 @@ def run_backward(
 ) -> None:
     """FA4 block-sparse backward (key-block-owned ``lists``) into ``dq``, ``dk``, ``dv``.
 
-    64x64 blocks run on the fork's sm_90 kernel (`flash_attn_vsa.bwd_sm90`; upstream refuses
-    them), everything else on upstream's ``_flash_attn_bwd``."""
+    64-token key blocks (64x64 and 128x64 physical blocks) run on the fork's sm_90 kernels
+    (`flash_attn_vsa.bwd_sm90`; upstream refuses them), everything else on upstream's
+    ``_flash_attn_bwd``."""
     tensors_cls, _, bwd, mask_mod = _upstream()
-    if tuple(block_size) == (64, 64):
+    if block_size[1] == 64:
         from flash_attn_vsa.bwd_sm90 import block_sparse_backward_kv64 as bwd
     with _on_device(q.device):
         bwd(

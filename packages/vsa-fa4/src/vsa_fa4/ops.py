@@ -94,13 +94,9 @@ def backward_impl(
     masked: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) of `forward_impl`, from FA4's key-block-owned backward (the
-    body of ``torch.ops.vsa_fa4.bwd``). With 64-token key blocks the backward runs 64x64
-    blocks (the fork's kernel): each 128-row query block becomes two 64-row blocks sharing
-    its list."""
+    body of ``torch.ops.vsa_fa4.bwd``)."""
     dq, dk, dv = _bshd(q, q.shape[-1]), _bshd(k, k.shape[-1]), _bshd(v, v.shape[-1])
-    q_split = q_tile // 64 if kv_tile == 64 else 1
-    lists = backward_lists(kv_indices, kv_counts, kv_valid_sizes, kv_tile, masked, q_split)
-    q_tile //= q_split
+    lists = backward_lists(kv_indices, kv_counts, kv_valid_sizes, kv_tile, masked)
     launch.run_backward(
         dout, q, k, v, out, lse, dq, dk, dv, lists, kv_valid_sizes.contiguous(), scale,
         (q_tile, kv_tile), masked,

@@ -20,8 +20,8 @@ stays cheap.
 The same module holds the rules of what upstream FA4 (the pinned release) and the fork accept
 per architecture, with the reason for each refusal (`plan_refusal`). Native 64x64 forwards run
 on the fork's two-CTA-per-SM launch (`flash_attn_vsa.fwd_sm90`). Backward passes with
-64-token key blocks on sm_90 run on the fork's kernel (`flash_attn_vsa.bwd_sm90`, 64x64 sparse
-blocks): a 128-row physical query block is handed to it as two 64-row blocks with one list.
+64-token key blocks on sm_90 run on the fork's kernels (`flash_attn_vsa.bwd_sm90`: 64x64 sparse
+blocks with one MMA warpgroup, 128x64 ones with two).
 """
 
 from __future__ import annotations
