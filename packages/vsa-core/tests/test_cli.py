@@ -51,7 +51,8 @@ class TrainsOnlyWideBlocks(Backend):
         return None
 
     def priority_for(self, call):
-        return -1 if call.block_shape[0] == 64 and call.q_group_size == 1 else self.priority
+        unpaired = call.block_shape[0] == 64 and call.q_group_size == 1
+        return -1 if unpaired and not call.kv_blocks_full else self.priority
 
 
 def test_info_shape_table_gives_each_verdict_its_reason_and_auto(capsys):
@@ -63,8 +64,18 @@ def test_info_shape_table_gives_each_verdict_its_reason_and_auto(capsys):
         text = capsys.readouterr().out
     finally:
         unregister_backend("info-test")
-    by_key = {(tuple(r["block_shape"]), r["q_group_size"], r["requires_grad"]): r for r in rows}
-    assert len(by_key) == 2 * len(cli.INFO_SHAPES)
+    by_key = {
+        (tuple(r["block_shape"]), r["q_group_size"], r["requires_grad"]): r
+        for r in rows
+        if not r["kv_blocks_full"]
+    }
+    assert len(rows) == 2 * len(cli.INFO_SHAPES)
+    full = [r for r in rows if r["kv_blocks_full"]]
+    # all-full key blocks lift the unpaired 64x64 rank; its backward is still refused
+    assert [(r["block_shape"], r["requires_grad"], r["auto_picks"]) for r in full] == [
+        ([64, 64], False, "info-test"),
+        ([64, 64], True, "reference"),
+    ]
     assert by_key[((128, 64), 1, True)]["verdicts"]["info-test"] == (
         "no backward with 64-token key blocks"
     )
@@ -76,6 +87,7 @@ def test_info_shape_table_gives_each_verdict_its_reason_and_auto(capsys):
     line = next(ln for ln in text.splitlines() if ln.strip().startswith("128x64 "))
     assert "info-test ok/no[1]" in line and "auto: info-test / reference" in line
     assert "[1] no backward with 64-token key blocks" in text
+    assert "64x64 (key blocks all full)" in text
 
 
 def test_demo_small_latent_reports_error_and_mass(capsys):

@@ -83,15 +83,17 @@ def collect_info() -> dict:
     }
 
 
-INFO_SHAPES: tuple[tuple[tuple[int, int], int], ...] = (
-    ((64, 64), 1),
-    ((64, 64), 2),
-    ((128, 64), 1),
-    ((128, 128), 1),
-    ((256, 256), 1),
+INFO_SHAPES: tuple[tuple[tuple[int, int], int, bool], ...] = (
+    ((64, 64), 1, False),
+    ((64, 64), 1, True),
+    ((64, 64), 2, False),
+    ((128, 64), 1, False),
+    ((128, 128), 1, False),
+    ((256, 256), 1, False),
 )
-"""(block shape, q_group_size) rows of ``vsa info``'s table: 64x64 twice, since a layout whose
-aligned query-block pairs share key lists (refined from a coarser one) may rank differently."""
+"""(block shape, q_group_size, kv_blocks_full) rows of ``vsa info``'s table: 64x64 three
+times, since a layout whose aligned query-block pairs share key lists (refined from a coarser
+one), or whose key blocks are all full (a tile-aligned latent), may rank differently."""
 
 
 def _shape_table(device: torch.device) -> list[dict]:
@@ -103,13 +105,14 @@ def _shape_table(device: torch.device) -> list[dict]:
         if entry.backend is not None and entry.backend.availability() is None
     }
     rows = []
-    for block_shape, group in INFO_SHAPES:
+    for block_shape, group, full in INFO_SHAPES:
         for grad in (False, True):
-            call = AttentionCall(device, torch.bfloat16, 128, block_shape, grad, group)
+            call = AttentionCall(device, torch.bfloat16, 128, block_shape, grad, group, full)
             rows.append(
                 {
                     "block_shape": list(block_shape),
                     "q_group_size": group,
+                    "kv_blocks_full": full,
                     "requires_grad": grad,
                     "verdicts": {name: b.supports(call) for name, b in usable.items()},
                     "auto_picks": select_backend(call).name,
@@ -127,6 +130,8 @@ def _print_shape_table(rows: list[dict]) -> None:
         label = "x".join(map(str, r["block_shape"]))
         if r["q_group_size"] > 1:
             label += f" (pairs share lists, q_group_size {r['q_group_size']})"
+        if r["kv_blocks_full"]:
+            label += " (key blocks all full)"
         by_shape.setdefault(label, []).append(r)
     for label, (fwd, bwd) in by_shape.items():
         cells = []

@@ -30,6 +30,9 @@ class AttentionCall:
     q_group_size: int = 1
     """Aligned groups of this many query blocks share one key list (the layout's
     ``q_group_size``): backends that pair query blocks may rank themselves by it."""
+    kv_blocks_full: bool = False
+    """Every key block is known to be full (the layout's ``kv_blocks_full``): backends whose
+    kernels skip key masking then may rank themselves by it."""
 
     @property
     def capability(self) -> tuple[int, int] | None:
@@ -50,6 +53,7 @@ class AttentionCall:
             requires_grad=torch.is_grad_enabled()
             and (q.requires_grad or k.requires_grad or v.requires_grad),
             q_group_size=layout.q_group_size,
+            kv_blocks_full=layout.kv_blocks_full,
         )
 
 
