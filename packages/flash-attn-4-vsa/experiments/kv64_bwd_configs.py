@@ -19,6 +19,7 @@ import os
 import statistics
 import sys
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 
@@ -148,6 +149,27 @@ def timed(fn, reps=20, warmup=3):
         torch.cuda.synchronize()
         times.append(a.elapsed_time(b))
     return statistics.median(times)
+
+
+def bench_common():
+    """The repository's ``benchmarks/bench_common`` module (imported from its folder)."""
+    folder = str(Path(__file__).resolve().parents[3] / "benchmarks")
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    import bench_common as bc
+
+    return bc
+
+
+def start_log(out_dir, name):
+    """``jsonl_emitter`` for ``out_dir/name.jsonl``, after writing the run's meta record
+    (device, date, command, versions)."""
+    bc = bench_common()
+    emit = jsonl_emitter(os.path.join(out_dir, f"{name}.jsonl"))
+    emit({"case": "meta", **bc.gpu_result_header(name),
+          "command": " ".join(["python3", *sys.argv]),
+          "versions": bc.runtime_versions(bc.distribution_versions())})  # fmt: skip
+    return emit
 
 
 def jsonl_emitter(path):

@@ -41,19 +41,19 @@ from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parents[2] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import bench_common as bc  # noqa: E402
-from kv64_bwd_configs import (  # noqa: E402
+from kv64_bwd_configs import (
+    bench_common,
     exact256_layout,
     fa4_tensors,
-    jsonl_emitter,
     random_layout,
     reference,
     rel_l2,
+    start_log,
 )
+
+bc = bench_common()
 
 
 @dataclass(frozen=True)
@@ -166,10 +166,7 @@ def main() -> int:
     args = ap.parse_args()
     from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd
 
-    emit = jsonl_emitter(os.path.join(args.out, "kv64_tiles_and_stages.jsonl"))
-    emit({"case": "meta", **bc.gpu_result_header("kv64_tiles_and_stages"),
-          "command": " ".join(["python3", *sys.argv]),
-          "versions": bc.runtime_versions(bc.distribution_versions())})  # fmt: skip
+    emit = start_log(args.out, "kv64_tiles_and_stages")
     torch.manual_seed(0)
     dim, scale = 128, 128**-0.5
 

@@ -34,19 +34,19 @@ from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parents[2] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import bench_common as bc  # noqa: E402
-from kv64_bwd_configs import (  # noqa: E402
+from kv64_bwd_configs import (
+    bench_common,
     exact256_layout,
     fa4_tensors,
-    jsonl_emitter,
     random_layout,
     reference,
     rel_l2,
+    start_log,
 )
+
+bc = bench_common()
 
 VARIANTS = {"upstream": None, "two_cta_232": 232, "two_cta_224": 224}
 
@@ -110,11 +110,7 @@ def main() -> int:
     args = ap.parse_args()
     from flash_attn.cute.interface import _flash_attn_fwd, flash_attn_func
 
-    emit = jsonl_emitter(os.path.join(args.out, "q64_fwd_two_ctas.jsonl"))
-
-    emit({"case": "meta", **bc.gpu_result_header("q64_fwd_two_ctas"),
-          "command": " ".join(["python3", *sys.argv]),
-          "versions": bc.runtime_versions(bc.distribution_versions())})  # fmt: skip
+    emit = start_log(args.out, "q64_fwd_two_ctas")
     torch.manual_seed(0)
     dim, scale = 128, 128**-0.5
     # ---- correctness: S=2048, H=4, native 64x64 lists, empty rows and columns
