@@ -428,10 +428,18 @@ def piece_runners(
 
 
 def resolve_fine_backend(
-    name: str, device: torch.device, dtype: torch.dtype, head_dim: int, tile: int, mode: str
+    name: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    head_dim: int,
+    tiling: VideoTiling,
+    mode: str,
 ) -> tuple[str | None, str | None]:
-    """(backend that will run the fine attention, None) or (None, why it cannot)."""
-    call = AttentionCall(device, dtype, head_dim, (tile, tile), mode != "fwd")
+    """(backend that will run the fine attention, None) or (None, why it cannot). The call is
+    described as the op describes it: key blocks all full when the latent needs no padding."""
+    tile = tiling.tile_tokens
+    call = AttentionCall(device, dtype, head_dim, (tile, tile), mode != "fwd",
+                         kv_blocks_full=not tiling.has_padding)  # fmt: skip
     try:
         if name == "auto":
             return select_backend(call, "auto").name, None
@@ -539,9 +547,7 @@ def run_op_cell(
 ) -> None:
     """Gate, time, measure and split one op cell into ``rec`` (in place); never raises."""
     mode, topk = rec["mode"], rec["topk"]
-    fine, why = resolve_fine_backend(
-        cfg.backend, device, cfg.dtype, cfg.head_dim, tiling.tile_tokens, mode
-    )
+    fine, why = resolve_fine_backend(cfg.backend, device, cfg.dtype, cfg.head_dim, tiling, mode)
     rec["fine_backend"] = fine
     if fine is None:
         rec.update(status="skipped", reason=why)
@@ -722,9 +728,7 @@ def run_sp_cell(
     """One cell on every rank: rank 0's single-GPU op, then the sequence-parallel op's gate
     (gathered output and gradients vs rank 0's), timing and peak memory, into ``rec``."""
     mode, topk = rec["mode"], rec["topk"]
-    fine, why = resolve_fine_backend(
-        cfg.backend, device, cfg.dtype, cfg.head_dim, tiling.tile_tokens, mode
-    )
+    fine, why = resolve_fine_backend(cfg.backend, device, cfg.dtype, cfg.head_dim, tiling, mode)
     rec["fine_backend"] = fine
     if fine is None:  # the same answer on every rank: same device type, dtype, shape
         rec.update(status="skipped", reason=why)
