@@ -172,6 +172,24 @@ def start_log(out_dir, name):
     return emit
 
 
+def emit_interleaved_times(emit, arms, *, rounds, reps, pairs, shape, factor=1.0, **labels):
+    """Time ``arms`` (``bench_common.time_interleaved``, one of them ``"dense"``) ``rounds``
+    times and emit one record per arm and round: median ms, sparse-aware TFLOP/s (``pairs``
+    selected token pairs per head; ``factor`` 2.5 for a backward) and the ratio to dense.
+    ``shape`` is (seq, heads, head_dim)."""
+    bc = bench_common()
+    seq, heads, dim = shape
+    for rnd in range(rounds):
+        times = bc.time_interleaved(arms, torch.device("cuda"), warmup=3, reps=reps)
+        dense_ms = statistics.median(times["dense"])
+        for arm, ms_list in times.items():
+            ms = statistics.median(ms_list)
+            work = seq * seq if arm == "dense" else pairs
+            emit({"case": "time", **labels, "round": rnd, "arm": arm, "ms": ms,
+                  "tflops": factor * 4 * heads * dim * work / ms / 1e9,
+                  "of_dense": dense_ms / ms * work / (seq * seq)})  # fmt: skip
+
+
 def jsonl_emitter(path):
     """A function that prints a record as one JSON line and appends it to ``path``."""
 

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -45,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kv64_bwd_configs import (
     bench_common,
+    emit_interleaved_times,
     exact256_layout,
     fa4_tensors,
     random_layout,
@@ -238,16 +238,9 @@ def main() -> int:
                 tensors = tensors_for(name, lay)
                 extra = {} if mode == "fwd" else {"out": out, "lse": lse, "dout": dout}
                 arms[name] = (lambda _, n=name, t=tensors, x=extra: run(n, q, k, v, t, **x), None)
-            for rnd in range(2):
-                times = bc.time_interleaved(arms, torch.device("cuda"), warmup=3, reps=args.reps)
-                dense_ms = statistics.median(times["dense"])
-                for arm, ms_list in times.items():
-                    ms = statistics.median(ms_list)
-                    work = seq * seq if arm == "dense" else pairs
-                    tflops = factor * 4 * heads * dim * work / ms / 1e9
-                    emit({"case": "time", "q_block": q_block, "mode": mode, "round": rnd,
-                          "arm": arm, "ms": ms, "tflops": tflops,
-                          "of_dense": dense_ms / ms * work / (seq * seq)})  # fmt: skip
+            emit_interleaved_times(emit, arms, rounds=2, reps=args.reps, pairs=pairs,
+                                   shape=(seq, heads, dim), factor=factor, q_block=q_block,
+                                   mode=mode)  # fmt: skip
     return 0
 
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -42,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kv64_bwd_configs import (
     bench_common,
+    emit_interleaved_times,
     exact256_layout,
     fa4_tensors,
     random_layout,
@@ -330,16 +330,8 @@ def main() -> int:
                 lambda _, t=native: block_sparse_forward_q64(q, k, v, t, softmax_scale=scale),
                 None,
             )
-        for rnd in range(2):
-            times = bc.time_interleaved(arms, torch.device("cuda"), warmup=3, reps=args.reps)
-            dense_ms = statistics.median(times["dense"])
-            for arm, ms_list in times.items():
-                ms = statistics.median(ms_list)
-                work = seq * seq if arm == "dense" else pairs
-                emit({"case": "time", "q_block": q_block, "mask": name, "round": rnd,
-                      "arm": arm, "ms": ms,
-                      "tflops": 4 * heads * dim * work / ms / 1e9,
-                      "of_dense": dense_ms / ms * work / (seq * seq)})  # fmt: skip
+        emit_interleaved_times(emit, arms, rounds=2, reps=args.reps, pairs=pairs,
+                               shape=(seq, heads, dim), q_block=q_block, mask=name)  # fmt: skip
     return 0
 
 

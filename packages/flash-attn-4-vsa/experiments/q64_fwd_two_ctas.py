@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -38,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kv64_bwd_configs import (
     bench_common,
+    emit_interleaved_times,
     exact256_layout,
     fa4_tensors,
     random_layout,
@@ -171,15 +171,8 @@ def main() -> int:
                 lambda _, t=paired: _run(_flash_attn_fwd, q, k, v, scale, t, "upstream"),
                 None,
             )
-        times = bc.time_interleaved(arms, torch.device("cuda"), warmup=3, reps=args.reps)
-        dense_ms = statistics.median(times["dense"])
-        for arm, ms_list in times.items():
-            ms = statistics.median(ms_list)
-            work = seq * seq if arm == "dense" else pairs
-            tflops = 4 * heads * dim * work / ms / 1e9
-            dense_tflops = 4 * heads * dim * seq * seq / dense_ms / 1e9
-            emit({"case": "time", "mask": mask_name, "arm": arm, "ms": ms, "tflops": tflops,
-                  "of_dense": tflops / dense_tflops, "kept": pairs / (seq * seq)})  # fmt: skip
+        emit_interleaved_times(emit, arms, rounds=1, reps=args.reps, pairs=pairs,
+                               shape=(seq, heads, dim), mask=mask_name)  # fmt: skip
     return 0
 
 
