@@ -30,6 +30,7 @@ against upstream's Q128/KV64 tiles and dense FA4. ::
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 from contextlib import contextmanager
@@ -113,7 +114,13 @@ class _CpasyncProxy:
         return getattr(self._real, name)
 
 
-def paired_class():
+VARIANTS = {"paired": (False, 2), "paired_two_cta_s1": (True, 1)}
+"""name -> (two CTAs per SM, key/value stages). Two CTAs fit only at one stage (a 64-row query
+tile: 16 KB of Q plus 64 KB of K and V per stage); only for 64-row query tiles."""
+
+
+@functools.cache
+def paired_class(two_ctas: bool = False, stages: int = 2):
     import cutlass
     import cutlass.cute as cute
     from cutlass import Int32, pipeline
@@ -121,8 +128,16 @@ def paired_class():
     from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90
     from quack import copy_utils
 
-    class PairedKeyForward(FlashAttentionForwardSm90):
+    from flash_attn_vsa import fwd_sm90
+
+    base = fwd_sm90.kernel_class() if two_ctas else FlashAttentionForwardSm90
+
+    class PairedKeyForward(base):
         """Upstream's sm_90 forward with our producer: two 64-token key blocks per stage."""
+
+        def __init__(self, *args, **kwargs):
+            kwargs["num_stages"] = stages
+            super().__init__(*args, **kwargs)
 
         @cute.jit
         def _pair_loader(self, mX, sX, atom, pipe, seqlen, batch_idx, head_idx, pairs):
@@ -204,24 +219,29 @@ def cpasync_real():
     return cpasync
 
 
-_CACHE: dict = {}
+_CACHES: dict[str, dict] = {}
 
 
 @contextmanager
-def paired_scope():
+def paired_scope(variant: str = "paired"):
     """Upstream's ``_flash_attn_fwd`` builds `paired_class()` with 64x64 K/V TMA boxes and keeps
     it in a compile cache of its own (not thread-safe: an experiment)."""
     import flash_attn.cute.flash_fwd_sm90 as fwd_module
     import flash_attn.cute.interface as itf
 
     saved = itf.FlashAttentionForwardSm90, itf._flash_attn_fwd.compile_cache, fwd_module.cpasync
-    itf.FlashAttentionForwardSm90 = paired_class()
-    itf._flash_attn_fwd.compile_cache = _CACHE
+    itf.FlashAttentionForwardSm90 = paired_class(*VARIANTS[variant])
+    itf._flash_attn_fwd.compile_cache = _CACHES.setdefault(variant, {})
     fwd_module.cpasync = _CpasyncProxy(cpasync_real())
     try:
         yield
     finally:
         itf.FlashAttentionForwardSm90, itf._flash_attn_fwd.compile_cache, fwd_module.cpasync = saved
+
+
+def variants_for(q_block: int) -> list[str]:
+    """The variants a query tile runs: two CTAs per SM only fit 64-row query tiles."""
+    return [v for v, (two_ctas, _) in VARIANTS.items() if q_block == 64 or not two_ctas]
 
 
 def compile_only() -> int:
@@ -234,7 +254,7 @@ def compile_only() -> int:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     seq, heads = 2048, 2
-    for q_block in (128, 64):
+    for q_block, variant in ((128, "paired"), (64, "paired"), (64, "paired_two_cta_s1")):
         lay = exact256_layout(seq, heads, 0.75, seed=0).refine((q_block, KEY_BLOCK))
         tensors = pair_tensors(lay, device="cpu")
         with FakeTensorMode(allow_non_fake_inputs=True):
@@ -243,9 +263,9 @@ def compile_only() -> int:
                 for _ in range(3)
             )
             fake = type(tensors)(*[t.to("cuda") if torch.is_tensor(t) else t for t in tensors])
-            with paired_scope():
+            with paired_scope(variant):
                 _flash_attn_fwd(q, k, v, block_sparse_tensors=fake, return_lse=True, _arch=90)
-        print(f"compiled: Q{q_block} paired-key forward for sm_90a", flush=True)
+        print(f"compiled: Q{q_block} {variant} forward for sm_90a", flush=True)
     return 0
 
 
@@ -281,29 +301,29 @@ def main() -> int:
     ]
     for q_block, name, lay in cases:
         ref_out, _ = reference(q, k, v, dout, lay, scale)
-        try:
-            out = torch.full_like(q, float("nan"))
-            lse = torch.full((1, heads, seq), float("nan"), device="cuda")
-            tensors = pair_tensors(lay)
-            with paired_scope():
-                _flash_attn_fwd(q, k, v, softmax_scale=scale, block_sparse_tensors=tensors,
-                                return_lse=True, out=out, lse=lse)  # fmt: skip
-            torch.cuda.synchronize()
-            err, finite = rel_l2(out, ref_out), bool(out.isfinite().all())
-            emit({"case": "correct", "q_block": q_block, "mask": name, "out_rel_l2": err,
-                  "finite": finite})  # fmt: skip
-            if finite and err <= 1e-2:
-                good.append((q_block, name))
-        except Exception as exc:
-            emit({"case": "correct", "q_block": q_block, "mask": name,
-                  "error": bc.error_text(exc, 800)})  # fmt: skip
+        for variant in variants_for(q_block):
+            label = {"q_block": q_block, "mask": name, "variant": variant}
+            try:
+                out = torch.full_like(q, float("nan"))
+                lse = torch.full((1, heads, seq), float("nan"), device="cuda")
+                tensors = pair_tensors(lay)
+                with paired_scope(variant):
+                    _flash_attn_fwd(q, k, v, softmax_scale=scale, block_sparse_tensors=tensors,
+                                    return_lse=True, out=out, lse=lse)  # fmt: skip
+                torch.cuda.synchronize()
+                err, finite = rel_l2(out, ref_out), bool(out.isfinite().all())
+                emit({"case": "correct", **label, "out_rel_l2": err, "finite": finite})
+                if finite and err <= 1e-2:
+                    good.append((q_block, name, variant))
+            except Exception as exc:
+                emit({"case": "correct", **label, "error": bc.error_text(exc, 800)})
     # ---- timing: S=32768, H=12, exact256 90% refined, against upstream's 64-key tiles
     seq, heads = args.seq, args.heads
     q, k, v = (
         torch.randn(1, seq, heads, dim, device="cuda", dtype=torch.bfloat16) for _ in range(3)
     )
     base = exact256_layout(seq, heads, 0.9, seed=2)
-    for q_block, name in good:
+    for q_block, name in dict.fromkeys((qb, nm) for qb, nm, _ in good):
         if name == "exact256":
             lay = base.refine((q_block, KEY_BLOCK)).to("cuda")
         else:
@@ -314,15 +334,17 @@ def main() -> int:
         def run_native(t):
             _flash_attn_fwd(q, k, v, softmax_scale=scale, block_sparse_tensors=t)
 
-        def run_paired(_, t=paired):
-            with paired_scope():
+        def run_paired(_, t, variant):
+            with paired_scope(variant):
                 _flash_attn_fwd(q, k, v, softmax_scale=scale, block_sparse_tensors=t)
 
         arms = {
             "dense": (lambda _: flash_attn_func(q, k, v, softmax_scale=scale), None),
             "upstream_kv64": (lambda _, t=native: run_native(t), None),
-            "paired": (run_paired, None),
         }
+        for qb, nm, variant in good:
+            if (qb, nm) == (q_block, name):
+                arms[variant] = (functools.partial(run_paired, t=paired, variant=variant), None)
         if q_block == 64:  # the fork's two-CTA launch of the unpaired 64-key kernel
             from flash_attn_vsa.fwd_sm90 import block_sparse_forward_q64
 
