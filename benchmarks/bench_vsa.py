@@ -138,6 +138,7 @@ class Config:
     plots: bool
     time_budget_min: float | None
     replica_timeout_s: float
+    partial_blocks: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -151,6 +152,7 @@ class Config:
             "head_dim": self.head_dim,
             "dtype": bc.DTYPE_NAMES[self.dtype],
             "masks": self.masks,
+            "partial_blocks": self.partial_blocks,
             "seed": self.seed,
             "warmup": self.warmup,
             "reps": self.reps,
@@ -207,6 +209,15 @@ def build_parser() -> argparse.ArgumentParser:
         default="exact256",
         help="exact256: one 256-granular mask per cell expanded to every block shape (same "
         "token pairs); native: sample at each block shape",
+    )
+    g.add_argument(
+        "--partial-blocks",
+        type=float,
+        default=0.0,
+        metavar="FRAC",
+        help="fraction of the sampled key blocks made partial (valid sizes uniform in "
+        "1..block-1; with exact256 the 256-token blocks, whose refined children come out full, "
+        "partial or empty), so the kernels run their partial-block masks (default 0: all full)",
     )
     t = p.add_argument_group("timing")
     t.add_argument("--warmup", type=int, help="warm-up calls per arm (default 5; CPU: 1)")
@@ -273,7 +284,10 @@ def make_config(args: argparse.Namespace, device: torch.device) -> Config:
         plots=not args.no_plots,
         time_budget_min=args.time_budget_min,
         replica_timeout_s=args.replica_timeout_s,
+        partial_blocks=args.partial_blocks,
     )
+    if not 0.0 <= cfg.partial_blocks <= 1.0:
+        raise SystemExit(f"--partial-blocks must be in [0, 1], got {cfg.partial_blocks}")
     for s in cfg.seq_lens:
         for q_block, kv_block in cfg.block_shapes:
             if cfg.masks == "exact256" and (EXACT_BLOCK % q_block or EXACT_BLOCK % kv_block):
@@ -304,12 +318,19 @@ def sample_layout(
     sparsity: float,
     block_shape: tuple[int, int],
     seed: int,
+    partial: float = 0.0,
 ) -> BlockSparseLayout:
     """A random layout on the CPU: every query block keeps ``round((1 - sparsity) * NKV)`` key
-    blocks (at least 1), always including the one holding its diagonal (its first query)."""
+    blocks (at least 1), always including the one holding its diagonal (its first query).
+    ``partial``: that fraction of the key blocks (rounded down) gets a random valid size in
+    1..block-1."""
     q_block, kv_block = block_shape
     num_q, num_kv = seq_len // q_block, seq_len // kv_block
     valid = torch.full((num_kv,), kv_block, dtype=torch.int32)
+    if partial > 0:
+        gen = torch.Generator().manual_seed(mask_seed(seed, seq_len, partial, block_shape) + 1)
+        which = torch.randperm(num_kv, generator=gen)[: int(partial * num_kv)]
+        valid[which] = torch.randint(1, kv_block, (len(which),), generator=gen, dtype=torch.int32)
     keep = max(1, min(num_kv, round((1 - sparsity) * num_kv)))
     if keep == num_kv:
         indices = torch.arange(num_kv, dtype=torch.int64).expand(batch, heads, num_q, num_kv)
@@ -331,14 +352,17 @@ def cell_layouts(
     refs: dict[tuple[int, int], tuple[Any, Any]] = {}
     if cfg.masks == "exact256":
         base = sample_layout(
-            seq_len, cfg.batch, cfg.heads, sparsity, (EXACT_BLOCK, EXACT_BLOCK), cfg.seed
-        )
+            seq_len, cfg.batch, cfg.heads, sparsity, (EXACT_BLOCK, EXACT_BLOCK), cfg.seed,
+            cfg.partial_blocks,
+        )  # fmt: skip
         for shape in cfg.block_shapes:
             layouts[shape] = base if shape == base.block_shape else base.refine(shape)
             refs[shape] = ("dense", None) if sparsity == 0 else (("exact256", sparsity), base)
         return layouts, refs
     for shape in cfg.block_shapes:
-        layouts[shape] = sample_layout(seq_len, cfg.batch, cfg.heads, sparsity, shape, cfg.seed)
+        layouts[shape] = sample_layout(
+            seq_len, cfg.batch, cfg.heads, sparsity, shape, cfg.seed, cfg.partial_blocks
+        )
         refs[shape] = (
             ("dense", None) if sparsity == 0 else (("native", sparsity, shape), layouts[shape])
         )
@@ -1014,6 +1038,7 @@ class References:
                 inputs.scale,
                 block_mask=None if lay is None else lay.to_block_mask(),
                 block_shape=None if lay is None else lay.block_shape,
+                kv_valid_sizes=None if lay is None else lay.kv_valid_sizes,
                 dout=inputs.dout if self.need_grads else None,
                 chunk_bytes=(2 << 30) if device.type == "cuda" else (256 << 20),
             )
@@ -1036,6 +1061,11 @@ def fmt_tflops(x: float) -> str:
 STATUS_MARK = {"failed": "FAIL", "error": "ERR", "skipped": "-", "not_run": "n/r"}
 
 
+def partial_text(partial: float | None) -> str:
+    """The header's note on partial key blocks (nothing when all are full)."""
+    return f", {partial:.0%} of the sampled key blocks partial" if partial else ""
+
+
 def render_markdown(doc: dict[str, Any]) -> str:
     meta, cfg, results = doc["metadata"], doc["config"], doc["results"]
     dev = meta["device"]
@@ -1050,7 +1080,7 @@ def render_markdown(doc: dict[str, Any]) -> str:
         f"- date (UTC): {meta['date_utc']}; seed {meta['seed']}",
         f"- command: `{meta['command']}`",
         f"- B={cfg['batch']}, H={cfg['heads']}, D={cfg['head_dim']}, {cfg['dtype']}; "
-        f"masks: {cfg['masks']}",
+        f"masks: {cfg['masks']}{partial_text(cfg.get('partial_blocks'))}",
         "- cells: sparse-aware TFLOP/s = 4*B*H*D*(selected pairs per head) / median time "
         "(x2.5 bwd, x3.5 fwd+bwd); - skipped, FAIL correctness gate, ERR exception, n/r not run"
         + (f"; MFU = TFLOP/s / {peak:g}" if peak else ""),

@@ -565,3 +565,16 @@ def test_time_interleaved_rotates_arms_and_keeps_setup_untimed():
     assert min(times["b"]) >= 4.0 and max(times["a"]) < 4.0  # the 10 ms setup is not timed
     order = [c for c in calls if "-" not in c]
     assert order == ["a", "b", "c", "a", "b", "c", "b", "c", "a", "c", "a", "b"]  # rotated
+
+
+def test_sample_layout_makes_the_asked_share_of_key_blocks_partial():
+    full = bench_vsa.sample_layout(2048, 1, 2, 0.75, (64, 64), seed=3)
+    assert full.kv_blocks_full and bool((full.kv_valid_sizes == 64).all())
+    partial = bench_vsa.sample_layout(2048, 1, 2, 0.75, (64, 64), seed=3, partial=0.25)
+    valid = partial.kv_valid_sizes
+    assert not partial.kv_blocks_full
+    assert int((valid < 64).sum()) == 8  # int(0.25 * 32 key blocks)
+    assert bool(((valid >= 1) & (valid <= 64)).all())
+    again = bench_vsa.sample_layout(2048, 1, 2, 0.75, (64, 64), seed=3, partial=0.25)
+    assert torch.equal(again.kv_valid_sizes, valid)  # deterministic
+    assert torch.equal(partial.kv_indices, full.kv_indices)  # the same selection
