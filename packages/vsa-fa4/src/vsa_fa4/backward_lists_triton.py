@@ -24,8 +24,9 @@ A first version compared every list slot with every key block of a program (a
 long chain of dependent reductions made it slower on the H200 than the torch ops it replaced.
 
 ``q_split`` > 1: each listed query block stands for that many physical query blocks (a 128-row
-block of a paired schedule handed to the 64-row backward as two blocks): query block ``i``
-becomes ``i * q_split + s`` for ``s < q_split`` and the counts scale with it.
+block handed to a 64-row backward as two blocks; unused by the adapter since the fork's 128x64
+backward): query block ``i`` becomes ``i * q_split + s`` for ``s < q_split`` and the counts
+scale with it.
 
 Loops are ``while`` loops: Triton 3.6's interpreter cannot take ``range()`` bounds from scalar
 arguments under NumPy >= 2.4 (it converts a one-element array with ``int()``), and the CPU

@@ -189,7 +189,9 @@ def backward_lists(
     key block is in neither: FA4 then writes zero dK/dV for it). ``masked=False``: every key
     block is known to be full, so all go in the full lists. ``q_split``: each listed query
     block stands for that many physical query blocks (``i -> i * q_split + s``), so that a
-    128-row list can feed the 64-row backward without repeating it first.
+    128-row list can feed a 64-row backward without repeating it first (`ops.backward_impl`
+    no longer needs it since the fork's backward runs 128x64 blocks; kept, and tested, for
+    block shapes whose backward tile is finer than their query block).
 
     ``impl``: ``"triton"`` (two kernels and a memset, `vsa_fa4.backward_lists_triton`),
     ``"torch"`` (tensor ops, also what runs under a fake tensor mode and on the CPU) or
