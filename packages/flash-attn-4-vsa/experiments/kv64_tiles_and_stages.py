@@ -19,7 +19,10 @@ cuobjdump for registers; 2026-11-29, session 4):
   work per pipeline step and a second warpgroup to overlap with (upstream's 2-warpgroup
   register split, 240/240/24, no stack). Stages Q1/dO1/PdS1 198,656 B, Q2/dO1/PdS1 231,424 B
   (+1 KB: the 227 KB limit exactly). Arms ``bwd128_s111``, ``bwd128_s211`` against the shipped
-  path, which runs each 128-row query block as two 64-row ones (``bwd128_shipped``).
+  path of the time, which ran each 128-row query block as two 64-row ones (``bwd128_split64``,
+  called ``bwd128_shipped`` in the first run's records; ``bwd128_s211`` is shipped since).
+- Backward, Q64/KV64, deeper Q/dO pipelines on the shipped tile (fewer stages always lost in
+  experiment 2): ``bwd64_s331``, ``bwd64_s333``, ``bwd64_s441`` (added after the first run).
 
 Correctness first (S=2048, H=4, random lists with an empty query block and key blocks nobody
 selects, NaN-poisoned outputs, float32 reference; rel. L2 <= 1e-2), then timing at S=32768,
@@ -75,7 +78,12 @@ ARMS = {
     "fwd64_two_cta_s3": Arm(64, "fwd", (3,), two_ctas=True),
     "bwd64_shipped": Arm(64, "bwd", (2, 2, 2)),
     "bwd64_two_cta_s111": Arm(64, "bwd", (1, 1, 1), two_ctas=True),
-    "bwd128_shipped": Arm(128, "bwd", (2, 2, 2), lists_q=64),
+    # deeper Q/dO pipelines for the shipped 64x64 tile (added after the first sitting; not yet
+    # run): 182,272 / 215,040 / 216,064 B, 240 registers, no stack on sm_90a
+    "bwd64_s331": Arm(64, "bwd", (3, 3, 1)),
+    "bwd64_s333": Arm(64, "bwd", (3, 3, 3)),
+    "bwd64_s441": Arm(64, "bwd", (4, 4, 1)),
+    "bwd128_split64": Arm(128, "bwd", (2, 2, 2), lists_q=64),
     "bwd128_s111": Arm(128, "bwd", (1, 1, 1), tile_m=128),
     "bwd128_s211": Arm(128, "bwd", (2, 1, 1), tile_m=128),
 }
