@@ -76,6 +76,8 @@ def pair_tensors(layout, device=None):
     idx, cnt = layout.kv_indices.to(torch.int32), layout.kv_counts.to(torch.int32)
     if bool((cnt % PAIR).any()):
         raise ValueError("paired forward needs an even number of key blocks per query block")
+    if layout.kv_valid_sizes.shape[0] > 1 << 15:  # the second id is read with a signed shift
+        raise ValueError("paired forward packs block ids in 16 bits: at most 32768 key blocks")
     seq_k = layout.kv_valid_sizes.shape[0] * KEY_BLOCK
     tiles = -(-seq_k // (PAIR * KEY_BLOCK))
     width = idx.shape[-1] + idx.shape[-1] % PAIR
