@@ -172,6 +172,24 @@ def start_log(out_dir, name):
     return emit
 
 
+def check_forward(emit, label, q, ref_out, run):
+    """Run ``run(out, lse)`` into NaN-poisoned outputs (``out`` like ``q``, ``lse`` [B, H, S]),
+    emit its relative L2 error against ``ref_out`` under ``label``; True when every output is
+    finite and the error <= 1e-2. An exception is emitted, not raised (False)."""
+    bc = bench_common()
+    try:
+        out = torch.full_like(q, float("nan"))
+        lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("nan"), device=q.device)
+        run(out, lse)
+        torch.cuda.synchronize()
+        err, finite = rel_l2(out, ref_out), bool(out.isfinite().all())
+        emit({"case": "correct", **label, "out_rel_l2": err, "finite": finite})
+        return finite and err <= 1e-2
+    except Exception as exc:
+        emit({"case": "correct", **label, "error": bc.error_text(exc, 800)})
+        return False
+
+
 def emit_interleaved_times(emit, arms, *, rounds, reps, pairs, shape, factor=1.0, **labels):
     """Time ``arms`` (``bench_common.time_interleaved``, one of them ``"dense"``) ``rounds``
     times and emit one record per arm and round: median ms, sparse-aware TFLOP/s (``pairs``

@@ -41,13 +41,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kv64_bwd_configs import (
-    bench_common,
+    check_forward,
     emit_interleaved_times,
     exact256_layout,
     fa4_tensors,
     random_layout,
     reference,
-    rel_l2,
     start_log,
 )
 
@@ -281,7 +280,6 @@ def main() -> int:
     args = ap.parse_args()
     if args.compile_only:
         return compile_only()
-    bc = bench_common()
     from flash_attn.cute.interface import _flash_attn_fwd, flash_attn_func
 
     emit = start_log(args.out, "paired_kv_fwd")
@@ -305,20 +303,15 @@ def main() -> int:
         ref_out, _ = reference(q, k, v, dout, lay, scale)
         for variant in variants_for(q_block):
             label = {"q_block": q_block, "mask": name, "variant": variant}
-            try:
-                out = torch.full_like(q, float("nan"))
-                lse = torch.full((1, heads, seq), float("nan"), device="cuda")
+
+            def run(out, lse, lay=lay, variant=variant):
                 tensors = pair_tensors(lay)
                 with paired_scope(variant):
                     _flash_attn_fwd(q, k, v, softmax_scale=scale, block_sparse_tensors=tensors,
                                     return_lse=True, out=out, lse=lse)  # fmt: skip
-                torch.cuda.synchronize()
-                err, finite = rel_l2(out, ref_out), bool(out.isfinite().all())
-                emit({"case": "correct", **label, "out_rel_l2": err, "finite": finite})
-                if finite and err <= 1e-2:
-                    good.append((q_block, name, variant))
-            except Exception as exc:
-                emit({"case": "correct", **label, "error": bc.error_text(exc, 800)})
+
+            if check_forward(emit, label, q, ref_out, run):
+                good.append((q_block, name, variant))
     # ---- timing: S=32768, H=12, exact256 90% refined, against upstream's 64-key tiles
     seq, heads = args.seq, args.heads
     q, k, v = (

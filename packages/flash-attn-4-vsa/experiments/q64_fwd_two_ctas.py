@@ -36,17 +36,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kv64_bwd_configs import (
-    bench_common,
+    check_forward,
     emit_interleaved_times,
     exact256_layout,
     fa4_tensors,
     random_layout,
     reference,
-    rel_l2,
     start_log,
 )
-
-bc = bench_common()
 
 VARIANTS = {"upstream": None, "two_cta_232": 232, "two_cta_224": 224}
 
@@ -123,22 +120,16 @@ def main() -> int:
     tensors = fa4_tensors(lay, False)
     good = []
     for name in VARIANTS:
-        try:
-            out = torch.full_like(q, float("nan"))
-            lse = torch.full((1, heads, seq), float("nan"), device="cuda")
+
+        def run(out, lse, name=name):
             with variant(name):
                 _flash_attn_fwd(
                     q, k, v, softmax_scale=scale, block_sparse_tensors=tensors,
                     return_lse=True, out=out, lse=lse,
                 )  # fmt: skip
-            torch.cuda.synchronize()
-            err, finite = rel_l2(out, ref_out), bool(out.isfinite().all())
-            ok = finite and err <= 1e-2
-            emit({"case": "correct", "variant": name, "out_rel_l2": err, "finite": finite})
-            if ok:
-                good.append(name)
-        except Exception as exc:
-            emit({"case": "correct", "variant": name, "error": bc.error_text(exc, 600)})
+
+        if check_forward(emit, {"variant": name}, q, ref_out, run):
+            good.append(name)
     # ---- timing
     seq, heads = args.seq, args.heads
     q, k, v = (
