@@ -190,3 +190,15 @@ def test_every_tiling_mode_matches_reference(monkeypatch, forward, backward):
     )
     layout = _layout((64, 64), n_q=3, n_kv=5, seed=13)
     _check_against_reference(layout, dim=64, seed=14)
+
+
+@pytest.mark.parametrize("tile_dkdv", [64, 128])
+def test_dkdv_walks_tall_query_blocks_in_slices_or_whole(monkeypatch, tile_dkdv):
+    """128-row query blocks: the dK/dV kernel in 64-row slices (the default) or whole."""
+    from vsa_triton import config
+
+    key = (128, 64, 64)
+    monkeypatch.setitem(config._BACKWARD, key, config.BackwardConfig(tile_dkdv, 4, 2, 64, 4, 2))
+    assert config.backward_config(*key).tile_dkdv == tile_dkdv
+    layout = _layout((128, 64), n_q=3, n_kv=7, seed=21)
+    _check_against_reference(layout, dim=64, seed=22)

@@ -19,7 +19,7 @@ class ForwardConfig:
 
 @dataclass(frozen=True)
 class BackwardConfig:
-    tile_dkdv: int  # query rows per step of the dK/dV kernel (a multiple of q_block)
+    tile_dkdv: int  # query rows per step of the dK/dV kernel (a multiple or divisor of q_block)
     num_warps_dkdv: int
     num_stages_dkdv: int
     tile_dq: int  # key rows per step of the dQ kernel (a multiple of kv_block)
@@ -40,8 +40,11 @@ def forward_config(q_block: int, kv_block: int, head_dim: int) -> ForwardConfig:
 
 
 def backward_config(q_block: int, kv_block: int, head_dim: int) -> BackwardConfig:
+    # dK/dV walks query blocks 64 rows at a time: a whole 128-row query block per step spills
+    # 592 B (128x64) and 744 B (128x128) of registers on sm_90, 64-row slices none and 72 B
+    # (cuobjdump, 2026-11-29; not yet timed, see NOTES.md).
     default = BackwardConfig(
-        tile_dkdv=q_block, num_warps_dkdv=4 if kv_block == 64 else 8, num_stages_dkdv=2,
+        tile_dkdv=min(q_block, 64), num_warps_dkdv=4 if kv_block == 64 else 8, num_stages_dkdv=2,
         tile_dq=kv_block, num_warps_dq=4 if q_block == 64 else 8, num_stages_dq=2,
     )  # fmt: skip
     return _BACKWARD.get((q_block, kv_block, head_dim), default)

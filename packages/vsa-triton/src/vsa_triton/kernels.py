@@ -10,7 +10,8 @@ Conventions shared by every kernel:
   still feed 128-wide dot products. A tile's rows past the list end, or past a block's valid
   size, are masked.
 - The dK/dV kernel owns one key block and walks its query list (the CSR transpose,
-  `vsa_core.layout.KVToQLists`), gathering ``TILE_M // Q_BLOCK`` query blocks per tile.
+  `vsa_core.layout.KVToQLists`), gathering ``TILE_M // Q_BLOCK`` query blocks per tile, or,
+  with ``TILE_M`` below ``Q_BLOCK``, one ``TILE_M``-row slice of a query block per step.
 - Softmax runs in base 2: ``qk_scale = scale * log2(e)``; the stored lse is natural-log.
   A row that sees no real key keeps m = -inf, l = 0 and ends with out = 0, lse = -inf, and
   contributes zero gradients (its lse is treated as +inf in backward, so p = 0).
@@ -265,6 +266,19 @@ def _dkdv_tile(k, v, real_k, q_base, do_base, Lse, Delta, rows, in_list, offs_d,
 
 
 @triton.jit
+def _dkdv_slice(k, v, real_k, q_base, do_base, idx_row, Lse, Delta, t, offs_m, offs_d,
+                stride_qs, stride_ds, qk_scale, dk, dv, Q_BLOCK: tl.constexpr,
+                TILE_M: tl.constexpr):
+    """dK/dV contribution of slice ``t`` of the key block's query list: TILE_M rows of the
+    query block at list slot ``t // (Q_BLOCK // TILE_M)``."""
+    parts: tl.constexpr = Q_BLOCK // TILE_M
+    block = tl.load(idx_row + t // parts)
+    rows = block * Q_BLOCK + (t % parts) * TILE_M + offs_m
+    return _dkdv_tile(k, v, real_k, q_base, do_base, Lse, Delta, rows, offs_m < TILE_M, offs_d,
+                      stride_qs, stride_ds, qk_scale, dk, dv)
+
+
+@triton.jit
 def bwd_dkdv_kernel(
     Q, K, V, DOut, Lse, Delta, DK, DV, q_idx_ptr, q_off_ptr, kv_valid_ptr,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
@@ -298,7 +312,24 @@ def bwd_dkdv_kernel(
     dk = tl.zeros([KV_BLOCK, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([KV_BLOCK, HEAD_DIM], dtype=tl.float32)
     step = TILE_M // Q_BLOCK
-    if INTERPRET:
+    if TILE_M < Q_BLOCK:
+        # A query block taller than the tile is walked in TILE_M-row slices, one slice per
+        # step: the tile's Q and dO stay small next to the dK/dV accumulators (whole 128-row
+        # tiles spill 592-744 B on sm_90, NOTES.md).
+        parts = Q_BLOCK // TILE_M
+        if INTERPRET:
+            t = start * parts
+            while t < end * parts:
+                dk, dv = _dkdv_slice(k, v, real_k, q_base, do_base, idx_row, lse_row, delta_row,
+                                     t, offs_m, offs_d, stride_qs, stride_ds, qk_scale, dk, dv,
+                                     Q_BLOCK, TILE_M)
+                t += 1
+        else:
+            for t in range(start * parts, end * parts):
+                dk, dv = _dkdv_slice(k, v, real_k, q_base, do_base, idx_row, lse_row, delta_row,
+                                     t, offs_m, offs_d, stride_qs, stride_ds, qk_scale, dk, dv,
+                                     Q_BLOCK, TILE_M)
+    elif INTERPRET:
         j = start
         while j < end:
             dk, dv = _dkdv_step(k, v, real_k, q_base, do_base, idx_row, lse_row, delta_row, j,
