@@ -23,8 +23,9 @@ import torch
 
 from vsa_core import VideoTiling, video_sparse_attn
 
-FINE_KERNEL_MARKS = ("FlashAttention", "flash_attn", "_fwd_kernel", "_bwd_", "vsa_")
-"""Substrings of the fine-attention kernels' names (FA4 CuTe kernels, our Triton kernels)."""
+FINE_KERNEL_MARKS = ("flash_attn", "fwd_kernel", "bwd_delta_kernel", "bwd_dkdv_kernel", "bwd_dq_kernel")
+"""Substrings of the fine-attention kernels' names: FA4's CuTe kernels (upstream's and the fork's
+carry ``flash_attn`` in their mangled names) and vsa-triton's kernels (named as defined)."""
 
 
 def main(argv: list[str] | None = None) -> int:
