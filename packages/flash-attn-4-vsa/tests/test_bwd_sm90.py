@@ -15,7 +15,7 @@ import pytest
 import sm90_cases as cases
 import torch
 
-from flash_attn_vsa import bwd_sm90, upstream_version
+from flash_attn_vsa import bwd_sm90, mask_sm90, upstream_version
 
 needs_upstream = pytest.mark.skipif(upstream_version() is None, reason="needs flash-attn-4")
 
@@ -84,7 +84,7 @@ def test_scope_swaps_upstream_globals_only_inside_and_only_for_its_thread():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("q_block", [64, 128])
 def test_kv64_backward_matches_the_reference(head_dim, dtype, q_block):
-    mask_mod = pytest.importorskip("vsa_fa4._mask").valid_size_mask_mod(cases.BLOCK)
+    mask_mod = mask_sm90.valid_size_mask_mod(cases.BLOCK)
     valid, selected = cases.case(seed=head_dim, q_block=q_block)
     q, k, v, dout = cases.inputs(head_dim, dtype, valid)
     scale = head_dim**-0.5

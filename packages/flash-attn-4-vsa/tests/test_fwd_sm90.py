@@ -15,7 +15,7 @@ import pytest
 import sm90_cases as cases
 import torch
 
-from flash_attn_vsa import fwd_sm90, sm90_blocks, upstream_version
+from flash_attn_vsa import fwd_sm90, mask_sm90, sm90_blocks, upstream_version
 
 needs_upstream = pytest.mark.skipif(upstream_version() is None, reason="needs flash-attn-4")
 
@@ -64,7 +64,7 @@ def test_scope_picks_kernel_class_and_cache_per_thread():
 def test_two_cta_forward_matches_the_reference_and_upstream(head_dim, dtype):
     from flash_attn.cute.interface import _flash_attn_fwd
 
-    mask_mod = pytest.importorskip("vsa_fa4._mask").valid_size_mask_mod(cases.BLOCK)
+    mask_mod = mask_sm90.valid_size_mask_mod(cases.BLOCK)
     valid, selected = cases.case(seed=head_dim + 7)
     q, k, v, dout = cases.inputs(head_dim, dtype, valid)
     scale = head_dim**-0.5

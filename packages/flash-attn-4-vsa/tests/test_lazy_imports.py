@@ -10,6 +10,7 @@ MODULES = (
     "flash_attn_vsa",
     "flash_attn_vsa.compile_gate",
     "flash_attn_vsa.fingerprint",
+    "flash_attn_vsa.mask_sm90",
     "flash_attn_vsa.refresh",
     "flash_attn_vsa.upstream_md",
 )

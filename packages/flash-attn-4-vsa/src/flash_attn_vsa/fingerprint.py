@@ -132,7 +132,53 @@ SYMBOLS: tuple[Symbol, ...] = (
     Symbol(
         "flash_attn.cute.utils",
         "scalar_to_ssa",
-        "vsa-fa4's partial-block mask_mod returns its bound through it",
+        "the partial-block mask_mod (mask_sm90) returns its bound through it",
+    ),
+    Symbol(
+        "flash_attn.cute.mask",
+        "AttentionMask",
+        "mask_sm90 subclasses it: its apply_mask (signature, fields tile_n / swap_AB / "
+        "seqlen_info / qhead_per_kvhead_packgqa, upstream's column-coordinate convention) is "
+        "what the column-limit path stands in for on our mask_mod",
+        methods=("apply_mask",),
+        source=True,
+    ),
+    Symbol(
+        "flash_attn.cute.mask",
+        "sm90_col_to_r2p_idx",
+        "mask_sm90's column limit in R2P element space (sm_90 accumulator columns)",
+        source=True,
+    ),
+    Symbol(
+        "flash_attn.cute.mask",
+        "r2p_bitmask_below",
+        "mask_sm90's 32-column keep bitmask below a limit",
+        source=True,
+    ),
+    Symbol(
+        "flash_attn.cute.mask",
+        "mask_r2p_lambda",
+        "mask_sm90 applies its bitmasks through it",
+        source=True,
+    ),
+    Symbol(
+        "flash_attn.cute.utils",
+        "AuxData",
+        "apply_mask's aux_data: mask_sm90 reads the valid sizes as its tensors[0]",
+    ),
+    Symbol(
+        "flash_attn.cute.block_sparse_utils",
+        "consume_block_sparse_loads",
+        "the sm_90 block-sparse forward loop: mask_mod (ours: mask_sm90's column limit) on the "
+        "partial lists only",
+        source=True,
+    ),
+    Symbol(
+        "flash_attn.cute.block_sparse_utils",
+        "consume_block_sparse_mma_bwd_sm90",
+        "the sm_90 block-sparse backward loop: mask_mod (ours: mask_sm90's column limit) on the "
+        "partial lists only",
+        source=True,
     ),
     Symbol(
         _BSP,
@@ -181,6 +227,18 @@ SYMBOLS: tuple[Symbol, ...] = (
         "__call__ before _setup_attributes, which the subclass overrides)",
         methods=("__init__", "__call__", "_setup_attributes"),
         source=True,
+    ),
+    Symbol(
+        "flash_attn.cute.flash_fwd_sm90",
+        "AttentionMask",
+        "the module global the sm_90 forward builds its mask from; mask_sm90.install() sets "
+        "it to its subclass",
+    ),
+    Symbol(
+        "flash_attn.cute.flash_bwd_sm90",
+        "AttentionMask",
+        "the module global the sm_90 backward builds its mask from; mask_sm90.install() sets "
+        "it to its subclass",
     ),
 )
 

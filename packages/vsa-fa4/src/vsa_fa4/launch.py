@@ -25,7 +25,7 @@ def _upstream() -> tuple[Any, Any, Any, Any]:
     from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
     from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd
 
-    from vsa_fa4._mask import valid_size_mask_mod
+    from flash_attn_vsa.mask_sm90 import valid_size_mask_mod
 
     return BlockSparseTensorsTorch, _flash_attn_fwd, _flash_attn_bwd, valid_size_mask_mod
 
