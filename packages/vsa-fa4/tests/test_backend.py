@@ -229,15 +229,16 @@ def test_forward_refuses_what_supports_refuses():
         FA4Backend().forward(q, q, q, layout, 1.0)
 
 
-def test_auto_ranks_fa4_below_triton_for_unpaired_64_row_blocks_on_sm90(gpu):
+def test_auto_ranks_fa4_below_triton_for_training_unpaired_64_row_blocks_on_sm90(gpu):
     backend = gpu((9, 0))
     unpaired = call((64, 64), grad=True)
     paired = dataclasses.replace(unpaired, q_group_size=4)
     assert backend.priority_for(unpaired) == 5 < 10 < backend.priority_for(paired) == 20
-    # inference on full key blocks (no mask_mod): fa4's two-CTA forward is ahead
-    full = dataclasses.replace(unpaired, kv_blocks_full=True)
-    assert backend.priority_for(full) == 5
-    assert backend.priority_for(dataclasses.replace(full, requires_grad=False)) == 20
-    assert backend.priority_for(dataclasses.replace(unpaired, requires_grad=False)) == 5
+    assert backend.priority_for(dataclasses.replace(unpaired, q_group_size=3)) == 5
+    assert backend.priority_for(dataclasses.replace(unpaired, kv_blocks_full=True)) == 5
+    # inference: fa4's two-CTA forward is ahead, with or without partial key blocks
+    for full in (False, True):
+        inference = dataclasses.replace(unpaired, requires_grad=False, kv_blocks_full=full)
+        assert backend.priority_for(inference) == 20
     assert backend.priority_for(call((128, 64))) == 20
     assert gpu((10, 0)).priority_for(call((64, 64))) == 20

@@ -110,22 +110,22 @@ class FA4Backend(Backend):
         )
 
     def priority_for(self, call: AttentionCall) -> int:
-        """Below Triton (10) for 64-token query blocks on sm_90 that cannot pair onto 128-row
-        tiles (``q_group_size`` odd, as for the coarse stage's own layouts), unless the call
-        is forward-only on full key blocks; else `priority`.
+        """Below Triton (10) for training with 64-token query blocks on sm_90 that cannot pair
+        onto 128-row tiles (``q_group_size`` odd, as for the coarse stage's own layouts); else
+        `priority`.
 
         Measured on an H200 (2026-11-29, benchmarks/results/, whole VSA op, 40 heads, 87.5%,
-        speedup over dense FA4, fwd / fwd+bwd): at Wan 2.1 720p (21x45x80: 24% of the key
-        tiles partial, so the kernels carry the partial-block mask_mod) fa4 3.01x / 2.71x,
-        Triton 3.09x / 3.22x (the masked KV64 backward 174 ms against Triton's 135); at a
-        tile-aligned 20x44x80 latent (no mask_mod) fa4 5.06x / 4.39x, Triton 4.13x / 4.43x,
-        with fa4 needing 1.40x of dense attention's memory in training against Triton's 1.02x.
-        So fa4 goes first for unpaired 64-row blocks only in inference on full key blocks.
-        Paired 64-token layouts (refined from coarser blocks) run faster on fa4 (forward 0.89
-        vs 0.66 of dense, exact256 masks), so they keep fa4 first."""
+        speedup over dense FA4, fwd / fwd+bwd): at Wan 2.1 720p (21x45x80, 24% of the key
+        tiles partial) fa4 3.23x / 2.95x once the fork masked partial blocks as a column limit
+        (same run, per call: forward 52.3 ms against Triton's 56.0, forward+backward 223.7
+        against 204.4), Triton 3.09x / 3.22x; at a tile-aligned 20x44x80 latent fa4 5.06x /
+        4.39x, Triton 4.13x / 4.43x, with fa4 needing 1.40x of dense attention's memory in
+        training against Triton's 1.02x. So fa4 goes first for unpaired 64-row blocks in
+        inference only. Paired 64-token layouts (refined from coarser blocks) run faster on
+        fa4 (forward 0.89 vs 0.66 of dense, exact256 masks), so they keep fa4 first."""
         unpaired_q64 = call.block_shape[0] == 64 and call.q_group_size % 2
-        if call.capability == (9, 0) and unpaired_q64:
-            return self.priority if call.kv_blocks_full and not call.requires_grad else 5
+        if call.capability == (9, 0) and unpaired_q64 and call.requires_grad:
+            return 5
         return self.priority
 
     def _call_refusal(self, call: AttentionCall) -> str | None:

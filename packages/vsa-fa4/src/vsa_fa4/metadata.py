@@ -87,22 +87,32 @@ def forward_lists(
     kv_counts: torch.Tensor,
     kv_valid_sizes: torch.Tensor,
     kv_tile: int,
+    impl: str = "auto",
 ) -> SparseLists:
     """Per query block: selected full key blocks and selected partial key blocks, apart.
 
-    Physical lists in, ascending order kept, empty key blocks dropped. One scatter places every
-    slot: full blocks at the start of the first third of a [B, H, NQ, 3W] buffer, partial ones
-    at the start of the second, the rest (unused slots, empty blocks) in the last, each class in
-    its original order: destinations are distinct (deterministic), and the buffer starts as
-    zeros, so every entry, used or not, is a valid block index.
+    Physical lists in, ascending order kept, empty key blocks dropped, unused entries zero (a
+    valid block index). ``impl``: ``"triton"`` (one kernel, no transients,
+    `vsa_fa4.forward_lists_triton`), ``"torch"`` (tensor ops) or ``"auto"``, as for
+    `backward_lists`. Both give identical tensors.
+
+    The tensor ops: one scatter places every slot, full blocks at the start of the first third
+    of a [B, H, NQ, 3W] buffer, partial ones at the start of the second, the rest (unused
+    slots, empty blocks) in the last, each class in its original order: destinations are
+    distinct (deterministic), and the buffer starts as zeros.
     """
     lead, width = kv_indices.shape[:-1], kv_indices.shape[-1]
     num_kv = kv_valid_sizes.shape[0]
     device = kv_indices.device
+    use_triton = _use_triton(impl, kv_indices)
     if width == 0:  # a layout that can select nothing: one unused slot keeps FA4's shapes
         zero = torch.zeros(lead, dtype=torch.int32, device=device)
         idx = torch.zeros(*lead, 1, dtype=torch.int32, device=device)
         return SparseLists(zero, idx, zero.clone(), idx.clone())
+    if use_triton:
+        from vsa_fa4.forward_lists_triton import forward_lists_triton
+
+        return forward_lists_triton(kv_indices, kv_counts, kv_valid_sizes, kv_tile)
     slots = torch.arange(width, device=device, dtype=torch.int32)
     used = slots < kv_counts.unsqueeze(-1)
     valid = kv_valid_sizes[kv_indices.long()]
@@ -197,9 +207,7 @@ def backward_lists(
     ``"torch"`` (tensor ops, also what runs under a fake tensor mode and on the CPU) or
     ``"auto"``: triton for real CUDA tensors when Triton imports, else torch. Both give
     identical tensors."""
-    if impl not in ("auto", "torch", "triton"):
-        raise ValueError(f"impl must be 'auto', 'torch' or 'triton', got {impl!r}")
-    if impl == "triton" or (impl == "auto" and _triton_can_run(kv_indices)):
+    if _use_triton(impl, kv_indices):
         from vsa_fa4.backward_lists_triton import backward_lists_triton
 
         return backward_lists_triton(
@@ -221,6 +229,13 @@ def backward_lists(
         full_block_cnt=torch.where(full, q_counts, zero),
         full_block_idx=q_indices,
     )
+
+
+def _use_triton(impl: str, t: torch.Tensor) -> bool:
+    """Whether a list builder called with ``impl`` on ``t`` runs its Triton kernel."""
+    if impl not in ("auto", "torch", "triton"):
+        raise ValueError(f"impl must be 'auto', 'torch' or 'triton', got {impl!r}")
+    return impl == "triton" or (impl == "auto" and _triton_can_run(t))
 
 
 def _triton_can_run(t: torch.Tensor) -> bool:

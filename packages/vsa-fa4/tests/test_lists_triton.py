@@ -1,10 +1,12 @@
-"""The one-kernel backward lists (`vsa_fa4.backward_lists_triton`) equal the tensor-op ones.
+"""The Triton list builders equal the tensor-op ones: the backward's key-block-owned lists
+(`vsa_fa4.backward_lists_triton`) and the forward's full / partial split
+(`vsa_fa4.forward_lists_triton`).
 
-On a GPU the kernel runs compiled; on a CPU machine under Triton's interpreter in a child
+On a GPU the kernels run compiled; on a CPU machine under Triton's interpreter in a child
 process (the interpreter must be chosen before triton is first imported). Shapes cross every
-block boundary of the kernel (32 query blocks, 16 list slots, 32 key blocks), with empty,
-partial and full key blocks, empty and full lists, a key block every query block selects,
-``q_split`` 1 and 2, masked and unmasked.
+block boundary of the kernels (backward: 32 query blocks, 16 list slots, 32 key blocks;
+forward: 16 rows, 64 list slots), with empty, partial and full key blocks, empty and full
+lists, a key block every query block selects, ``q_split`` 1 and 2, masked and unmasked.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import pytest
 import torch
 
 from vsa_core import BlockSparseLayout
-from vsa_fa4.metadata import backward_lists
+from vsa_fa4.metadata import backward_lists, forward_lists
 
 I32 = torch.int32
 
@@ -53,7 +55,16 @@ CASES = [  # (num_q, num_kv, width)
     (70, 33, 33),
     (40, 65, 5),
     (5, 8, 0),
+    (9, 150, 130),  # forward: list slots past two 64-slot chunks
 ]
+CHECKS_PER_CASE = 2 * (4 + 1)  # per key tile: 4 backward variants and the forward split
+
+
+def assert_same_lists(want, got, where: str) -> None:
+    for name, a, b in zip(want._fields, want, got, strict=True):
+        assert a.dtype == b.dtype == I32, name
+        assert a.shape == b.shape, (name, a.shape, b.shape)
+        assert torch.equal(a.cpu(), b.cpu()), f"{name} differs: {where}"
 
 
 def compare_on(device: str) -> int:
@@ -64,34 +75,41 @@ def compare_on(device: str) -> int:
             idx, cnt, valid = (
                 x.to(device) for x in random_lists(seed, num_q, num_kv, width, kv_tile)
             )
+            where = f"num_q={num_q} num_kv={num_kv} width={width} kv_tile={kv_tile}"
             for masked in (True, False):
                 for q_split in (1, 2):
                     args = (idx, cnt, valid, kv_tile, masked, q_split)
-                    want = backward_lists(*args, impl="torch")
                     got = backward_lists(*args, impl="triton")
-                    for name, a, b in zip(want._fields, want, got, strict=True):
-                        assert a.dtype == b.dtype == I32, name
-                        assert a.shape == b.shape, (name, a.shape, b.shape)
-                        assert torch.equal(a.cpu(), b.cpu()), (
-                            f"{name} differs: num_q={num_q} num_kv={num_kv} width={width} "
-                            f"kv_tile={kv_tile} masked={masked} q_split={q_split}"
-                        )
+                    assert_same_lists(
+                        backward_lists(*args, impl="torch"), got,
+                        f"backward {where} masked={masked} q_split={q_split}",
+                    )  # fmt: skip
                     assert (got.full_block_idx is got.mask_block_idx) == masked
                     checked += 1
+            args = (idx, cnt, valid, kv_tile)
+            got = forward_lists(*args, impl="triton")
+            assert_same_lists(forward_lists(*args, impl="torch"), got, f"forward {where}")
+            # every listed non-empty key block lands in exactly one of the two lists
+            slots = torch.arange(idx.shape[-1], device=idx.device)
+            listed = (slots < cnt.unsqueeze(-1)) & (valid[idx.long()] > 0)
+            assert torch.equal(got.full_block_cnt + got.mask_block_cnt, listed.sum(-1).to(I32))
+            checked += 1
     return checked
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_kernel_lists_equal_the_torch_lists_on_the_gpu():
-    assert compare_on("cuda") == len(CASES) * 8
+    assert compare_on("cuda") == len(CASES) * CHECKS_PER_CASE
 
 
 def test_auto_picks_torch_off_cuda():
     idx, cnt, valid = random_lists(0, 4, 4, 2, 64)
     assert backward_lists(idx, cnt, valid, 64).full_block_idx.device.type == "cpu"
-    with pytest.raises(ValueError, match="impl must be"):
-        backward_lists(idx, cnt, valid, 64, impl="cuda")
+    assert forward_lists(idx, cnt, valid, 64).full_block_idx.device.type == "cpu"
+    for build in (backward_lists, forward_lists):
+        with pytest.raises(ValueError, match="impl must be"):
+            build(idx, cnt, valid, 64, impl="cuda")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the kernel runs compiled")
@@ -108,7 +126,7 @@ def test_kernel_lists_equal_the_torch_lists_under_the_interpreter():
         timeout=600,
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    assert result.stdout.strip() == f"checked {len(CASES) * 8}"
+    assert result.stdout.strip() == f"checked {len(CASES) * CHECKS_PER_CASE}"
 
 
 if __name__ == "__main__":
