@@ -23,7 +23,13 @@ import torch
 
 from vsa_core import VideoTiling, video_sparse_attn
 
-FINE_KERNEL_MARKS = ("flash_attn", "fwd_kernel", "bwd_delta_kernel", "bwd_dkdv_kernel", "bwd_dq_kernel")
+FINE_KERNEL_MARKS = (
+    "flash_attn",
+    "fwd_kernel",
+    "bwd_delta_kernel",
+    "bwd_dkdv_kernel",
+    "bwd_dq_kernel",
+)
 """Substrings of the fine-attention kernels' names: FA4's CuTe kernels (upstream's and the fork's
 carry ``flash_attn`` in their mangled names) and vsa-triton's kernels (named as defined)."""
 
