@@ -219,6 +219,22 @@ def test_wrong_arm_fails_the_gate_and_is_not_timed(tmp_path):
     assert wrong.calls == 2, "one gate call per mode, never a timed call"
 
 
+def test_cells_past_gate_max_seq_are_timed_ungated_and_say_so(tmp_path):
+    """A wrong arm passes only where the gate is off, and the record and the report say so."""
+    wrong = WrongArm(lambda t: t + 0.1)
+    seq = int(TINY[TINY.index("--seq-lens") + 1])
+    results = _run_arms([wrong], tmp_path, "--modes", "fwd", "--gate-max-seq", str(seq - 1))
+    rec = results[("wrong", "fwd")]
+    assert rec["status"] == "ok" and "gate" not in rec and rec["median_ms"] > 0
+    assert rec["ungated"] == f"S={seq} > --gate-max-seq {seq - 1}"
+    doc = json.loads((tmp_path / "gate.json").read_text())
+    assert doc["config"]["gate_max_seq"] == seq - 1
+    assert f"timed without the correctness gate: S={seq}" in bench_vsa.render_markdown(doc)
+    gated = _run_arms([WrongArm(lambda t: t + 0.1)], tmp_path, "--modes", "fwd",
+                      "--gate-max-seq", str(seq))  # fmt: skip
+    assert gated[("wrong", "fwd")]["status"] == "failed"
+
+
 def test_gate_tolerance_is_rounding_floor_based():
     ref = torch.linspace(-300, 300, 1001)
     rounded = ref.to(torch.bfloat16)
