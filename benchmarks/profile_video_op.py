@@ -11,6 +11,7 @@ to find why a faster fine kernel does not make a faster op. ::
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from functools import partial
@@ -21,7 +22,7 @@ import bench_common as bc
 import bench_video as bv
 import torch
 
-from vsa_core import VideoTiling, video_sparse_attn
+from vsa_core import VideoTiling, coarse, video_sparse_attn
 
 FINE_KERNEL_MARKS = (
     "flash_attn",
@@ -34,6 +35,18 @@ FINE_KERNEL_MARKS = (
 carry ``flash_attn`` in their mangled names) and vsa-triton's kernels (named as defined)."""
 
 
+def profile_calls(runner, calls: int, activities, sync):
+    """Three warm-up calls, then ``calls`` profiled ones; the profiler."""
+    for _ in range(3):
+        runner.run(runner.setup() if runner.setup else None)
+    sync()
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(calls):
+            runner.run(runner.setup() if runner.setup else None)
+        sync()
+    return prof
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="wan720p", help="preset or TxHxW[:heads]")
@@ -44,6 +57,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, default=25)
     ap.add_argument("--out", type=Path, default=Path("."))
     ap.add_argument("--device", default="cuda")
+    ap.add_argument(
+        "--selection-chunk-mib",
+        type=int,
+        nargs="+",
+        help="run once per value with vsa_core.coarse.SELECTION_CHUNK_BYTES set to it (the "
+        "score memory per head group of the top-k selection; fewer, larger groups launch fewer "
+        "kernels); default: the library's value only",
+    )
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     shape = bv.parse_shape(args.shape)
@@ -60,31 +81,34 @@ def main(argv: list[str] | None = None) -> int:
     kind = "CUDA" if cuda else "CPU"
     acts = [getattr(torch.profiler.ProfilerActivity, kind)]
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    for backend in args.backends:
-        for mode in args.modes:
-            attn = partial(video_sparse_attn, tiling=tiling, topk=topk, backend=backend,
-                           validate=False)  # fmt: skip
-            runner = bv.attn_runner(inputs, mode, attn)
-            for _ in range(3):
-                runner.run(runner.setup() if runner.setup else None)
-            sync()
-            with torch.profiler.profile(activities=acts) as prof:
-                for _ in range(args.calls):
-                    runner.run(runner.setup() if runner.setup else None)
-                sync()
-            events = prof.key_averages()
-            key = "self_device_time_total" if cuda else "self_cpu_time_total"
-            total = sum(getattr(e, key) for e in events) / 1e3 / args.calls
-            fine = sum(
-                getattr(e, key) for e in events if any(m in e.key for m in FINE_KERNEL_MARKS)
-            ) / 1e3 / args.calls  # fmt: skip
-            name = f"{backend}-{mode.replace('+', '_')}"
-            table = events.table(sort_by=key, row_limit=args.rows)
-            (args.out / f"{name}.kernels.txt").write_text(table)
-            run = {"backend": backend, "mode": mode, "ms_per_call": total,
-                   "fine_kernels_ms": fine, "other_ms": total - fine}  # fmt: skip
-            summary["runs"].append(run)
-            print(json.dumps(run), flush=True)
+    library_chunk = coarse.SELECTION_CHUNK_BYTES
+    for backend, mode, chunk_mib in itertools.product(
+        args.backends, args.modes, args.selection_chunk_mib or [None]
+    ):
+        chunk = library_chunk if chunk_mib is None else chunk_mib << 20
+        attn = partial(video_sparse_attn, tiling=tiling, topk=topk, backend=backend,
+                       validate=False)  # fmt: skip
+        coarse.SELECTION_CHUNK_BYTES = chunk
+        try:
+            prof = profile_calls(bv.attn_runner(inputs, mode, attn), args.calls, acts, sync)
+        finally:
+            coarse.SELECTION_CHUNK_BYTES = library_chunk
+        events = prof.key_averages()
+        key = "self_device_time_total" if cuda else "self_cpu_time_total"
+        total = sum(getattr(e, key) for e in events) / 1e3 / args.calls
+        fine = sum(
+            getattr(e, key) for e in events if any(m in e.key for m in FINE_KERNEL_MARKS)
+        ) / 1e3 / args.calls  # fmt: skip
+        name = f"{backend}-{mode.replace('+', '_')}"
+        if chunk_mib is not None:
+            name += f"-selection{chunk_mib}mib"
+        (args.out / f"{name}.kernels.txt").write_text(
+            events.table(sort_by=key, row_limit=args.rows)
+        )
+        run = {"backend": backend, "mode": mode, "ms_per_call": total, "fine_kernels_ms": fine,
+               "other_ms": total - fine, "selection_chunk_bytes": chunk}  # fmt: skip
+        summary["runs"].append(run)
+        print(json.dumps(run), flush=True)
     (args.out / "profile_video_op.json").write_text(json.dumps(summary, indent=1))
     return 0
 

@@ -594,3 +594,21 @@ def test_sample_layout_makes_the_asked_share_of_key_blocks_partial():
     again = bench_vsa.sample_layout(2048, 1, 2, 0.75, (64, 64), seed=3, partial=0.25)
     assert torch.equal(again.kv_valid_sizes, valid)  # deterministic
     assert torch.equal(partial.kv_indices, full.kv_indices)  # the same selection
+
+
+# ---- profile_video_op ------------------------------------------------------------------------
+def test_profile_video_op_runs_once_per_selection_chunk_and_restores_it(tmp_path):
+    import profile_video_op
+
+    from vsa_core import coarse
+
+    before = coarse.SELECTION_CHUNK_BYTES
+    argv = ["--device", "cpu", "--shape", "tiny", "--backends", "reference", "--modes", "fwd",
+            "--calls", "1", "--selection-chunk-mib", "0", "16", "--out", str(tmp_path)]  # fmt: skip
+    assert profile_video_op.main(argv) == 0
+    assert before == coarse.SELECTION_CHUNK_BYTES
+    runs = json.loads((tmp_path / "profile_video_op.json").read_text())["runs"]
+    assert [r["selection_chunk_bytes"] for r in runs] == [0, 16 << 20]
+    assert all(r["ms_per_call"] > 0 and r["fine_kernels_ms"] == 0 for r in runs)  # no CUDA
+    for mib in (0, 16):
+        assert (tmp_path / f"reference-fwd-selection{mib}mib.kernels.txt").read_text()
