@@ -229,6 +229,28 @@ def test_lists_partition_the_selection_and_backward_is_its_transpose(seed, block
     assert fwd_pairs == bwd_pairs
 
 
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("num_kv", [8, 12])
+def test_paired_key_lists_select_the_same_token_pairs(seed, num_kv):
+    """The 128x64 forward's lists as the fork's paired-key kernel reads them
+    (``fwd_sm90_paired.pair_lists`` of `forward_lists`) select exactly the token pairs of the
+    unpaired lists: full and partial blocks, odd counts, empty blocks dropped."""
+    import fa4_model
+
+    paired = pytest.importorskip("flash_attn_vsa.fwd_sm90_paired")
+    layout = random_layout(seed, (128, 64), num_q=6, num_kv=num_kv)
+    plan, (kv_indices, kv_counts, valid) = lists_of(layout)
+    fwd = forward_lists(kv_indices, kv_counts, valid, plan.kv_tile)
+    assert bool((fwd.full_block_cnt % 2).any() or (fwd.mask_block_cnt % 2).any())
+    pair_lists = paired.pair_lists(
+        fwd.full_block_idx, fwd.full_block_cnt, fwd.mask_block_idx, fwd.mask_block_cnt, num_kv
+    )
+    q_len, kv_len = layout.q_len, layout.kv_len
+    want = fa4_model.forward_pairs(fwd, valid, (128, 64), q_len, kv_len)
+    got = fa4_model.paired_forward_pairs(pair_lists, valid, 128, kv_len)
+    assert torch.equal(got, want)
+
+
 def test_metadata_reads_no_device_data():
     """Everything runs under a fake tensor mode, where reading data (``.item()``, a
     data-dependent shape) raises: so the construction is sync-free on a GPU."""
