@@ -94,11 +94,13 @@ def test_pair_lists_refuse_what_cannot_pair():
 
 @needs_upstream
 def test_mask_class_applies_only_the_pair_mask_and_skips_the_seqlen_mask(monkeypatch):
+    from flash_attn.cute.mask import AttentionMask
     from flash_attn.cute.utils import AuxData
 
     cls = paired().mask_class()
     calls = []
     monkeypatch.setattr(cls, "keep_pair_columns", lambda self, *args: calls.append(args[-1]))
+    monkeypatch.setattr(AttentionMask, "apply_mask", lambda *args: calls.append("upstream"))
     mask = cls(128, 128, None)
     aux = AuxData(tensors=["valid sizes"])
 

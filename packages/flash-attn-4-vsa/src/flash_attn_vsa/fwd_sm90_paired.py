@@ -159,39 +159,26 @@ def mask_class() -> type:
     import cutlass
     import cutlass.cute as cute
     from flash_attn.cute.mask import (
-        AttentionMask,
         mask_r2p_lambda,
         r2p_bitmask_above,
         r2p_bitmask_below,
         sm90_col_to_r2p_idx,
     )
-    from flash_attn.cute.utils import AuxData
     from quack import layout_utils
 
-    class PairedKeyMask(AttentionMask):
-        def apply_mask(
-            self,
-            acc_S,
-            batch_idx,
-            head_idx,
-            m_block,
-            n_block,
-            thr_mma,
-            mask_seqlen,
-            mask_causal,
-            mask_local=False,
-            mask_mod=None,
-            aux_data=AuxData(),  # noqa: B008 (upstream's default, an immutable NamedTuple)
-            fastdiv_mods=(None, None),
-        ):
-            # Decided while tracing (compile-time values).
+    from flash_attn_vsa import mask_sm90
+
+    class PairedKeyMask(mask_sm90.mask_class()):
+        def own_mask(self, acc_S, n_block, thr_mma, mask_causal, mask_local, mask_mod, aux_data):
+            # Decided while tracing (compile-time values); every call is ours.
             if mask_causal or mask_local or self.swap_AB or self.qhead_per_kvhead_packgqa != 1:
                 raise ValueError("paired keys support no causal, local, swapped or GQA masks")
             if mask_mod is None:  # a full pair: every column is a real key
-                return None
+                return True
             if getattr(mask_mod, PAIR_MASK_ATTR, None) != KEY_BLOCK:
                 raise ValueError("paired keys take pair_mask_mod() as their only mask_mod")
-            return self.keep_pair_columns(acc_S, n_block, thr_mma, aux_data.tensors[0])
+            self.keep_pair_columns(acc_S, n_block, thr_mma, aux_data.tensors[0])
+            return True
 
         @cute.jit
         def keep_pair_columns(

@@ -134,28 +134,23 @@ def run_forward_paired(
     """The 128x64 forward on `flash_attn_vsa.fwd_sm90_paired`: the full and partial 64-token
     lists become packed pairs of key blocks (128-key tiles; the pair mask handles partial
     blocks and odd tails, so ``masked`` does not matter here)."""
-    from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
-
     from flash_attn_vsa import fwd_sm90_paired as paired
 
-    mask_cnt, mask_idx, full_cnt, full_idx = paired.pair_lists(
-        lists.full_block_idx,
-        lists.full_block_cnt,
-        lists.mask_block_idx,
-        lists.mask_block_cnt,
-        kv_valid_sizes.shape[0],
-    )
-    tensors = BlockSparseTensorsTorch(
-        mask_block_cnt=mask_cnt,
-        mask_block_idx=mask_idx,
-        full_block_cnt=full_cnt,
-        full_block_idx=full_idx,
-        block_size=paired.BLOCK_SIZE,
+    tensors_cls = _upstream()[0]
+    pairs = SparseLists(
+        *paired.pair_lists(
+            lists.full_block_idx,
+            lists.full_block_cnt,
+            lists.mask_block_idx,
+            lists.mask_block_cnt,
+            kv_valid_sizes.shape[0],
+        )
     )
     with _on_device(q.device):
         paired.block_sparse_forward_paired(
-            q, k, v, tensors, kv_valid_sizes, softmax_scale=scale, out=out, lse=lse
-        )
+            q, k, v, _block_sparse(tensors_cls, pairs, paired.BLOCK_SIZE), kv_valid_sizes,
+            softmax_scale=scale, out=out, lse=lse,
+        )  # fmt: skip
 
 
 def run_backward(
