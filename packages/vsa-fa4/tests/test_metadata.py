@@ -8,6 +8,8 @@ on random layouts, and that nothing reads device data (everything runs under a f
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -227,6 +229,28 @@ def test_lists_partition_the_selection_and_backward_is_its_transpose(seed, block
                 assert queries == sorted(set(queries))
                 bwd_pairs |= {(h, m, n, kind) for m in queries}
     assert fwd_pairs == bwd_pairs
+
+
+@pytest.mark.parametrize("rotate_sms", [1, 3, 132])
+def test_rotated_backward_lists_start_at_the_first_query_past_their_start(rotate_sms):
+    layout = random_layout(0, (64, 64), num_q=9, num_kv=7)
+    plan, (kv_indices, kv_counts, valid) = lists_of(layout)
+    plain = backward_lists(kv_indices, kv_counts, valid, plan.kv_tile, impl="torch")
+    turned = backward_lists(kv_indices, kv_counts, valid, plan.kv_tile, impl="torch",
+                            rotate_sms=rotate_sms)  # fmt: skip
+    assert torch.equal(plain.full_block_cnt, turned.full_block_cnt)
+    assert torch.equal(plain.mask_block_cnt, turned.mask_block_cnt)
+    starts = metadata.rotation_starts(plain.full_block_idx.shape, rotate_sms)
+    # list lengths, empty key blocks included (their lists are built, neither count uses them)
+    _, counts = metadata.padded_transpose(kv_indices, kv_counts, valid.shape[0])
+    for key in itertools.product(*(range(n) for n in counts.shape)):
+        n = int(counts[key])
+        ascending = plain.full_block_idx[key][:n].tolist()
+        cut = sum(q < int(starts[key]) for q in ascending)
+        assert turned.full_block_idx[key][:n].tolist() == ascending[cut:] + ascending[:cut]
+        assert not turned.full_block_idx[key][n:].any()
+    with pytest.raises(ValueError, match="rotate_sms"):
+        backward_lists(kv_indices, kv_counts, valid, plan.kv_tile, q_split=2, rotate_sms=3)
 
 
 def test_metadata_reads_no_device_data():
