@@ -74,6 +74,16 @@ def _mark_selected(
 
 
 @triton.jit
+def _hits(selected_ptr, bh, q0, kv, kv_ok, num_q, num_kv, BLOCK_Q: tl.constexpr):
+    """Query blocks ``q0 + [0, BLOCK_Q)`` and their [BLOCK_Q, BLOCK_KV] 0/1 hits (int32) on the
+    key blocks ``kv`` from the byte map."""
+    q = q0 + tl.arange(0, BLOCK_Q)
+    tile = (bh * num_q + q[:, None]) * num_kv + kv[None, :]
+    inside = (q[:, None] < num_q) & kv_ok[None, :]
+    return q, tl.load(selected_ptr + tile, mask=inside, other=0).to(tl.int32)
+
+
+@triton.jit
 def _rank_selected(
     selected_ptr,  # [BH, NQ, NKV] uint8
     valid_ptr,  # [NKV] valid tokens per key block
@@ -103,20 +113,14 @@ def _rank_selected(
         start = ((order * num_q) // rotate_sms) % num_q
         q0 = 0
         while q0 < num_q:
-            q = q0 + tl.arange(0, BLOCK_Q)
-            tile = (bh * num_q + q[:, None]) * num_kv + kv[None, :]
-            inside = (q[:, None] < num_q) & kv_ok[None, :]
-            hit = tl.load(selected_ptr + tile, mask=inside, other=0).to(tl.int32)
+            q, hit = _hits(selected_ptr, bh, q0, kv, kv_ok, num_q, num_kv, BLOCK_Q)
             total += tl.sum(hit, axis=0)
             below += tl.sum(tl.where(q[:, None] < start[None, :], hit, 0), axis=0)
             q0 += BLOCK_Q
     offset = tl.zeros([BLOCK_KV], dtype=tl.int32)
     q0 = 0
     while q0 < num_q:
-        q = q0 + tl.arange(0, BLOCK_Q)
-        tile = (bh * num_q + q[:, None]) * num_kv + kv[None, :]
-        inside = (q[:, None] < num_q) & kv_ok[None, :]
-        hit = tl.load(selected_ptr + tile, mask=inside, other=0).to(tl.int32)
+        q, hit = _hits(selected_ptr, bh, q0, kv, kv_ok, num_q, num_kv, BLOCK_Q)
         rank = tl.cumsum(hit, axis=0)  # inclusive, per key block, in query order
         place = offset[None, :] + rank - 1 - below[None, :]
         place = tl.where(place < 0, place + total[None, :], place)

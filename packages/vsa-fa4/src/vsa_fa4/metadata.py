@@ -230,7 +230,8 @@ def backward_lists(
     num_kv = kv_valid_sizes.shape[0]
     q_indices, q_counts = padded_transpose(kv_indices, kv_counts, num_kv)
     if rotate_sms:
-        q_indices = _rotated(q_indices, q_counts, rotation_starts(q_indices.shape, rotate_sms))
+        starts = rotation_starts(q_indices.shape, rotate_sms, q_indices.device)
+        q_indices = _rotated(q_indices, q_counts, starts)
     zero = torch.zeros_like(q_counts)
     if not masked:  # every key block full: everything in the full lists
         return SparseLists(zero, zero.unsqueeze(-1), q_counts, q_indices)
@@ -244,11 +245,13 @@ def backward_lists(
     )
 
 
-def rotation_starts(shape: torch.Size | tuple[int, ...], rotate_sms: int) -> torch.Tensor:
+def rotation_starts(
+    shape: torch.Size | tuple[int, ...], rotate_sms: int, device: torch.device | None = None
+) -> torch.Tensor:
     """[B, H, NKV] int64 first query block of each key block's rotated list (`backward_lists`):
     ``(order * NQ // rotate_sms) % NQ`` for a [B, H, NKV, NQ] index tensor."""
     *lead, num_kv, num_q = shape
-    order = torch.arange(math.prod(lead) * num_kv).view(*lead, num_kv)
+    order = torch.arange(math.prod(lead) * num_kv, device=device).view(*lead, num_kv)
     return (order * num_q // rotate_sms) % max(num_q, 1)
 
 
@@ -257,8 +260,7 @@ def _rotated(q_indices: torch.Tensor, q_counts: torch.Tensor, starts: torch.Tens
     the count)."""
     slots = torch.arange(q_indices.shape[-1], device=q_indices.device)
     used = slots < q_counts.unsqueeze(-1)
-    starts = starts.to(q_indices.device).unsqueeze(-1)
-    below = ((q_indices < starts) & used).sum(-1, keepdim=True)
+    below = ((q_indices < starts.unsqueeze(-1)) & used).sum(-1, keepdim=True)
     source = (slots + below) % q_counts.clamp(min=1).unsqueeze(-1)
     return torch.where(used, torch.gather(q_indices, -1, source), 0).to(torch.int32)
 
