@@ -50,7 +50,7 @@ def test_scope_picks_kernel_class_and_cache_per_thread():
     assert "test-key" not in interface._flash_attn_fwd.compile_cache
     with fwd_sm90.two_cta_scope():
         assert interface._flash_attn_fwd.compile_cache["test-key"] == "ours"
-        del interface._flash_attn_fwd.compile_cache.own["test-key"]
+        del interface._flash_attn_fwd.compile_cache.own[fwd_sm90.TWO_CTAS]["test-key"]
     # Upstream's interface builds its kernels through the scoped class, still a subclass.
     assert issubclass(interface.FlashAttentionForwardSm90, FlashAttentionForwardSm90)
 

@@ -50,6 +50,28 @@ def forward_pairs(lists, valid, block_size, q_len, kv_len) -> torch.Tensor:
     return pairs
 
 
+def paired_forward_pairs(pair_lists, valid, q_tile, kv_len) -> torch.Tensor:
+    """[B, H, Sq, Skv] bool: the token pairs of the fork's paired-key forward
+    (``flash_attn_vsa.fwd_sm90_paired``) as read from its kernel and mask: each entry of a row's
+    lists is ``a | b << 16`` (64-token key blocks); full-list entries attend to every token of
+    ``a`` and ``b``, mask-list entries to the first ``valid`` tokens of each, and a second id of
+    ``NO_BLOCK`` (0x7FFF) attends to nothing."""
+    cnt_m, idx_m, cnt_f, idx_f = (t.cpu() for t in pair_lists)
+    batch, heads, rows = cnt_m.shape
+    pairs = torch.zeros(batch, heads, rows * q_tile, kv_len, dtype=torch.bool)
+    for b in range(batch):
+        for h in range(heads):
+            for m in range(rows):
+                q_rows = slice(m * q_tile, (m + 1) * q_tile)
+                for cnt, idx, sizes in ((cnt_f, idx_f, None), (cnt_m, idx_m, valid)):
+                    for i in range(int(cnt[b, h, m])):
+                        packed = int(idx[b, h, m, i])
+                        for block in (packed & 0xFFFF, packed >> 16):
+                            if block != 0x7FFF:
+                                pairs[b, h, q_rows] |= _keep_keys(block, 64, kv_len, sizes)
+    return pairs
+
+
 def backward_pairs(lists, valid, block_size, q_len, kv_len) -> torch.Tensor:
     """[B, H, Sq, Skv] bool: the pairs the key-block-owned backward lists select."""
     q_tile, kv_tile = block_size

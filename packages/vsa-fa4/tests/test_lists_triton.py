@@ -57,7 +57,7 @@ CASES = [  # (num_q, num_kv, width)
     (5, 8, 0),
     (9, 150, 130),  # forward: list slots past two 64-slot chunks
 ]
-CHECKS_PER_CASE = 2 * (4 + 1)  # per key tile: 4 backward variants and the forward split
+CHECKS_PER_CASE = 2 * (4 + 1 + 1)  # per key tile: 4 backward variants, rotated, forward split
 
 
 def assert_same_lists(want, got, where: str) -> None:
@@ -86,6 +86,13 @@ def compare_on(device: str) -> int:
                     )  # fmt: skip
                     assert (got.full_block_idx is got.mask_block_idx) == masked
                     checked += 1
+            rotated = dict(masked=True, q_split=1, rotate_sms=7)
+            assert_same_lists(
+                backward_lists(idx, cnt, valid, kv_tile, impl="torch", **rotated),
+                backward_lists(idx, cnt, valid, kv_tile, impl="triton", **rotated),
+                f"rotated backward {where}",
+            )
+            checked += 1
             args = (idx, cnt, valid, kv_tile)
             got = forward_lists(*args, impl="triton")
             assert_same_lists(forward_lists(*args, impl="torch"), got, f"forward {where}")

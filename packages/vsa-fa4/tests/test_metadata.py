@@ -8,6 +8,8 @@ on random layouts, and that nothing reads device data (everything runs under a f
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -229,6 +231,28 @@ def test_lists_partition_the_selection_and_backward_is_its_transpose(seed, block
     assert fwd_pairs == bwd_pairs
 
 
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("num_kv", [8, 12])
+def test_paired_key_lists_select_the_same_token_pairs(seed, num_kv):
+    """The 128x64 forward's lists as the fork's paired-key kernel reads them
+    (``fwd_sm90_paired.pair_lists`` of `forward_lists`) select exactly the token pairs of the
+    unpaired lists: full and partial blocks, odd counts, empty blocks dropped."""
+    import fa4_model
+
+    paired = pytest.importorskip("flash_attn_vsa.fwd_sm90_paired")
+    layout = random_layout(seed, (128, 64), num_q=6, num_kv=num_kv)
+    plan, (kv_indices, kv_counts, valid) = lists_of(layout)
+    fwd = forward_lists(kv_indices, kv_counts, valid, plan.kv_tile)
+    assert bool((fwd.full_block_cnt % 2).any() or (fwd.mask_block_cnt % 2).any())
+    pair_lists = paired.pair_lists(
+        fwd.full_block_idx, fwd.full_block_cnt, fwd.mask_block_idx, fwd.mask_block_cnt, num_kv
+    )
+    q_len, kv_len = layout.q_len, layout.kv_len
+    want = fa4_model.forward_pairs(fwd, valid, (128, 64), q_len, kv_len)
+    got = fa4_model.paired_forward_pairs(pair_lists, valid, 128, kv_len)
+    assert torch.equal(got, want)
+
+
 def test_metadata_reads_no_device_data():
     """Everything runs under a fake tensor mode, where reading data (``.item()``, a
     data-dependent shape) raises: so the construction is sync-free on a GPU."""
@@ -267,3 +291,25 @@ def test_dense_and_sorted_transposes_agree(seed, monkeypatch):
     for b_, h, j in torch.cartesian_prod(torch.arange(2), torch.arange(3), torch.arange(num_kv)):
         want = torch.nonzero(selected[b_, h, :, j]).flatten().to(torch.int32)
         assert torch.equal(q_idx[b_, h, j, : len(want)], want)
+
+
+@pytest.mark.parametrize("rotate_sms", [1, 3, 132])
+def test_rotated_backward_lists_start_at_the_first_query_past_their_start(rotate_sms):
+    layout = random_layout(0, (64, 64), num_q=9, num_kv=7)
+    plan, (kv_indices, kv_counts, valid) = lists_of(layout)
+    plain = backward_lists(kv_indices, kv_counts, valid, plan.kv_tile, impl="torch")
+    turned = backward_lists(kv_indices, kv_counts, valid, plan.kv_tile, impl="torch",
+                            rotate_sms=rotate_sms)  # fmt: skip
+    assert torch.equal(plain.full_block_cnt, turned.full_block_cnt)
+    assert torch.equal(plain.mask_block_cnt, turned.mask_block_cnt)
+    starts = metadata.rotation_starts(plain.full_block_idx.shape, rotate_sms)
+    # list lengths, empty key blocks included (their lists are built, neither count uses them)
+    _, counts = metadata.padded_transpose(kv_indices, kv_counts, valid.shape[0])
+    for key in itertools.product(*(range(n) for n in counts.shape)):
+        n = int(counts[key])
+        ascending = plain.full_block_idx[key][:n].tolist()
+        cut = sum(q < int(starts[key]) for q in ascending)
+        assert turned.full_block_idx[key][:n].tolist() == ascending[cut:] + ascending[:cut]
+        assert not turned.full_block_idx[key][n:].any()
+    with pytest.raises(ValueError, match="rotate_sms"):
+        backward_lists(kv_indices, kv_counts, valid, plan.kv_tile, q_split=2, rotate_sms=3)

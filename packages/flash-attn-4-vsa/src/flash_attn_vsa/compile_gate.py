@@ -56,7 +56,8 @@ class GateConfig:
     """One kernel configuration: an upstream (or, later, fork) entry point and its inputs."""
 
     name: str
-    direction: str  # "fwd", "bwd" (upstream's entry points), "fwd-q64" or "bwd-kv64" (ours)
+    direction: str  # "fwd", "bwd" (upstream's entry points); ours: "fwd-q64", "fwd-paired",
+    # "bwd-kv64"
     block_size: tuple[int, int] | None  # (q, kv) tokens per sparse block; None: dense
     kernel: str  # the kernel class that must be compiled (for sm_90a)
     why: str
@@ -91,6 +92,14 @@ CONFIGS: tuple[GateConfig, ...] = (
         "FlashAttentionForwardSm90TwoCtas",
         "the fork's block-sparse forward with 64x64 blocks, two CTAs per SM "
         "(flash_attn_vsa.fwd_sm90)",
+    ),
+    GateConfig(
+        "fwd-sparse-q128-kv64-paired",
+        "fwd-paired",
+        (128, 128),
+        "FlashAttentionForwardSm90PairedKeys",
+        "the fork's 128x64 block-sparse forward over pairs of 64-token key blocks "
+        "(flash_attn_vsa.fwd_sm90_paired)",
     ),
     GateConfig(
         "bwd-dense",
@@ -405,6 +414,11 @@ def _compile_one(config: GateConfig, arch: str, counter: CountingCompile) -> Gat
                 from flash_attn_vsa.fwd_sm90 import block_sparse_forward_q64
 
                 block_sparse_forward_q64(q, k, v, sparse, softmax_scale=HEAD_DIM**-0.5)
+            elif config.direction == "fwd-paired":
+                from flash_attn_vsa.fwd_sm90_paired import KEY_BLOCK, block_sparse_forward_paired
+
+                valid = torch.empty(SEQLEN // KEY_BLOCK, dtype=torch.int32, device="cuda")
+                block_sparse_forward_paired(q, k, v, sparse, valid, softmax_scale=HEAD_DIM**-0.5)
             else:
                 out, dout = torch.empty_like(q), torch.empty_like(q)
                 lse = torch.empty(BATCH, HEADS, SEQLEN, dtype=torch.float32, device="cuda")

@@ -217,7 +217,7 @@ SYMBOLS: tuple[Symbol, ...] = (
         "the Hopper forward kernel class fwd_sm90 subclasses (its register split is set in "
         "__call__ before _setup_attributes, which the subclass overrides, and __call__ "
         "launches through self.kernel(...).launch(min_blocks_per_mp=...))",
-        methods=("__init__", "__call__", "_setup_attributes", "kernel"),
+        methods=("__init__", "__call__", "_setup_attributes", "kernel", "load"),
         source=True,
     ),
     Symbol(
@@ -226,6 +226,43 @@ SYMBOLS: tuple[Symbol, ...] = (
         "the Hopper backward kernel class bwd_sm90 subclasses (its register split is set in "
         "__call__ before _setup_attributes, which the subclass overrides)",
         methods=("__init__", "__call__", "_setup_attributes"),
+        source=True,
+    ),
+    Symbol(
+        _IFACE,
+        "_get_device_arch",
+        "vsa-fa4 routes 128x64 forwards to the paired-key kernel on the arch FA4 compiles for",
+        source=True,
+    ),
+    Symbol(
+        "flash_attn.cute.block_sparse_utils",
+        "produce_block_sparse_loads",
+        "the sm_90 forward producer loop: fwd_sm90_paired's load calls it with loaders that "
+        "take list entries (packed pairs) as src_idx",
+        source=True,
+    ),
+    Symbol(
+        "flash_attn.cute.mask",
+        "r2p_bitmask_above",
+        "fwd_sm90_paired's pair mask: the second key block's columns start at 64",
+        source=True,
+    ),
+    Symbol(
+        "flash_attn.cute.flash_fwd_sm90",
+        "cpasync",
+        "the module global the sm_90 forward builds its TMA atoms with; fwd_sm90_paired wraps "
+        "it (64 x 64 K/V boxes inside its scope)",
+    ),
+    Symbol(
+        "quack.copy_utils",
+        "tma_get_copy_fn",
+        "fwd_sm90_paired's producer loads Q through it, as upstream's does",
+        source=True,
+    ),
+    Symbol(
+        "quack.sm90_utils",
+        "make_smem_layout",
+        "fwd_sm90_paired's 64 x 64 K/V TMA box layout",
         source=True,
     ),
     Symbol(

@@ -29,6 +29,7 @@ before ``_setup_attributes`` and launching from ``__call__`` through ``self.kern
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 from collections.abc import Iterator
@@ -44,6 +45,8 @@ __all__ = [
     "block_sparse_forward_q64",
     "check_call",
     "current_kernel_class",
+    "current_scope",
+    "forward_scope",
     "kernel_class",
     "two_cta_scope",
 ]
@@ -99,30 +102,45 @@ def kernel_class() -> type:
 
 _active = threading.local()
 
+TWO_CTAS = "two_ctas"
+PAIRED_KEYS = "paired_keys"
+"""Forward scopes: `kernel_class()` (this module) and `fwd_sm90_paired.kernel_class()`."""
 
-def _inside_scope() -> bool:
-    return getattr(_active, "depth", 0) > 0
+
+def current_scope() -> str | None:
+    """The innermost forward scope active on this thread (`TWO_CTAS`, `PAIRED_KEYS`) or None."""
+    stack = getattr(_active, "stack", ())
+    return stack[-1] if stack else None
 
 
 def current_kernel_class() -> type:
     """The sm_90 forward kernel class upstream's interface builds on this thread now:
-    `kernel_class()` inside `two_cta_scope`, upstream's own elsewhere."""
+    `kernel_class()` inside `two_cta_scope`, the paired-key class inside
+    ``fwd_sm90_paired.paired_scope``, upstream's own elsewhere."""
     from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90
 
-    return kernel_class() if _inside_scope() else FlashAttentionForwardSm90
+    scope = current_scope()
+    if scope == TWO_CTAS:
+        return kernel_class()
+    if scope == PAIRED_KEYS:
+        from flash_attn_vsa import fwd_sm90_paired
+
+        return fwd_sm90_paired.kernel_class()
+    return FlashAttentionForwardSm90
 
 
 class _ScopedCompileCache:
-    """Upstream's forward compile cache, except inside `two_cta_scope` on the calling thread,
-    where compiled kernels go to and come from our own dictionary (upstream's key does not
-    include the kernel class, so the two variants must not share entries)."""
+    """Upstream's forward compile cache, except inside one of our scopes on the calling thread,
+    where compiled kernels go to and come from a dictionary of that scope (upstream's key does
+    not include the kernel class, so the variants must not share entries)."""
 
     def __init__(self, upstream: Any) -> None:
         self.upstream = upstream
-        self.own: dict[Any, Any] = {}
+        self.own: dict[str, dict[Any, Any]] = {}
 
     def _current(self) -> Any:
-        return self.own if _inside_scope() else self.upstream
+        scope = current_scope()
+        return self.upstream if scope is None else self.own.setdefault(scope, {})
 
     def __contains__(self, key: Any) -> bool:
         return key in self._current()
@@ -157,15 +175,24 @@ def _install() -> None:
 
 
 @contextmanager
-def two_cta_scope() -> Iterator[None]:
+def forward_scope(scope: str) -> Iterator[None]:
     """Within this block, on this thread, upstream's ``_flash_attn_fwd`` compiles and runs its
-    sm_90 forward as `kernel_class()` (from its own compile cache)."""
+    sm_90 forward as the class of ``scope`` (`TWO_CTAS` or `PAIRED_KEYS`), from that scope's
+    own compile cache."""
+    if scope not in (TWO_CTAS, PAIRED_KEYS):
+        raise ValueError(f"scope must be {TWO_CTAS!r} or {PAIRED_KEYS!r}, got {scope!r}")
     _install()
-    _active.depth = getattr(_active, "depth", 0) + 1
+    _active.stack = (*getattr(_active, "stack", ()), scope)
     try:
         yield
     finally:
-        _active.depth -= 1
+        _active.stack = _active.stack[:-1]
+
+
+def two_cta_scope() -> contextlib.AbstractContextManager[None]:
+    """Within this block, on this thread, upstream's ``_flash_attn_fwd`` compiles and runs its
+    sm_90 forward as `kernel_class()` (from its own compile cache)."""
+    return forward_scope(TWO_CTAS)
 
 
 def block_sparse_forward_q64(

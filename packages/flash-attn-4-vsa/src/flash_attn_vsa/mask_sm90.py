@@ -113,7 +113,18 @@ def mask_class() -> type:
             aux_data=AuxData(),  # noqa: B008 (upstream's default, an immutable NamedTuple)
             fastdiv_mods=(None, None),
         ):
-            # Decided while tracing (all of these are compile-time values).
+            # Decided while tracing (compile-time values): one of our masks, else upstream's.
+            if self.own_mask(acc_S, n_block, thr_mma, mask_causal, mask_local, mask_mod, aux_data):
+                return None
+            return super().apply_mask(
+                acc_S, batch_idx, head_idx, m_block, n_block, thr_mma, mask_seqlen,
+                mask_causal, mask_local, mask_mod, aux_data, fastdiv_mods,
+            )  # fmt: skip
+
+        def own_mask(self, acc_S, n_block, thr_mma, mask_causal, mask_local, mask_mod, aux_data):
+            """Apply ``mask_mod`` here and return True when it is ours and fits this tile;
+            False hands the call to upstream. Subclasses (the paired-key forward's) extend
+            it."""
             kv_tile = getattr(mask_mod, KV_TILE_ATTR, None)
             if (
                 kv_tile is None
@@ -122,13 +133,11 @@ def mask_class() -> type:
                 or kv_tile % self.tile_n  # a tile must lie inside one key block
                 or self.qhead_per_kvhead_packgqa != 1
             ):
-                return super().apply_mask(
-                    acc_S, batch_idx, head_idx, m_block, n_block, thr_mma, mask_seqlen,
-                    mask_causal, mask_local, mask_mod, aux_data, fastdiv_mods,
-                )  # fmt: skip
-            return self.keep_valid_columns(
+                return False
+            self.keep_valid_columns(
                 acc_S, n_block, thr_mma, aux_data.tensors[0], _log2_tile(kv_tile)
             )
+            return True
 
         @cute.jit
         def keep_valid_columns(

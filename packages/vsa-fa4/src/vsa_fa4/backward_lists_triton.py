@@ -74,6 +74,16 @@ def _mark_selected(
 
 
 @triton.jit
+def _hits(selected_ptr, bh, q0, kv, kv_ok, num_q, num_kv, BLOCK_Q: tl.constexpr):
+    """Query blocks ``q0 + [0, BLOCK_Q)`` and their [BLOCK_Q, BLOCK_KV] 0/1 hits (int32) on the
+    key blocks ``kv`` from the byte map."""
+    q = q0 + tl.arange(0, BLOCK_Q)
+    tile = (bh * num_q + q[:, None]) * num_kv + kv[None, :]
+    inside = (q[:, None] < num_q) & kv_ok[None, :]
+    return q, tl.load(selected_ptr + tile, mask=inside, other=0).to(tl.int32)
+
+
+@triton.jit
 def _rank_selected(
     selected_ptr,  # [BH, NQ, NKV] uint8
     valid_ptr,  # [NKV] valid tokens per key block
@@ -83,6 +93,7 @@ def _rank_selected(
     num_q,
     num_kv,
     kv_tile,
+    rotate_sms,
     Q_SPLIT: tl.constexpr,
     MASKED: tl.constexpr,
     BLOCK_Q: tl.constexpr,
@@ -93,15 +104,27 @@ def _rank_selected(
     kv_ok = kv < num_kv
     out_width = num_q * Q_SPLIT
     out_rows = q_idx_ptr + (bh * num_kv + kv) * out_width  # [BLOCK_KV] row starts
+    # Rotation (rotate_sms > 0, Q_SPLIT 1): a first pass counts each list and its entries
+    # below the start, so the second pass can store entry r at (r - below) mod total.
+    total = tl.zeros([BLOCK_KV], dtype=tl.int32)
+    below = tl.zeros([BLOCK_KV], dtype=tl.int32)
+    if rotate_sms > 0:
+        order = bh * num_kv + kv
+        start = ((order * num_q) // rotate_sms) % num_q
+        q0 = 0
+        while q0 < num_q:
+            q, hit = _hits(selected_ptr, bh, q0, kv, kv_ok, num_q, num_kv, BLOCK_Q)
+            total += tl.sum(hit, axis=0)
+            below += tl.sum(tl.where(q[:, None] < start[None, :], hit, 0), axis=0)
+            q0 += BLOCK_Q
     offset = tl.zeros([BLOCK_KV], dtype=tl.int32)
     q0 = 0
     while q0 < num_q:
-        q = q0 + tl.arange(0, BLOCK_Q)
-        tile = (bh * num_q + q[:, None]) * num_kv + kv[None, :]
-        inside = (q[:, None] < num_q) & kv_ok[None, :]
-        hit = tl.load(selected_ptr + tile, mask=inside, other=0).to(tl.int32)
+        q, hit = _hits(selected_ptr, bh, q0, kv, kv_ok, num_q, num_kv, BLOCK_Q)
         rank = tl.cumsum(hit, axis=0)  # inclusive, per key block, in query order
-        slot = (offset[None, :] + rank - 1) * Q_SPLIT
+        place = offset[None, :] + rank - 1 - below[None, :]
+        place = tl.where(place < 0, place + total[None, :], place)
+        slot = place * Q_SPLIT
         for s in tl.static_range(Q_SPLIT):
             tl.store(out_rows[None, :] + slot + s, q[:, None] * Q_SPLIT + s, mask=hit > 0)
         offset += tl.sum(hit, axis=0)
@@ -131,6 +154,7 @@ def backward_lists_triton(
     kv_tile: int,
     masked: bool = True,
     q_split: int = 1,
+    rotate_sms: int = 0,
 ) -> SparseLists:
     """`vsa_fa4.metadata.backward_lists` in two launches and a memset (same tensors, same
     values)."""
@@ -165,6 +189,7 @@ def backward_lists_triton(
             num_q,
             num_kv,
             kv_tile,
+            rotate_sms,
             Q_SPLIT=q_split,
             MASKED=masked,
             BLOCK_Q=BLOCK_Q,

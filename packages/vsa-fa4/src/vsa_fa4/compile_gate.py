@@ -67,7 +67,8 @@ CONFIGS: tuple[GateConfig, ...] = (
         "fwd-64x64", "fwd", (64, 64), "native", (64, 64), "FlashAttentionForwardSm90TwoCtas"
     ),
     GateConfig(
-        "fwd-64x64-paired", "fwd", (64, 64), "paired", (128, 64), "FlashAttentionForwardSm90"
+        "fwd-64x64-paired", "fwd", (64, 64), "paired", (128, 64),
+        "FlashAttentionForwardSm90PairedKeys",
     ),
     GateConfig("fwd-128x128", "fwd", (128, 128), "native", (128, 128), "FlashAttentionForwardSm90"),
     GateConfig("fwd-256x256", "fwd", (256, 256), "native", (256, 128), "FlashAttentionForwardSm90"),

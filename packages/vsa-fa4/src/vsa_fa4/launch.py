@@ -77,8 +77,12 @@ def run_forward(
     """FA4 block-sparse forward into ``out`` [B, Sq, H, D] and ``lse`` [B, H, Sq] (float32).
 
     64x64 blocks (only sm_90 runs them) go to the fork's two-CTA-per-SM launch of upstream's
-    kernel (`flash_attn_vsa.fwd_sm90`: 0.78 of dense instead of 0.55 on an H200), everything
-    else to upstream's ``_flash_attn_fwd``."""
+    kernel (`flash_attn_vsa.fwd_sm90`: 0.78 of dense instead of 0.55 on an H200); 128x64
+    blocks at head dim 128 on sm_90 to the fork's paired-key kernel (`run_forward_paired`);
+    everything else to upstream's ``_flash_attn_fwd``."""
+    if _pairs_keys(q, lists, kv_valid_sizes, block_size):
+        run_forward_paired(q, k, v, out, lse, lists, kv_valid_sizes, scale)
+        return
     tensors_cls, fwd, _, mask_mod = _upstream()
     kwargs: dict[str, Any] = {"return_lse": True}
     if tuple(block_size) == (64, 64):
@@ -97,6 +101,56 @@ def run_forward(
             lse=lse,
             **kwargs,
         )
+
+
+def _pairs_keys(
+    q: torch.Tensor, lists: SparseLists, kv_valid_sizes: torch.Tensor, block_size: tuple[int, int]
+) -> bool:
+    """Whether this forward runs on the fork's paired-key kernel: 128x64 blocks, head dim 128,
+    sm_90 (the arch FA4 compiles for: the device's, or ``FLASH_ATTENTION_ARCH``), lists
+    narrower than the number of key blocks (`pair_lists`' bound)."""
+    from flash_attn.cute.interface import _get_device_arch
+
+    from flash_attn_vsa import fwd_sm90_paired as paired
+
+    return (
+        tuple(block_size) == (paired.BLOCK_SIZE[0], paired.KEY_BLOCK)
+        and q.shape[-1] == paired.HEAD_DIM
+        and lists.full_block_idx.shape[-1] < kv_valid_sizes.shape[0] < paired.MAX_KEY_BLOCKS
+        and _get_device_arch() // 10 == 9
+    )
+
+
+def run_forward_paired(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    lists: SparseLists,
+    kv_valid_sizes: torch.Tensor,
+    scale: float,
+) -> None:
+    """The 128x64 forward on `flash_attn_vsa.fwd_sm90_paired`: the full and partial 64-token
+    lists become packed pairs of key blocks (128-key tiles; the pair mask handles partial
+    blocks and odd tails, so ``masked`` does not matter here)."""
+    from flash_attn_vsa import fwd_sm90_paired as paired
+
+    tensors_cls = _upstream()[0]
+    pairs = SparseLists(
+        *paired.pair_lists(
+            lists.full_block_idx,
+            lists.full_block_cnt,
+            lists.mask_block_idx,
+            lists.mask_block_cnt,
+            kv_valid_sizes.shape[0],
+        )
+    )
+    with _on_device(q.device):
+        paired.block_sparse_forward_paired(
+            q, k, v, _block_sparse(tensors_cls, pairs, paired.BLOCK_SIZE), kv_valid_sizes,
+            softmax_scale=scale, out=out, lse=lse,
+        )  # fmt: skip
 
 
 def run_backward(

@@ -30,6 +30,7 @@ plan, so the functions run inside CUDA graphs and under ``torch.compile``.
 from __future__ import annotations
 
 import importlib.util
+import math
 from typing import NamedTuple
 
 import torch
@@ -192,6 +193,7 @@ def backward_lists(
     masked: bool = True,
     q_split: int = 1,
     impl: str = "auto",
+    rotate_sms: int = 0,
 ) -> SparseLists:
     """Per key block: the query blocks selecting it, as full or partial lists (physical lists
     in). Padded to ``num_q_blocks`` (see the module doc for why that bound); one index tensor
@@ -203,21 +205,33 @@ def backward_lists(
     no longer needs it since the fork's backward runs 128x64 blocks; kept, and tested, for
     block shapes whose backward tile is finer than their query block).
 
+    ``rotate_sms`` (experimental; 0: off): each list starts at its first query block at or
+    past ``(order * NQ // rotate_sms) % NQ`` and wraps around, ``order`` being the key block's
+    place in FA4's backward grid (key blocks fastest, then heads, then batch). With one CTA per
+    SM the key blocks running at one moment then walk the same stretch of query blocks, so
+    their dQ reduce-adds share L2 lines instead of spreading over the head's whole query range
+    (`rotation_starts`; needs ``q_split`` 1).
+
     ``impl``: ``"triton"`` (two kernels and a memset, `vsa_fa4.backward_lists_triton`),
     ``"torch"`` (tensor ops, also what runs under a fake tensor mode and on the CPU) or
     ``"auto"``: triton for real CUDA tensors when Triton imports, else torch. Both give
     identical tensors."""
+    if rotate_sms < 0 or (rotate_sms and q_split != 1):
+        raise ValueError(f"rotate_sms must be >= 0 and needs q_split 1, got {rotate_sms}")
     if _use_triton(impl, kv_indices):
         from vsa_fa4.backward_lists_triton import backward_lists_triton
 
         return backward_lists_triton(
-            kv_indices, kv_counts, kv_valid_sizes, kv_tile, masked, q_split
+            kv_indices, kv_counts, kv_valid_sizes, kv_tile, masked, q_split, rotate_sms
         )
     if q_split > 1:
         kv_indices = kv_indices.repeat_interleave(q_split, dim=-2)
         kv_counts = kv_counts.repeat_interleave(q_split, dim=-1)
     num_kv = kv_valid_sizes.shape[0]
     q_indices, q_counts = padded_transpose(kv_indices, kv_counts, num_kv)
+    if rotate_sms:
+        starts = rotation_starts(q_indices.shape, rotate_sms, q_indices.device)
+        q_indices = _rotated(q_indices, q_counts, starts)
     zero = torch.zeros_like(q_counts)
     if not masked:  # every key block full: everything in the full lists
         return SparseLists(zero, zero.unsqueeze(-1), q_counts, q_indices)
@@ -229,6 +243,26 @@ def backward_lists(
         full_block_cnt=torch.where(full, q_counts, zero),
         full_block_idx=q_indices,
     )
+
+
+def rotation_starts(
+    shape: torch.Size | tuple[int, ...], rotate_sms: int, device: torch.device | None = None
+) -> torch.Tensor:
+    """[B, H, NKV] int64 first query block of each key block's rotated list (`backward_lists`):
+    ``(order * NQ // rotate_sms) % NQ`` for a [B, H, NKV, NQ] index tensor."""
+    *lead, num_kv, num_q = shape
+    order = torch.arange(math.prod(lead) * num_kv, device=device).view(*lead, num_kv)
+    return (order * num_q // rotate_sms) % max(num_q, 1)
+
+
+def _rotated(q_indices: torch.Tensor, q_counts: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+    """Each ascending list rotated to begin at its first entry >= its start (zeros kept past
+    the count)."""
+    slots = torch.arange(q_indices.shape[-1], device=q_indices.device)
+    used = slots < q_counts.unsqueeze(-1)
+    below = ((q_indices < starts.unsqueeze(-1)) & used).sum(-1, keepdim=True)
+    source = (slots + below) % q_counts.clamp(min=1).unsqueeze(-1)
+    return torch.where(used, torch.gather(q_indices, -1, source), 0).to(torch.int32)
 
 
 def _use_triton(impl: str, t: torch.Tensor) -> bool:

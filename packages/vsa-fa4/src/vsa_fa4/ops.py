@@ -78,6 +78,21 @@ def _(q, k, v, kv_indices, kv_counts, kv_valid_sizes, scale, q_tile, kv_tile, ma
     return _bshd(q, v.shape[-1]), _lse(q)
 
 
+DQ_ACCUM_BUDGET_BYTES = 512 << 20
+"""Most bytes of FA4's float32 dQ accumulator (B x H x S x D x 4, allocated inside each
+backward call) one backward launch may take: larger calls run in head chunks. At Wan 2.1 720p
+(40 heads, 92,160 tokens, D = 128) one call's accumulator is 1.9 GB, the largest part of what
+fa4's training step needs beyond Triton's (7,684 against 5,593 MiB on an H200, 2026-11-29)."""
+
+
+def head_chunks(batch: int, heads: int, q_len: int, head_dim: int) -> list[slice]:
+    """Head ranges whose backward calls each keep FA4's dQ accumulator within
+    `DQ_ACCUM_BUDGET_BYTES` (one range, all heads, when the whole call does)."""
+    per_head = batch * q_len * head_dim * 4
+    step = max(1, min(heads, DQ_ACCUM_BUDGET_BYTES // max(per_head, 1)))
+    return [slice(h, min(h + step, heads)) for h in range(0, heads, step)]
+
+
 def backward_impl(
     dout: torch.Tensor,
     q: torch.Tensor,
@@ -94,13 +109,19 @@ def backward_impl(
     masked: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) of `forward_impl`, from FA4's key-block-owned backward (the
-    body of ``torch.ops.vsa_fa4.bwd``)."""
+    body of ``torch.ops.vsa_fa4.bwd``). Large calls run as several launches over `head_chunks`
+    (head-sliced views in and out; the lists of each chunk built just before it), so that the
+    float32 dQ accumulator FA4 allocates per call stays within `DQ_ACCUM_BUDGET_BYTES`."""
     dq, dk, dv = _bshd(q, q.shape[-1]), _bshd(k, k.shape[-1]), _bshd(v, v.shape[-1])
-    lists = backward_lists(kv_indices, kv_counts, kv_valid_sizes, kv_tile, masked)
-    launch.run_backward(
-        dout, q, k, v, out, lse, dq, dk, dv, lists, kv_valid_sizes.contiguous(), scale,
-        (q_tile, kv_tile), masked,
-    )  # fmt: skip
+    valid = kv_valid_sizes.contiguous()
+    batch, q_len, heads, head_dim = q.shape
+    for h in head_chunks(batch, heads, q_len, head_dim):
+        # BSHD tensors hold heads in dim 2, lse and the lists in dim 1
+        lists = backward_lists(kv_indices[:, h], kv_counts[:, h], valid, kv_tile, masked)
+        launch.run_backward(
+            dout[:, :, h], q[:, :, h], k[:, :, h], v[:, :, h], out[:, :, h], lse[:, h],
+            dq[:, :, h], dk[:, :, h], dv[:, :, h], lists, valid, scale, (q_tile, kv_tile), masked,
+        )  # fmt: skip
     return dq, dk, dv
 
 
