@@ -130,9 +130,9 @@ def test_inference_builds_no_backward_metadata(fa4_model, monkeypatch):
     built = []
     original = metadata.backward_lists
 
-    def spy(*args):
+    def spy(*args, **kwargs):
         built.append(1)
-        return original(*args)
+        return original(*args, **kwargs)
 
     monkeypatch.setattr(ops, "backward_lists", spy)
     layout = counted_layout((128, 128))
@@ -275,3 +275,40 @@ def test_backward_in_head_chunks_matches_the_reference(fa4_model, monkeypatch, b
     _, got, want = run_both(layout)
     assert calls == [1] * HEADS
     assert_close(got, want)
+
+
+@pytest.mark.parametrize("block_shape", [(64, 64), (128, 64)])
+def test_backward_on_rotated_lists_matches_the_reference(fa4_model, monkeypatch, block_shape):
+    """The backward op rotates its lists by `ops.rotation_width` (here 3 instead of a device's
+    SM count): some lists reach FA4 out of ascending order, and the gradients still match."""
+    monkeypatch.setattr(ops, "rotation_width", lambda device: 3)
+    seen = []
+    run = fa4_model.run_backward
+
+    def recording(*args, **kwargs):
+        seen.append(args[9])  # the SparseLists of this launch
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(launch, "run_backward", recording)
+    _, got, want = run_both(counted_layout(block_shape))
+    lists = seen[0]
+    counts = lists.full_block_cnt + lists.mask_block_cnt
+    rotated = [
+        bool((row[: int(n)].diff() < 0).any())
+        for row, n in zip(lists.full_block_idx.flatten(0, -2), counts.flatten(), strict=True)
+    ]
+    assert any(rotated)
+    assert_close(got, want)
+
+
+def test_rotation_width_is_the_sm_count_on_sm90_only(monkeypatch):
+    class Props:
+        multi_processor_count = 132
+        major, minor = 9, 0
+
+    assert ops.rotation_width(torch.device("cpu")) == 0
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Props)
+    assert ops.rotation_width(torch.device("cuda", 0)) == 132
+    Props.major = 10
+    assert ops.rotation_width(torch.device("cuda", 0)) == 0

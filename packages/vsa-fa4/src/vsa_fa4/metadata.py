@@ -205,12 +205,11 @@ def backward_lists(
     no longer needs it since the fork's backward runs 128x64 blocks; kept, and tested, for
     block shapes whose backward tile is finer than their query block).
 
-    ``rotate_sms`` (experimental; 0: off): each list starts at its first query block at or
-    past ``(order * NQ // rotate_sms) % NQ`` and wraps around, ``order`` being the key block's
-    place in FA4's backward grid (key blocks fastest, then heads, then batch). With one CTA per
-    SM the key blocks running at one moment then walk the same stretch of query blocks, so
-    their dQ reduce-adds share L2 lines instead of spreading over the head's whole query range
-    (`rotation_starts`; needs ``q_split`` 1).
+    ``rotate_sms`` (0: off; the backward op passes `vsa_fa4.ops.rotation_width`): each list
+    starts at its first query block at or past ``(order * NQ // rotate_sms) % NQ`` and wraps
+    around, ``order`` being the key block's place in FA4's backward grid (key blocks fastest,
+    then heads, then batch), so that the key blocks running at one moment are spread over the
+    query range instead of walking it in step (`rotation_starts`; needs ``q_split`` 1).
 
     ``impl``: ``"triton"`` (two kernels and a memset, `vsa_fa4.backward_lists_triton`),
     ``"torch"`` (tensor ops, also what runs under a fake tensor mode and on the CPU) or

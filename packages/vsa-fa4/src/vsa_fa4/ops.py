@@ -93,6 +93,21 @@ def head_chunks(batch: int, heads: int, q_len: int, head_dim: int) -> list[slice
     return [slice(h, min(h + step, heads)) for h in range(0, heads, step)]
 
 
+def rotation_width(device: torch.device) -> int:
+    """How many key blocks' backward lists `backward_lists` staggers over (its ``rotate_sms``):
+    the SM count of an sm_90 device, else 0 (ascending lists).
+
+    Why: with ascending lists the KV64 backward fell from 0.67 of dense FA4 at S=32768 to
+    0.42 at S=131072 on an H200, and rotated lists (each key block starting its walk at its
+    own place in the query range) ran 0.71 at S=131072 and the same 0.67 at S=32768 (fork
+    experiment 6, 2026-11-29). Only sm_90 has been measured; the order of a list does not
+    change the result beyond float rounding of the dQ sums."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return 0
+    props = torch.cuda.get_device_properties(device)
+    return props.multi_processor_count if (props.major, props.minor) == (9, 0) else 0
+
+
 def backward_impl(
     dout: torch.Tensor,
     q: torch.Tensor,
@@ -111,13 +126,17 @@ def backward_impl(
     """Gradients (dq, dk, dv) of `forward_impl`, from FA4's key-block-owned backward (the
     body of ``torch.ops.vsa_fa4.bwd``). Large calls run as several launches over `head_chunks`
     (head-sliced views in and out; the lists of each chunk built just before it), so that the
-    float32 dQ accumulator FA4 allocates per call stays within `DQ_ACCUM_BUDGET_BYTES`."""
+    float32 dQ accumulator FA4 allocates per call stays within `DQ_ACCUM_BUDGET_BYTES`. The
+    lists are rotated by `rotation_width`."""
     dq, dk, dv = _bshd(q, q.shape[-1]), _bshd(k, k.shape[-1]), _bshd(v, v.shape[-1])
     valid = kv_valid_sizes.contiguous()
     batch, q_len, heads, head_dim = q.shape
+    rotate = rotation_width(q.device)
     for h in head_chunks(batch, heads, q_len, head_dim):
         # BSHD tensors hold heads in dim 2, lse and the lists in dim 1
-        lists = backward_lists(kv_indices[:, h], kv_counts[:, h], valid, kv_tile, masked)
+        lists = backward_lists(
+            kv_indices[:, h], kv_counts[:, h], valid, kv_tile, masked, rotate_sms=rotate
+        )
         launch.run_backward(
             dout[:, :, h], q[:, :, h], k[:, :, h], v[:, :, h], out[:, :, h], lse[:, h],
             dq[:, :, h], dk[:, :, h], dv[:, :, h], lists, valid, scale, (q_tile, kv_tile), masked,
