@@ -3,6 +3,10 @@ compute-sanitizer (not a pytest module)::
 
     compute-sanitizer --tool memcheck python3 tests/sanitize_small.py triton
     compute-sanitizer --tool memcheck python3 tests/sanitize_small.py fa4
+    compute-sanitizer --tool racecheck python3 tests/sanitize_small.py fa4 128x64 --forward-only
+
+Block shapes after the backend name limit the run to them; ``--forward-only`` skips the
+backward (racecheck of one forward kernel in seconds instead of minutes).
 
 Partial key blocks are included; a shape the backend refuses for training (its ``supports()``
 reason is printed) runs forward only, and one it refuses outright is skipped.
@@ -16,10 +20,17 @@ import torch
 from vsa_core import AttentionCall, BlockSparseLayout, block_sparse_attn
 from vsa_core.backends import get_backend
 
-backend_name = sys.argv[1] if len(sys.argv) > 1 else "triton"
+args = sys.argv[1:]
+forward_only = "--forward-only" in args
+args = [a for a in args if a != "--forward-only"]
+backend_name = args[0] if args else "triton"
 backend = get_backend(backend_name)
+ALL_SHAPES = ((64, 64), (128, 64), (128, 128), (64, 128), (256, 256))
+chosen = [tuple(int(n) for n in a.split("x")) for a in args[1:]]
+if any(shape not in ALL_SHAPES for shape in chosen):
+    raise ValueError(f"block shapes must be among {ALL_SHAPES} (as QxKV), got {args[1:]}")
 
-for shape in ((64, 64), (128, 64), (128, 128), (64, 128), (256, 256)):
+for shape in chosen or ALL_SHAPES:
     gen = torch.Generator().manual_seed(0)
     n_q, n_kv = 1024 // shape[0], 1024 // shape[1]
     mask = torch.rand(1, 2, n_q, n_kv, generator=gen) < 0.4
@@ -30,7 +41,7 @@ for shape in ((64, 64), (128, 64), (128, 128), (64, 128), (256, 256)):
         for _ in range(3)
     )
     call = AttentionCall.describe(q, k, v, layout)
-    train_refusal = backend.supports(call)
+    train_refusal = "--forward-only given" if forward_only else backend.supports(call)
     infer_refusal = backend.supports(dataclasses.replace(call, requires_grad=False))
     if infer_refusal:
         print(shape, "skipped:", infer_refusal, flush=True)
