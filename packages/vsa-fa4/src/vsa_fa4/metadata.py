@@ -208,8 +208,12 @@ def backward_lists(
     ``rotate_sms`` (0: off; the backward op passes `vsa_fa4.ops.rotation_width`): each list
     starts at its first query block at or past ``(order * NQ // rotate_sms) % NQ`` and wraps
     around, ``order`` being the key block's place in FA4's backward grid (key blocks fastest,
-    then heads, then batch), so that the key blocks running at one moment are spread over the
-    query range instead of walking it in step (`rotation_starts`; needs ``q_split`` 1).
+    then heads, then batch). Key blocks start one after another as CTAs free up, so with
+    ascending lists the running ones are spread over the whole query range and their dQ
+    reduce-adds touch a head's whole float32 accumulator (67 MB at S=131072, more than an
+    H200's L2); rotated by the number of CTAs running at once, a key block starting later also
+    starts further on, and the running ones walk the same stretch of query blocks together
+    (`rotation_starts`; needs ``q_split`` 1).
 
     ``impl``: ``"triton"`` (two kernels and a memset, `vsa_fa4.backward_lists_triton`),
     ``"torch"`` (tensor ops, also what runs under a fake tensor mode and on the CPU) or

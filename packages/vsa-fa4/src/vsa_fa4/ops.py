@@ -98,9 +98,10 @@ def rotation_width(device: torch.device) -> int:
     the SM count of an sm_90 device, else 0 (ascending lists).
 
     Why: with ascending lists the KV64 backward fell from 0.67 of dense FA4 at S=32768 to
-    0.42 at S=131072 on an H200, and rotated lists (each key block starting its walk at its
-    own place in the query range) ran 0.71 at S=131072 and the same 0.67 at S=32768 (fork
-    experiment 6, 2026-11-29). Only sm_90 has been measured; the order of a list does not
+    0.42 at S=131072 on an H200, and rotated lists (the key blocks running at one moment
+    walking the same stretch of query blocks, see `backward_lists`) ran 0.71 at S=131072 and
+    the same 0.67 at S=32768 (fork experiment 6, 2026-11-29). The backward runs one CTA per
+    SM, hence the SM count. Only sm_90 has been measured; the order of a list does not
     change the result beyond float rounding of the dQ sums."""
     if device.type != "cuda" or not torch.cuda.is_available():
         return 0
