@@ -120,9 +120,12 @@ class FA4Backend(Backend):
         (same run, per call: forward 52.3 ms against Triton's 56.0, forward+backward 223.7
         against 204.4), Triton 3.09x / 3.22x; at a tile-aligned 20x44x80 latent fa4 5.06x /
         4.39x, Triton 4.13x / 4.43x, with fa4 needing 1.40x of dense attention's memory in
-        training against Triton's 1.02x. So fa4 goes first for unpaired 64-row blocks in
-        inference only. Paired 64-token layouts (refined from coarser blocks) run faster on
-        fa4 (forward 0.89 vs 0.66 of dense, exact256 masks), so they keep fa4 first."""
+        training against Triton's 1.02x. Session 6 (backward in head chunks, rotated lists):
+        Wan 720p forward+backward fa4 3.25x at 6,129 MiB peak, Triton 3.20x at 5,593 MiB; a
+        tie in time, so the lower memory decides. So fa4 goes first for unpaired 64-row
+        blocks in inference only. Paired 64-token layouts (refined from coarser blocks) run
+        faster on fa4 (forward 0.89 vs 0.66 of dense, exact256 masks), so they keep fa4
+        first."""
         unpaired_q64 = call.block_shape[0] == 64 and call.q_group_size % 2
         if call.capability == (9, 0) and unpaired_q64 and call.requires_grad:
             return 5
