@@ -145,9 +145,12 @@ def run_length(emit, seq: int, heads: int, keep: float, reps: int) -> None:
     emit_interleaved_times(emit, fwd_arms, rounds=2, reps=reps, pairs=pairs, shape=shape,
                            seq=seq, mode="fwd")  # fmt: skip
     d_out, d_lse = _flash_attn_fwd(q, k, v, softmax_scale=scale, return_lse=True)[:2]
+
+    def dense_bwd(_):
+        return _flash_attn_bwd(q, k, v, d_out, dout, d_lse, softmax_scale=scale)
+
     bwd_arms = {
-        "dense": (lambda _: _flash_attn_bwd(q, k, v, d_out, dout, d_lse, softmax_scale=scale),
-                  None),  # fmt: skip
+        "dense": (dense_bwd, None),
         "triton_asc": (lambda _: triton_bwd("asc", 0), None),
         "triton_g132": (lambda _: triton_bwd("g132", 132), None),
         "triton_g264": (lambda _: triton_bwd("g264", 264), None),
