@@ -15,6 +15,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from vsa_core import BlockSparseLayout
+from vsa_core.rotation import rotation_starts
 from vsa_fa4 import metadata
 from vsa_fa4.metadata import SparseLists, backward_lists, forward_lists, physical_lists
 from vsa_fa4.schedule import make_plan
@@ -302,7 +303,7 @@ def test_rotated_backward_lists_start_at_the_first_query_past_their_start(rotate
                             rotate_sms=rotate_sms)  # fmt: skip
     assert torch.equal(plain.full_block_cnt, turned.full_block_cnt)
     assert torch.equal(plain.mask_block_cnt, turned.mask_block_cnt)
-    starts = metadata.rotation_starts(plain.full_block_idx.shape, rotate_sms)
+    starts = rotation_starts(plain.full_block_idx.shape, plain.full_block_idx.shape[-1], rotate_sms)
     # list lengths, empty key blocks included (their lists are built, neither count uses them)
     _, counts = metadata.padded_transpose(kv_indices, kv_counts, valid.shape[0])
     for key in itertools.product(*(range(n) for n in counts.shape)):

@@ -299,16 +299,3 @@ def test_backward_on_rotated_lists_matches_the_reference(fa4_model, monkeypatch,
     ]
     assert any(rotated)
     assert_close(got, want)
-
-
-def test_rotation_width_is_the_sm_count_on_sm90_only(monkeypatch):
-    class Props:
-        multi_processor_count = 132
-        major, minor = 9, 0
-
-    assert ops.rotation_width(torch.device("cpu")) == 0
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Props)
-    assert ops.rotation_width(torch.device("cuda", 0)) == 132
-    Props.major = 10
-    assert ops.rotation_width(torch.device("cuda", 0)) == 0

@@ -202,3 +202,30 @@ def test_dkdv_walks_tall_query_blocks_in_slices_or_whole(monkeypatch, tile_dkdv)
     assert config.backward_config(*key).tile_dkdv == tile_dkdv
     layout = _layout((128, 64), n_q=3, n_kv=7, seed=21)
     _check_against_reference(layout, dim=64, seed=22)
+
+
+def test_rotate_lists_kernel_matches_vsa_core():
+    from vsa_core.rotation import rotate_lists, rotation_starts
+    from vsa_triton.ops import rotate_lists as rotate_lists_triton
+
+    layout = _layout((64, 64), n_q=5, n_kv=7, seed=10, heads=3)
+    indices, counts = layout.kv_indices.contiguous(), layout.kv_counts.contiguous()
+    for width in (1, 4, 11):
+        want = rotate_lists(indices, counts, rotation_starts(indices.shape, 7, width, DEVICE))
+        got = rotate_lists_triton(indices, counts, 7, width)
+        assert torch.equal(got, want), width
+    assert not torch.equal(got, indices.to(torch.int32))  # something did rotate
+
+
+def test_forward_on_rotated_lists_matches_reference(monkeypatch):
+    """The forward rotates its lists where `rotation_width` says so (an H200: its SM count);
+    forced here to 3 so that the interpreter and any GPU run the rotated path."""
+    from vsa_triton import ops
+
+    monkeypatch.setattr(ops, "rotation_width", lambda device: 3)
+    calls = []
+    rotate = ops.rotate_lists
+    monkeypatch.setattr(ops, "rotate_lists", lambda *a: calls.append(1) or rotate(*a))
+    layout = _layout((64, 64), n_q=4, n_kv=6, seed=11)
+    _check_against_reference(layout, dim=64, seed=12)
+    assert calls

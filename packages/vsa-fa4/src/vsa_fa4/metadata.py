@@ -30,13 +30,13 @@ plan, so the functions run inside CUDA graphs and under ``torch.compile``.
 from __future__ import annotations
 
 import importlib.util
-import math
 from typing import NamedTuple
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from vsa_core.layout import BlockSparseLayout, transpose_kv_lists
+from vsa_core.rotation import rotate_lists, rotation_starts
 from vsa_fa4.schedule import Plan
 
 
@@ -213,7 +213,7 @@ def backward_lists(
     reduce-adds touch a head's whole float32 accumulator (67 MB at S=131072, more than an
     H200's L2); rotated by the number of CTAs running at once, a key block starting later also
     starts further on, and the running ones walk the same stretch of query blocks together
-    (`rotation_starts`; needs ``q_split`` 1).
+    (`vsa_core.rotation`; needs ``q_split`` 1).
 
     ``impl``: ``"triton"`` (two kernels and a memset, `vsa_fa4.backward_lists_triton`),
     ``"torch"`` (tensor ops, also what runs under a fake tensor mode and on the CPU) or
@@ -233,8 +233,8 @@ def backward_lists(
     num_kv = kv_valid_sizes.shape[0]
     q_indices, q_counts = padded_transpose(kv_indices, kv_counts, num_kv)
     if rotate_sms:
-        starts = rotation_starts(q_indices.shape, rotate_sms, q_indices.device)
-        q_indices = _rotated(q_indices, q_counts, starts)
+        starts = rotation_starts(q_indices.shape, q_indices.shape[-1], rotate_sms, q_indices.device)
+        q_indices = rotate_lists(q_indices, q_counts, starts)
     zero = torch.zeros_like(q_counts)
     if not masked:  # every key block full: everything in the full lists
         return SparseLists(zero, zero.unsqueeze(-1), q_counts, q_indices)
@@ -246,26 +246,6 @@ def backward_lists(
         full_block_cnt=torch.where(full, q_counts, zero),
         full_block_idx=q_indices,
     )
-
-
-def rotation_starts(
-    shape: torch.Size | tuple[int, ...], rotate_sms: int, device: torch.device | None = None
-) -> torch.Tensor:
-    """[B, H, NKV] int64 first query block of each key block's rotated list (`backward_lists`):
-    ``(order * NQ // rotate_sms) % NQ`` for a [B, H, NKV, NQ] index tensor."""
-    *lead, num_kv, num_q = shape
-    order = torch.arange(math.prod(lead) * num_kv, device=device).view(*lead, num_kv)
-    return (order * num_q // rotate_sms) % max(num_q, 1)
-
-
-def _rotated(q_indices: torch.Tensor, q_counts: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
-    """Each ascending list rotated to begin at its first entry >= its start (zeros kept past
-    the count)."""
-    slots = torch.arange(q_indices.shape[-1], device=q_indices.device)
-    used = slots < q_counts.unsqueeze(-1)
-    below = ((q_indices < starts.unsqueeze(-1)) & used).sum(-1, keepdim=True)
-    source = (slots + below) % q_counts.clamp(min=1).unsqueeze(-1)
-    return torch.where(used, torch.gather(q_indices, -1, source), 0).to(torch.int32)
 
 
 def _use_triton(impl: str, t: torch.Tensor) -> bool:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from vsa_core.backends.custom_ops import register_block_sparse_autograd
+from vsa_core.rotation import rotation_width
 from vsa_fa4 import launch
 from vsa_fa4.metadata import (
     backward_lists,
@@ -93,22 +94,6 @@ def head_chunks(batch: int, heads: int, q_len: int, head_dim: int) -> list[slice
     return [slice(h, min(h + step, heads)) for h in range(0, heads, step)]
 
 
-def rotation_width(device: torch.device) -> int:
-    """How many key blocks' backward lists `backward_lists` staggers over (its ``rotate_sms``):
-    the SM count of an sm_90 device, else 0 (ascending lists).
-
-    Why: with ascending lists the KV64 backward fell from 0.67 of dense FA4 at S=32768 to
-    0.42 at S=131072 on an H200, and rotated lists (the key blocks running at one moment
-    walking the same stretch of query blocks, see `backward_lists`) ran 0.71 at S=131072 and
-    the same 0.67 at S=32768 (fork experiment 6, 2026-11-29). The backward runs one CTA per
-    SM, hence the SM count. Only sm_90 has been measured; the order of a list does not
-    change the result beyond float rounding of the dQ sums."""
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return 0
-    props = torch.cuda.get_device_properties(device)
-    return props.multi_processor_count if (props.major, props.minor) == (9, 0) else 0
-
-
 def backward_impl(
     dout: torch.Tensor,
     q: torch.Tensor,
@@ -128,7 +113,8 @@ def backward_impl(
     body of ``torch.ops.vsa_fa4.bwd``). Large calls run as several launches over `head_chunks`
     (head-sliced views in and out; the lists of each chunk built just before it), so that the
     float32 dQ accumulator FA4 allocates per call stays within `DQ_ACCUM_BUDGET_BYTES`. The
-    lists are rotated by `rotation_width`."""
+    lists are rotated by `vsa_core.rotation.rotation_width` (the KV64 backward's dQ reduce-adds
+    stay within L2 at long sequences: 0.42 -> 0.71 of dense at S=131072 on an H200)."""
     dq, dk, dv = _bshd(q, q.shape[-1]), _bshd(k, k.shape[-1]), _bshd(v, v.shape[-1])
     valid = kv_valid_sizes.contiguous()
     batch, q_len, heads, head_dim = q.shape

@@ -210,6 +210,23 @@ def fwd_kernel(
 
 
 @triton.jit
+def rotate_lists_kernel(Idx, Cnt, Out, slots, span, width, SLOTS_P2: tl.constexpr):
+    """One contiguous padded list per program (row ``r`` of [B, H, NQ, slots], ``r`` also its
+    place in the forward's launch): the list rotated to begin at its first entry at or past
+    ``(r * span // width) % span``, zeros past its count (`vsa_core.rotation.rotate_lists`)."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, SLOTS_P2)
+    count = tl.load(Cnt + row)
+    start = (row * span // width) % span
+    used = offs < count
+    entries = tl.load(Idx + row * slots + offs, mask=used, other=0)
+    below = tl.sum((used & (entries < start)).to(tl.int32), axis=0)
+    source = (offs + below) % tl.maximum(count, 1)
+    rotated = tl.load(Idx + row * slots + source, mask=used, other=0)
+    tl.store(Out + row * slots + offs, rotated, mask=offs < slots)
+
+
+@triton.jit
 def bwd_delta_kernel(
     Out, DOut, Delta,
     stride_ob, stride_os, stride_oh, stride_db, stride_ds, stride_dh,

@@ -13,6 +13,7 @@ import math
 import torch
 
 from vsa_core.backends.custom_ops import register_block_sparse_autograd
+from vsa_core.rotation import rotation_width
 from vsa_triton.config import backward_config, forward_config
 
 LOG2E = 1.0 / math.log(2.0)
@@ -58,6 +59,9 @@ def block_sparse_fwd(
     out = torch.empty_like(q)
     lse = torch.empty(batch, heads, seq_q, device=q.device, dtype=torch.float32)
     kv_indices, kv_counts = kv_indices.contiguous(), kv_counts.contiguous()
+    width = rotation_width(q.device)
+    if width:
+        kv_indices = rotate_lists(kv_indices, kv_counts, kv_valid_sizes.shape[0], width)
     cfg = forward_config(q_block, kv_block, dim)
     grid = (seq_q // q_block, batch * heads)
     _kernels().fwd_kernel[grid](
@@ -72,6 +76,23 @@ def block_sparse_fwd(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out, lse
+
+
+def rotate_lists(
+    kv_indices: torch.Tensor, kv_counts: torch.Tensor, num_kv: int, width: int
+) -> torch.Tensor:
+    """The forward's key lists in the order it walks them: each rotated for the L2 cache as in
+    `vsa_core.rotation` (one small kernel; the forward at S=131072 on an H200 went from 0.50 to
+    0.58 of dense FA4, unchanged at S=32768, fork experiment 7). Contiguous lists in, new
+    int32 lists out."""
+    rotated = torch.empty_like(kv_indices, dtype=torch.int32)
+    rows, slots = kv_counts.numel(), kv_indices.shape[-1]
+    if rows and slots:
+        _kernels().rotate_lists_kernel[(rows,)](
+            kv_indices, kv_counts, rotated, slots, num_kv, width,
+            SLOTS_P2=triton_next_pow2(slots), num_warps=1,
+        )  # fmt: skip
+    return rotated
 
 
 @block_sparse_fwd.register_fake
@@ -147,6 +168,10 @@ def _(dout, q, k, v, out, lse, kv_indices, kv_counts, kv_valid_sizes, scale, q_b
 
 
 register_block_sparse_autograd(block_sparse_fwd, block_sparse_bwd)
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
 
 
 def triton_cdiv(a: int, b: int) -> int:
