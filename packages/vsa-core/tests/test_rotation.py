@@ -40,14 +40,17 @@ def test_starts_step_through_the_span_once_per_width_rows():
         rotation.rotation_starts((1, 8, 3), span=16, width=0)
 
 
-def test_rotation_width_is_the_sm_count_on_sm90_only(monkeypatch):
+def test_rotation_width_is_the_sm_count_on_sm90_beyond_the_l2_only(monkeypatch):
     class Props:
         multi_processor_count = 132
         major, minor = 9, 0
+        L2_cache_size = 50 << 20
 
     assert rotation.rotation_width(torch.device("cpu")) == 0
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Props)
     assert rotation.rotation_width(torch.device("cuda", 0)) == 132
+    assert rotation.rotation_width(torch.device("cuda", 0), 64 << 20) == 132  # beyond the L2
+    assert rotation.rotation_width(torch.device("cuda", 0), 47 << 20) == 0  # fits: no rotation
     Props.major = 10
     assert rotation.rotation_width(torch.device("cuda", 0)) == 0

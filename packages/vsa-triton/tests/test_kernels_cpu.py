@@ -218,14 +218,17 @@ def test_rotate_lists_kernel_matches_vsa_core():
 
 
 def test_forward_on_rotated_lists_matches_reference(monkeypatch):
-    """The forward rotates its lists where `rotation_width` says so (an H200: its SM count);
-    forced here to 3 so that the interpreter and any GPU run the rotated path."""
+    """The forward rotates its lists where `rotation_width` says so (an H200, when one head's K
+    and V exceed its L2); forced here to 3 so that the interpreter and any GPU run the rotated
+    path. The working set it asks about is one head's K and V."""
     from vsa_triton import ops
 
-    monkeypatch.setattr(ops, "rotation_width", lambda device: 3)
+    asked = []
+    monkeypatch.setattr(ops, "rotation_width", lambda device, ws=None: asked.append(ws) or 3)
     calls = []
     rotate = ops.rotate_lists
     monkeypatch.setattr(ops, "rotate_lists", lambda *a: calls.append(1) or rotate(*a))
     layout = _layout((64, 64), n_q=4, n_kv=6, seed=11)
     _check_against_reference(layout, dim=64, seed=12)
     assert calls
+    assert asked[0] == layout.kv_len * 2 * 64 * 2  # K and V rows of one head, fp16

@@ -10,8 +10,11 @@ further on: with ``width`` programs running at once, they walk the same stretch 
 Whether that helps depends on the kernel, so each backend opts in where it was measured (H200,
 2026-11-29, ratios to dense FA4 at S=131072 / 32768, 64x64 blocks, 87.5% sparse): the fa4
 KV64 backward 0.42 -> 0.71 / unchanged (its dQ reduce-adds, fork experiment 6), the Triton
-forward 0.50 -> 0.58 / unchanged (fork experiment 7); the fa4 Q64 forward got slower
-(0.80 -> 0.63-0.69) and the Triton backward did not move, so they keep ascending lists. The
+forward 0.50 -> 0.58 / unchanged (fork experiment 7), but at Wan 720p (92,160 tokens: one
+head's K and V 47 MB, inside the 50 MB L2) the whole op's forward did not move (3.11x ->
+3.07x of dense, +40 MiB), so the Triton forward rotates only when a head's K and V exceed the
+L2; the fa4 Q64 forward got slower (0.80 -> 0.63-0.69) and the Triton backward did not move,
+so they keep ascending lists. The
 order of a list changes a result only by float rounding of its sums.
 """
 
@@ -22,13 +25,19 @@ import math
 import torch
 
 
-def rotation_width(device: torch.device) -> int:
+def rotation_width(device: torch.device, working_set_bytes: int | None = None) -> int:
     """Programs running at once for the kernels that rotate: the SM count of an sm_90 device
-    (one program per SM there), else 0 (no rotation: other GPUs are unmeasured)."""
+    (one program per SM there), else 0 (no rotation: other GPUs are unmeasured). With
+    ``working_set_bytes`` (what one head's lists index, e.g. its K and V), also 0 while that
+    fits the device's L2: there rotation measured no gain."""
     if device.type != "cuda" or not torch.cuda.is_available():
         return 0
     props = torch.cuda.get_device_properties(device)
-    return props.multi_processor_count if (props.major, props.minor) == (9, 0) else 0
+    if (props.major, props.minor) != (9, 0):
+        return 0
+    if working_set_bytes is not None and working_set_bytes <= props.L2_cache_size:
+        return 0
+    return props.multi_processor_count
 
 
 def rotation_starts(

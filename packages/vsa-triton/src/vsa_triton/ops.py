@@ -59,7 +59,8 @@ def block_sparse_fwd(
     out = torch.empty_like(q)
     lse = torch.empty(batch, heads, seq_q, device=q.device, dtype=torch.float32)
     kv_indices, kv_counts = kv_indices.contiguous(), kv_counts.contiguous()
-    width = rotation_width(q.device)
+    head_kv_bytes = k.shape[1] * (k.shape[-1] * k.element_size() + v.shape[-1] * v.element_size())
+    width = rotation_width(q.device, head_kv_bytes)
     if width:
         kv_indices = rotate_lists(kv_indices, kv_counts, kv_valid_sizes.shape[0], width)
     cfg = forward_config(q_block, kv_block, dim)
@@ -82,9 +83,10 @@ def rotate_lists(
     kv_indices: torch.Tensor, kv_counts: torch.Tensor, num_kv: int, width: int
 ) -> torch.Tensor:
     """The forward's key lists in the order it walks them: each rotated for the L2 cache as in
-    `vsa_core.rotation` (one small kernel; the forward at S=131072 on an H200 went from 0.50 to
-    0.58 of dense FA4, unchanged at S=32768, fork experiment 7). Contiguous lists in, new
-    int32 lists out."""
+    `vsa_core.rotation` (one small kernel), run when one head's K and V exceed the L2: the
+    forward at S=131072 on an H200 went from 0.50 to 0.58 of dense FA4, unchanged at S=32768
+    and at Wan 720p, whose K and V fit (fork experiment 7). Contiguous lists in, new int32
+    lists out."""
     rotated = torch.empty_like(kv_indices, dtype=torch.int32)
     rows, slots = kv_counts.numel(), kv_indices.shape[-1]
     if rows and slots:
