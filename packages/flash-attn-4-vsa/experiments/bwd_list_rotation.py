@@ -93,14 +93,19 @@ def run_length(emit, seq: int, heads: int, keep: float, reps: int, sms: int) -> 
                            shape=(seq, heads, dim), factor=2.5, seq=seq, sms=sms)  # fmt: skip
 
 
-def main() -> int:
+def length_args() -> argparse.Namespace:
+    """Command line of the sequence-length sweeps (this experiment and experiment 7)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--seqs", type=int, nargs="+", default=[32768, 131072])
     ap.add_argument("--heads", type=int, default=12)
     ap.add_argument("--keep", type=float, default=0.125)
     ap.add_argument("--reps", type=int, default=10)
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> int:
+    args = length_args()
     emit = start_log(args.out, "bwd_list_rotation")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for seq in args.seqs:

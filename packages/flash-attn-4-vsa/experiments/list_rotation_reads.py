@@ -24,8 +24,6 @@ blocks full; correctness first (rotated against ascending). ::
 
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -33,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bwd_list_rotation import topk_layout
+from bwd_list_rotation import length_args, topk_layout
 from kv64_bwd_configs import emit_interleaved_times, rel_l2, start_log
 
 BLOCK = 64
@@ -160,13 +158,7 @@ def run_length(emit, seq: int, heads: int, keep: float, reps: int) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--seqs", type=int, nargs="+", default=[32768, 131072])
-    ap.add_argument("--heads", type=int, default=12)
-    ap.add_argument("--keep", type=float, default=0.125)
-    ap.add_argument("--reps", type=int, default=10)
-    args = ap.parse_args()
+    args = length_args()
     emit = start_log(args.out, "list_rotation_reads")
     for seq in args.seqs:
         run_length(emit, seq, args.heads, args.keep, args.reps)
