@@ -156,6 +156,14 @@ def test_entries_hold_kind_signature_fields_methods_and_source(make_module):
     assert kernel["methods"]["__call__"]["parameters"] == ["self", "mQ", "mK", "stream=None"]
 
 
+def test_a_module_global_is_recorded_by_name_not_by_its_install_path(make_module):
+    module = make_module("import json as codec\n")
+    symbols = [fp.Symbol(module, "codec", "a module global")]
+    record = fp.compute_record(symbols, distribution="fake", version="1.0")
+    entry = _by_name(record)["codec"]
+    assert entry["kind"] == "module" and entry["value"] == "json"
+
+
 def test_record_is_stable_and_json_round_trips(make_module):
     module = make_module(V1)
     first, second = _record(module), _record(module)

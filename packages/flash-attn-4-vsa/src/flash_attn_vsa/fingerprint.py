@@ -342,6 +342,8 @@ def _source_hash(obj: Any) -> str:
 
 
 def _kind(obj: Any) -> str:
+    if inspect.ismodule(obj):
+        return "module"
     if inspect.isclass(obj):
         if issubclass(obj, tuple) and hasattr(obj, "_fields"):
             return "namedtuple"
@@ -379,6 +381,8 @@ def symbol_entry(symbol: Symbol) -> dict[str, Any]:
             entry["signature_error"] = sig["signature_error"]
     elif kind == "class":
         entry["bases"] = [f"{b.__module__}.{b.__qualname__}" for b in obj.__bases__]
+    elif kind == "module":  # its name only: a module's repr holds the install path
+        entry["value"] = obj.__name__
     else:
         entry["value"] = _clean(repr(obj))
     if symbol.methods:
