@@ -46,6 +46,15 @@ def topk_layout(seq: int, heads: int, keep: float, seed: int):
     return BlockSparseLayout.from_topk(picks, valid, (BLOCK, BLOCK), all_full=True)
 
 
+def length_case(seq: int, heads: int, keep: float, dim: int):
+    """Random bf16 q, k, v, dout [1, seq, heads, dim] and top-k lists, seeded by ``seq``."""
+    torch.manual_seed(seq)
+    tensors = [
+        torch.randn(1, seq, heads, dim, device="cuda", dtype=torch.bfloat16) for _ in range(4)
+    ]
+    return (*tensors, topk_layout(seq, heads, keep, seed=seq))
+
+
 def run_length(emit, seq: int, heads: int, keep: float, reps: int, sms: int) -> None:
     """Correctness, then interleaved timing of the three arms at one sequence length."""
     from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd
@@ -55,11 +64,7 @@ def run_length(emit, seq: int, heads: int, keep: float, reps: int, sms: int) -> 
     from vsa_fa4.ops import forward_impl
 
     dim, scale = 128, 128**-0.5
-    torch.manual_seed(seq)
-    q, k, v, dout = (
-        torch.randn(1, seq, heads, dim, device="cuda", dtype=torch.bfloat16) for _ in range(4)
-    )
-    lay = topk_layout(seq, heads, keep, seed=seq)
+    q, k, v, dout, lay = length_case(seq, heads, keep, dim)
     idx, cnt, valid = lay.kv_indices, lay.kv_counts, lay.kv_valid_sizes
     out, lse = forward_impl(q, k, v, idx, cnt, valid, scale, BLOCK, BLOCK, False)
     lists = {

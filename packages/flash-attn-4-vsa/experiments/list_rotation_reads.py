@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bwd_list_rotation import length_args, topk_layout
+from bwd_list_rotation import length_args, length_case
 from kv64_bwd_configs import emit_interleaved_times, rel_l2, start_log
 
 BLOCK = 64
@@ -89,11 +89,7 @@ def run_length(emit, seq: int, heads: int, keep: float, reps: int) -> None:
     from vsa_triton import ops as tri
 
     dim, scale = 128, 128**-0.5
-    torch.manual_seed(seq)
-    q, k, v, dout = (
-        torch.randn(1, seq, heads, dim, device="cuda", dtype=torch.bfloat16) for _ in range(4)
-    )
-    lay = topk_layout(seq, heads, keep, seed=seq)
+    q, k, v, dout, lay = length_case(seq, heads, keep, dim)
     idx, cnt, valid = lay.kv_indices, lay.kv_counts, lay.kv_valid_sizes
     n_kv = valid.shape[0]
     rows = {
