@@ -25,8 +25,6 @@ Arms: upstream 128x64 (`_flash_attn_fwd`), paired 128x64 (`fwd_sm90_paired`), tw
 
 from __future__ import annotations
 
-import argparse
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -35,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from kv64_bwd_configs import bench_common, exact256_layout, fa4_tensors, start_log
+from kv64_bwd_configs import bench_common, exact256_layout, fa4_tensors, one_length_args, start_log
 from paired_kv_fwd import paired_tensors
 
 
@@ -81,12 +79,7 @@ def sparse_arms(seq: int, heads: int, scale: float) -> tuple[dict, dict, tuple]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--seq", type=int, default=32768)
-    ap.add_argument("--heads", type=int, default=12)
-    ap.add_argument("--reps", type=int, default=20)
-    args = ap.parse_args()
+    args = one_length_args()
     from flash_attn.cute.interface import flash_attn_func
 
     bc = bench_common()

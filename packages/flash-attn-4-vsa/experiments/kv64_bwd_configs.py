@@ -208,6 +208,16 @@ def emit_interleaved_times(emit, arms, *, rounds, reps, pairs, shape, factor=1.0
                   "of_dense": dense_ms / ms * work / (seq * seq)})  # fmt: skip
 
 
+def one_length_args() -> argparse.Namespace:
+    """Command line of the experiments timed at one sequence length (3, 5 and 8)."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--seq", type=int, default=32768)
+    ap.add_argument("--heads", type=int, default=12)
+    ap.add_argument("--reps", type=int, default=20)
+    return ap.parse_args()
+
+
 def jsonl_emitter(path):
     """A function that prints a record as one JSON line and appends it to ``path``."""
 

@@ -50,15 +50,13 @@ def grid_order(lead: tuple[int, ...], rows: int, device, reverse: bool) -> torch
 
 
 def rotate_padded(indices, counts, span: int, width: int, reverse: bool = False):
-    """Each ascending padded row [*, R, W] rotated to start at its first entry past its start."""
-    *lead, rows, slots_n = indices.shape
+    """Each ascending padded row [*, R, W] rotated to start at its first entry past its start
+    (`vsa_core.rotation.rotate_lists`, with the start order of ``grid_order``)."""
+    from vsa_core.rotation import rotate_lists
+
+    *lead, rows, _ = indices.shape
     order = grid_order(tuple(lead), rows, indices.device, reverse)
-    starts = (order * span // width) % span
-    slots = torch.arange(slots_n, device=indices.device)
-    used = slots < counts.unsqueeze(-1)
-    below = ((indices < starts.unsqueeze(-1)) & used).sum(-1, keepdim=True)
-    source = (slots + below) % counts.clamp(min=1).unsqueeze(-1)
-    return torch.where(used, torch.gather(indices, -1, source.long()), 0).to(torch.int32)
+    return rotate_lists(indices, counts, (order * span // width) % span)
 
 
 def rotate_csr(lists, num_q: int, width: int):

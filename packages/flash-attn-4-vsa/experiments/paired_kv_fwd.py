@@ -14,9 +14,7 @@ NaN-poisoned outputs), then timing against upstream's 64-key tiles and dense, in
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import os
 import sys
 from pathlib import Path
 
@@ -29,6 +27,7 @@ from kv64_bwd_configs import (
     emit_interleaved_times,
     exact256_layout,
     fa4_tensors,
+    one_length_args,
     random_layout,
     start_log,
 )
@@ -56,12 +55,7 @@ def paired_tensors(layout):
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--seq", type=int, default=32768)
-    ap.add_argument("--heads", type=int, default=12)
-    ap.add_argument("--reps", type=int, default=20)
-    args = ap.parse_args()
+    args = one_length_args()
     from flash_attn.cute.interface import _flash_attn_fwd, flash_attn_func
 
     from flash_attn_vsa.fwd_sm90_paired import block_sparse_forward_paired

@@ -25,8 +25,6 @@ its own list), arms interleaved call by call. ::
 
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -40,6 +38,7 @@ from kv64_bwd_configs import (
     emit_interleaved_times,
     exact256_layout,
     fa4_tensors,
+    one_length_args,
     random_layout,
     reference,
     start_log,
@@ -99,12 +98,7 @@ def variant(name: str):
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--seq", type=int, default=32768)
-    ap.add_argument("--heads", type=int, default=12)
-    ap.add_argument("--reps", type=int, default=20)
-    args = ap.parse_args()
+    args = one_length_args()
     from flash_attn.cute.interface import _flash_attn_fwd, flash_attn_func
 
     emit = start_log(args.out, "q64_fwd_two_ctas")
