@@ -1120,6 +1120,7 @@ def main_sequence_parallel(args: argparse.Namespace, argv: Sequence[str] | None)
 
         if rank != 0:
             run(None)
+            dist.barrier()  # see below: leave together with rank 0
             return 0
         started_unix = time.time()
         command = sys.argv if argv is None else ["bench_video.py", *argv]
@@ -1143,7 +1144,7 @@ def main_sequence_parallel(args: argparse.Namespace, argv: Sequence[str] | None)
             f"({process_group})",
             replica=replica,
         )
-        return bc.run_and_report(
+        status = bc.run_and_report(
             doc,
             run,
             finish_doc,
@@ -1153,6 +1154,12 @@ def main_sequence_parallel(args: argparse.Namespace, argv: Sequence[str] | None)
             key_fields=KEY_FIELDS,
             value_fields=VALUE_FIELDS,
         )
+        # The other ranks wait here while rank 0 writes the report, so that no rank tears its
+        # process group down while a peer still holds it open (once, on the two-core CI
+        # runner, both gloo ranks aborted at exit with "terminate called without an active
+        # exception" when rank 1 left first).
+        dist.barrier()
+        return status
     finally:
         dist.destroy_process_group()
 
