@@ -1,0 +1,184 @@
+"""Experiment 9 (prepared in session 7, not yet run): what share of the KV64 backward's time
+do its dQ reduce-adds take?
+
+The count (NOTES.md, "A second count"): the sm_90 backward sends every visited (key tile,
+query tile) pair's dQ to global memory as one bulk reduce-add of float32 from shared memory
+(``cp.reduce.async.bulk ... add.f32``, SASS ``UBLKRED``), issued by one producer warp. A
+64-row key tile does half the MMA work per reduced byte of dense's 128-row tiles: 6.1 against
+3.0 KB per MFLOP, i.e. ~2.7 TB/s of reductions into L2 at our 0.69-0.71 of dense, ~3.2 TB/s
+at the 0.85 target. Rotating the lists (experiment 6) fixed what the reductions cost beyond
+the L2 and changed nothing at S=32768, where the backward still runs 0.69.
+
+The ablation: the shipped kernel compiled with each reduce-add cut to a fraction of its bytes
+(the first ``fraction`` of each warpgroup's dQ chunk; 0 drops the instruction). The dQ it
+produces is wrong for fractions below 1; dK and dV are untouched (the check says so). Arms at
+each sequence length (H=12, D=128, 64x64 blocks, random top-k lists at 87.5%, all blocks
+full, lists rotated as shipped): dense FA4, ``shipped``, ``reduce_1`` (the proxy at full
+size: the control, which must equal ``shipped`` in time and bits), ``reduce_0.25``,
+``reduce_0``; interleaved call by call, two rounds.
+
+Predictions. If the reductions bound the kernel, time falls with the fraction and ``reduce_0``
+runs near the MMA-only ceiling (> 0.85 of dense): the lever is fewer or cheaper reductions
+(two key tiles per CTA summing a shared query tile first, or a cluster pair reducing through
+distributed shared memory). If ``reduce_0`` gains < 5%, the reductions are not what holds it
+back, and what is left is one MMA warpgroup per 64x64 tile (nothing to overlap its softmax
+with). ::
+
+    python3 packages/flash-attn-4-vsa/experiments/bwd_dq_reduce_share.py --out DIR    # H200
+    python3 packages/flash-attn-4-vsa/experiments/bwd_dq_reduce_share.py --sass DIR   # CPU
+
+``--sass DIR`` compiles the arms for sm_90a on fake tensors (no GPU) and keeps their PTX and
+cubins in ``DIR/<arm>/``. Done in session 7 (~13 s per arm): the shipped kernel and
+``reduce_1`` are the same 2,160 SASS instructions with 2 ``UBLKRED`` (the partial and the full
+list's loop), each ``cp.reduce.async.bulk ... add.f32`` of 32,768 B in the PTX;
+``reduce_0.25`` the same with 8,192 B; ``reduce_0`` 2,136 instructions and no ``UBLKRED``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import subprocess
+import sys
+import types
+from collections.abc import Iterator
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+BLOCK = 64
+FRACTIONS = {"reduce_1": 1.0, "reduce_0.25": 0.25, "reduce_0": 0.0}
+_CACHES: dict[str, dict] = {}
+
+
+def cut_reduce(upstream_reduce, fraction: float):
+    """A stand-in for ``copy_utils.cpasync_reduce_bulk_add_f32`` that sends only the first
+    ``fraction`` of the bytes (a multiple of 16, as the instruction needs), or nothing."""
+
+    def reduce(smem_ptr, gmem_ptr, store_bytes, *, loc=None, ip=None):
+        kept = int(store_bytes * fraction) // 16 * 16
+        if kept > 0:
+            upstream_reduce(smem_ptr, gmem_ptr, kept, loc=loc, ip=ip)
+
+    return reduce
+
+
+@contextlib.contextmanager
+def reduce_scope(arm: str) -> Iterator[None]:
+    """While this is open, upstream's ``_flash_attn_bwd`` compiles (into this arm's own cache:
+    the compile key does not see the change) and runs the backward with the arm's reduce."""
+    import flash_attn.cute.block_sparse_utils as bsu
+    import flash_attn.cute.interface as itf
+
+    upstream_module = bsu.copy_utils
+    proxy = types.SimpleNamespace(**vars(upstream_module))
+    proxy.cpasync_reduce_bulk_add_f32 = cut_reduce(
+        upstream_module.cpasync_reduce_bulk_add_f32, FRACTIONS[arm]
+    )
+    saved_cache = itf._flash_attn_bwd.compile_cache
+    bsu.copy_utils = proxy
+    itf._flash_attn_bwd.compile_cache = _CACHES.setdefault(arm, {})
+    try:
+        yield
+    finally:
+        bsu.copy_utils = upstream_module
+        itf._flash_attn_bwd.compile_cache = saved_cache
+
+
+def run_length(emit, seq: int, heads: int, keep: float, reps: int, sms: int) -> None:
+    """Correctness of the control and of dK/dV, then interleaved timing, at one length."""
+    import torch
+    from bwd_list_rotation import length_case
+    from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd
+    from kv64_bwd_configs import emit_interleaved_times, rel_l2
+
+    from vsa_fa4 import launch
+    from vsa_fa4.metadata import backward_lists
+    from vsa_fa4.ops import forward_impl
+
+    dim, scale = 128, 128**-0.5
+    q, k, v, dout, lay = length_case(seq, heads, keep, dim)
+    idx, cnt, valid = lay.kv_indices, lay.kv_counts, lay.kv_valid_sizes
+    out, lse = forward_impl(q, k, v, idx, cnt, valid, scale, BLOCK, BLOCK, False)
+    lists = backward_lists(idx, cnt, valid, BLOCK, masked=False, rotate_sms=sms)
+    arms = ["shipped", *FRACTIONS]
+    grads = {arm: [torch.full_like(t, float("nan")) for t in (q, k, v)] for arm in arms}
+
+    def backward(arm):
+        call = (dout, q, k, v, out, lse, *grads[arm], lists, valid, scale, (BLOCK, BLOCK), False)
+        if arm == "shipped":
+            return launch.run_backward(*call)
+        with reduce_scope(arm):
+            return launch.run_backward(*call)
+
+    for arm in arms:
+        backward(arm)
+    torch.cuda.synchronize()
+    for arm in FRACTIONS:
+        errs = [rel_l2(a, b) for a, b in zip(grads[arm], grads["shipped"], strict=True)]
+        emit({"case": "vs_shipped", "seq": seq, "arm": arm, "dq_dk_dv_rel_l2": errs})
+    d_out, d_lse = _flash_attn_fwd(q, k, v, softmax_scale=scale, return_lse=True)[:2]
+    timed = {"dense": (lambda _: _flash_attn_bwd(q, k, v, d_out, dout, d_lse,
+                                                 softmax_scale=scale), None)}  # fmt: skip
+    timed.update({arm: (lambda _, a=arm: backward(a), None) for arm in arms})
+    pairs = float(lay.selected_token_pairs().sum()) / heads
+    emit_interleaved_times(emit, timed, rounds=2, reps=reps, pairs=pairs,
+                           shape=(seq, heads, dim), factor=2.5, seq=seq, sms=sms)  # fmt: skip
+
+
+def compile_for_sass(dump_dir: str, arm: str | None = None) -> int:
+    """Compile the shipped kernel and each arm for sm_90a on fake tensors (no GPU), keeping
+    each one's PTX and cubin under ``dump_dir/<arm>/``: one process per arm, since CuTe DSL
+    takes its target and dump folder from the environment of the process."""
+    from flash_attn_vsa import compile_gate as gate
+
+    if arm is None:
+        for name in ["shipped", *FRACTIONS]:
+            arm_dir = os.path.join(dump_dir, name)
+            os.makedirs(arm_dir, exist_ok=True)
+            env = {**os.environ, **gate.gate_environment(dump_dir=arm_dir)}
+            cmd = [sys.executable, __file__, "--sass", dump_dir, "--sass-arm", name]
+            if subprocess.run(cmd, env=env).returncode:
+                return 1
+            print(f"{name}: compiled into {arm_dir}", flush=True)
+        return 0
+    import torch
+
+    from flash_attn_vsa.bwd_sm90 import block_sparse_backward_kv64
+
+    with gate.fake_cuda_qkv() as (q, k, v):
+        sparse = gate._sparse_tensors(torch, (BLOCK, BLOCK), "bwd")
+        out, dout = torch.empty_like(q), torch.empty_like(q)
+        lse = torch.empty(gate.BATCH, gate.HEADS, gate.SEQLEN, device="cuda")
+        call = (q, k, v, out, dout, lse, sparse)
+        scope = reduce_scope(arm) if arm != "shipped" else contextlib.nullcontext()
+        with scope:
+            block_sparse_backward_kv64(*call, softmax_scale=gate.HEAD_DIM**-0.5)
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--sass", metavar="DIR", help="compile on the CPU, keep cubins; no timing")
+    ap.add_argument("--sass-arm", help=argparse.SUPPRESS)  # one arm, in its own process
+    ap.add_argument("--seqs", type=int, nargs="+", default=[32768, 131072])
+    ap.add_argument("--heads", type=int, default=12)
+    ap.add_argument("--keep", type=float, default=0.125)
+    ap.add_argument("--reps", type=int, default=10)
+    args = ap.parse_args()
+    if args.sass:
+        return compile_for_sass(args.sass, args.sass_arm)
+    import torch
+    from kv64_bwd_configs import start_log
+
+    emit = start_log(args.out, "bwd_dq_reduce_share")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for seq in args.seqs:
+        run_length(emit, seq, args.heads, args.keep, args.reps, sms)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
