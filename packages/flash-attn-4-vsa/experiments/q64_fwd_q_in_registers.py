@@ -11,14 +11,13 @@ reads only K (64 B per clock) and the bound moves to about the peak. The measure
 at 0.58 of peak (0.78-0.86 of dense), so the bound is not known to be what stops it: this
 experiment is the test.
 
-The variant (`QInRegistersForward`): delta 2's class (two CTAs per SM, 232 registers for the
-MMA warpgroup) with the QK^T MMA built with A from registers; when the consumer has waited for
-a tile's Q it copies Q (64 x D) from shared memory into the A fragment with ldmatrix, once per
-tile, and every QK^T of the tile reads it there. The kernel body stays upstream's: the copy is
-attached to the consumer's wait on the Q pipeline (a proxy of ``pipeline_q`` handed to
-upstream's ``mma``), and the fragment is the one upstream's ``mma`` partitions (a proxy of
-``quack.sm90_utils`` in ``flash_fwd_sm90``'s namespace records it while ``mma`` is traced).
-Q's shared memory stays allocated (the epilogue stages O there).
+The variant is delta 5 (``flash_attn_vsa.q_regs_sm90``, ``block_sparse_forward_q64(...,
+q_in_registers=True)``): delta 2's class (two CTAs per SM, 232 registers for the MMA
+warpgroup) with the QK^T MMA built with A from registers; when the consumer has waited for a
+tile's Q it copies Q (64 x D) from shared memory into the A fragment with ldmatrix, once per
+tile, and every QK^T of the tile reads it there. (Written here first in session 7, then moved
+into the package with its GPU tests, so that a measured gain ships as a one-line routing
+change.)
 
 Arms (raw FA4 calls, no mask_mod, S=32768, H=12, D=128): dense FA4, ``two_cta`` (delta 2 as
 shipped), ``two_cta_q_regs``; correctness first (S=2048, H=4, random 30% lists with an empty
@@ -42,163 +41,22 @@ gdesc[UR4]`` where delta 2 has ``R24, gdesc[UR16]``), after 8 ``LDSM.16.M88.4`` 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import functools
-import inspect
 import os
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 ARMS = ("two_cta", "two_cta_q_regs")
-_CACHES: dict[str, dict] = {}
-
-
-class _QFragment:
-    """What the Q copy needs, gathered while upstream's ``mma`` is traced."""
-
-    fragment = None  # the QK^T MMA's A operand in registers (upstream's tSrQ)
-
-
-def _load_q(tiled_mma_qk, sQ, tidx, fragment) -> None:
-    """ldmatrix Q (the whole 64 x D tile) from shared memory into the QK^T A fragment."""
-    import cutlass.cute as cute
-    from quack import copy_utils
-
-    atom = copy_utils.get_smem_load_atom(sQ.element_type, transpose=False)
-    tiled_copy = cute.make_tiled_copy_A(atom, tiled_mma_qk)
-    thr_copy = tiled_copy.get_slice(tidx)
-    cute.copy(tiled_copy, thr_copy.partition_S(sQ), thr_copy.retile(fragment))
-
-
-class _PipelineQLoadingRegisters:
-    """Upstream's Q pipeline, except that after the consumer's wait for a tile's Q it copies
-    that Q into the register fragment."""
-
-    def __init__(self, inner, tiled_mma_qk, sQ, tidx, state: _QFragment) -> None:
-        self._inner, self._mma, self._sQ, self._tidx, self._state = (
-            inner,
-            tiled_mma_qk,
-            sQ,
-            tidx,
-            state,
-        )
-
-    def consumer_wait_w_index_phase(self, *args, **kwargs):
-        result = self._inner.consumer_wait_w_index_phase(*args, **kwargs)
-        if self._state.fragment is None:
-            raise RuntimeError("upstream's mma waited for Q before partitioning its fragment")
-        _load_q(self._mma, self._sQ, self._tidx, self._state.fragment)
-        return result
-
-    # The pipeline is live across upstream's work-tile loop, so the DSL carries it as a runtime
-    # value: the proxy hands over the wrapped pipeline's values and rebuilds itself from them.
-    def __extract_mlir_values__(self):
-        import cutlass
-
-        return cutlass.extract_mlir_values(self._inner)
-
-    def __new_from_mlir_values__(self, values):
-        import cutlass
-
-        inner = cutlass.new_from_mlir_values(self._inner, values)
-        return _PipelineQLoadingRegisters(inner, self._mma, self._sQ, self._tidx, self._state)
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
-
-
-@contextlib.contextmanager
-def _recording_q_fragment(state: _QFragment):
-    """While open, ``flash_fwd_sm90``'s ``sm90_utils.partition_fragment_ABC`` records the
-    register A fragment of the call that partitions Q (A from registers, ``sA`` given)."""
-    import flash_attn.cute.flash_fwd_sm90 as fwd_module
-    from cutlass.cute.nvgpu import warpgroup
-
-    upstream_module = fwd_module.sm90_utils
-    proxy = types.SimpleNamespace(**vars(upstream_module))
-
-    def partition_fragment_ABC(thr_mma, shape_mnk, sA, sB, swap_AB=False):
-        acc, rA, rB = upstream_module.partition_fragment_ABC(thr_mma, shape_mnk, sA, sB, swap_AB)
-        if thr_mma.op.a_src == warpgroup.OperandSource.RMEM and sA is not None:
-            state.fragment = rA
-        return acc, rA, rB
-
-    proxy.partition_fragment_ABC = partition_fragment_ABC
-    fwd_module.sm90_utils = proxy
-    try:
-        yield
-    finally:
-        fwd_module.sm90_utils = upstream_module
-
-
-@functools.cache
-def q_in_registers_class() -> type:
-    """Delta 2's two-CTA forward class with QK^T's A operand (Q) in registers."""
-    import cutlass.cute as cute
-    import cutlass.utils.hopper_helpers as sm90_helpers
-    from cutlass import Float32
-    from cutlass.cute.nvgpu import warpgroup
-
-    from flash_attn_vsa import fwd_sm90
-
-    base = fwd_sm90.kernel_class()
-    mma_signature = inspect.signature(base.mma)
-
-    class QInRegistersForward(base):
-        def _get_tiled_mma(self):
-            _, tiled_mma_pv = super()._get_tiled_mma()
-            tiled_mma_qk = sm90_helpers.make_trivial_tiled_mma(
-                self.dtype,
-                self.dtype,
-                cute.nvgpu.OperandMajorMode.K,
-                cute.nvgpu.OperandMajorMode.K,
-                Float32,
-                atom_layout_mnk=(self.tile_m // 64, 1, 1),
-                tiler_mn=(64, self.tile_n),
-                a_source=warpgroup.OperandSource.RMEM,
-            )
-            return tiled_mma_qk, tiled_mma_pv
-
-        def mma(self, *args, **kwargs):
-            bound = mma_signature.bind(self, *args, **kwargs)
-            given = bound.arguments
-            state = _QFragment()
-            given["pipeline_q"] = _PipelineQLoadingRegisters(
-                given["pipeline_q"], given["tiled_mma_qk"], given["sQ"], given["tidx"], state
-            )
-            with _recording_q_fragment(state):
-                return base.mma(*bound.args, **bound.kwargs)
-
-    return QInRegistersForward
-
-
-@contextlib.contextmanager
-def arm_scope(arm: str):
-    """Upstream's ``_flash_attn_fwd`` builds the arm's kernel, from the arm's own cache."""
-    import flash_attn.cute.interface as itf
-
-    from flash_attn_vsa import fwd_sm90
-
-    cls = fwd_sm90.kernel_class() if arm == "two_cta" else q_in_registers_class()
-    saved = itf.FlashAttentionForwardSm90, itf._flash_attn_fwd.compile_cache
-    itf.FlashAttentionForwardSm90 = cls
-    itf._flash_attn_fwd.compile_cache = _CACHES.setdefault(arm, {})
-    try:
-        yield
-    finally:
-        itf.FlashAttentionForwardSm90, itf._flash_attn_fwd.compile_cache = saved
 
 
 def forward(arm, q, k, v, tensors, scale, out=None, lse=None):
-    from flash_attn.cute.interface import _flash_attn_fwd
+    """One forward of ``arm``: delta 2 as shipped, or with ``q_in_registers``."""
+    from flash_attn_vsa.fwd_sm90 import block_sparse_forward_q64
 
-    with arm_scope(arm):
-        return _flash_attn_fwd(q, k, v, softmax_scale=scale, block_sparse_tensors=tensors,
-                               return_lse=True, out=out, lse=lse)  # fmt: skip
+    return block_sparse_forward_q64(q, k, v, tensors, softmax_scale=scale, out=out, lse=lse,
+                                    q_in_registers=arm == "two_cta_q_regs")  # fmt: skip
 
 
 def run(args) -> int:

@@ -17,7 +17,7 @@ def test_configs_cover_what_the_adapter_uses():
     assert len(set(names)) == len(names)
     fwd_blocks = {c.block_size for c in cg.CONFIGS if c.direction == "fwd"}
     assert {None, (128, 128), (64, 64)} <= fwd_blocks
-    directions = ("fwd", "bwd", "fwd-q64", "fwd-paired", "bwd-kv64")
+    directions = ("fwd", "bwd", "fwd-q64", "fwd-q64-q-regs", "fwd-paired", "bwd-kv64")
     assert all(c.direction in directions for c in cg.CONFIGS)
     assert any(c.kernel == "FlashAttentionBackwardSm90KV64" for c in cg.CONFIGS)  # the fork
     assert any(c.kernel == "FlashAttentionForwardSm90TwoCtas" for c in cg.CONFIGS)
@@ -44,7 +44,7 @@ def test_select_configs():
         cg.select_configs(["fwd-nope"])
 
 
-def test_run_gate_parses_results_and_keeps_the_callers_environment(monkeypatch):
+def test_run_gate_parses_results_and_keeps_the_callers_environment(monkeypatch, tmp_path):
     seen = {}
 
     def fake_run(cmd, env, **kwargs):
@@ -64,7 +64,10 @@ def test_run_gate_parses_results_and_keeps_the_callers_environment(monkeypatch):
 
     monkeypatch.delenv("CUTE_DSL_ARCH", raising=False)
     monkeypatch.setattr(cg.subprocess, "run", fake_run)
-    report = cg.run_gate(["fwd-dense", "bwd-dense", "fwd-sparse-q64-kv64"])
+    dump_dir = tmp_path / "not" / "yet"
+    report = cg.run_gate(["fwd-dense", "bwd-dense", "fwd-sparse-q64-kv64"], dump_dir=str(dump_dir))
+    assert dump_dir.is_dir()  # made for CuTe DSL, which would keep nothing otherwise
+    assert seen["env"]["CUTE_DSL_DUMP_DIR"] == str(dump_dir)
 
     assert seen["env"]["CUTE_DSL_ARCH"] == "sm_90a"
     assert "CUTE_DSL_ARCH" not in os.environ

@@ -1,6 +1,7 @@
-"""The fork's two-CTA Q64/KV64 forward (`flash_attn_vsa.fwd_sm90`): its scope on the CPU (which
-kernel class and which compile cache upstream uses, per thread), correctness against a
-float32 reference and against upstream's own kernel on an sm_90 GPU.
+"""The fork's two-CTA Q64/KV64 forward (`flash_attn_vsa.fwd_sm90`, and with Q in registers,
+`flash_attn_vsa.q_regs_sm90`): its scope on the CPU (which kernel class and which compile cache
+upstream uses, per thread), correctness against a float32 reference and against upstream's own
+kernel on an sm_90 GPU.
 
 GPU cases (`sm90_cases`): 64x64 blocks, head dims 64 and 128, bf16 and fp16, key blocks full,
 partial (through a mask_mod on the partial lists) and empty, query blocks selecting 0..5 key
@@ -55,13 +56,31 @@ def test_scope_picks_kernel_class_and_cache_per_thread():
     assert issubclass(interface.FlashAttentionForwardSm90, FlashAttentionForwardSm90)
 
 
+@needs_upstream
+def test_q_in_registers_scope_has_its_own_class_and_cache():
+    import flash_attn.cute.interface as interface
+
+    with fwd_sm90.two_cta_scope(q_in_registers=True):
+        inside = fwd_sm90.current_kernel_class()
+        assert fwd_sm90.current_scope() == fwd_sm90.TWO_CTAS_Q_IN_REGISTERS
+        interface._flash_attn_fwd.compile_cache["test-key"] = "q in registers"
+        with fwd_sm90.two_cta_scope():  # the plain two-CTA kernels never share its entries
+            assert "test-key" not in interface._flash_attn_fwd.compile_cache
+        own = interface._flash_attn_fwd.compile_cache.own
+        del own[fwd_sm90.TWO_CTAS_Q_IN_REGISTERS]["test-key"]
+    assert inside is fwd_sm90.kernel_class(q_in_registers=True)
+    assert issubclass(inside, fwd_sm90.kernel_class()) and inside is not fwd_sm90.kernel_class()
+    assert inside.__name__ == "FlashAttentionForwardSm90TwoCtasQInRegisters"
+
+
 # ---- GPU ----------------------------------------------------------------------------------------
 @pytest.mark.gpu
 @needs_upstream
 @pytest.mark.skipif(not cases.sm90(), reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_two_cta_forward_matches_the_reference_and_upstream(head_dim, dtype):
+@pytest.mark.parametrize("q_in_registers", [False, True])
+def test_two_cta_forward_matches_the_reference_and_upstream(head_dim, dtype, q_in_registers):
     from flash_attn.cute.interface import _flash_attn_fwd
 
     mask_mod = mask_sm90.valid_size_mask_mod(cases.BLOCK)
@@ -74,8 +93,9 @@ def test_two_cta_forward_matches_the_reference_and_upstream(head_dim, dtype):
     out = torch.full_like(q, float("nan"))
     lse = torch.full((1, cases.HEADS, cases.SEQ), float("nan"), device="cuda")
     got_out, got_lse = fwd_sm90.block_sparse_forward_q64(
-        q, k, v, tensors, softmax_scale=scale, out=out, lse=lse, **masking
-    )
+        q, k, v, tensors, softmax_scale=scale, out=out, lse=lse, q_in_registers=q_in_registers,
+        **masking,
+    )  # fmt: skip
     assert got_out.data_ptr() == out.data_ptr() and got_lse.data_ptr() == lse.data_ptr()
     assert torch.isfinite(got_out).all()
     err = ((got_out.float() - ref_out).norm() / ref_out.norm()).item()

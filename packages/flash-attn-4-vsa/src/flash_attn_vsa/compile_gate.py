@@ -56,8 +56,8 @@ class GateConfig:
     """One kernel configuration: an upstream (or, later, fork) entry point and its inputs."""
 
     name: str
-    direction: str  # "fwd", "bwd" (upstream's entry points); ours: "fwd-q64", "fwd-paired",
-    # "bwd-kv64"
+    direction: str  # "fwd", "bwd" (upstream's entry points); ours: "fwd-q64",
+    # "fwd-q64-q-regs", "fwd-paired", "bwd-kv64"
     block_size: tuple[int, int] | None  # (q, kv) tokens per sparse block; None: dense
     kernel: str  # the kernel class that must be compiled (for sm_90a)
     why: str
@@ -92,6 +92,14 @@ CONFIGS: tuple[GateConfig, ...] = (
         "FlashAttentionForwardSm90TwoCtas",
         "the fork's block-sparse forward with 64x64 blocks, two CTAs per SM "
         "(flash_attn_vsa.fwd_sm90)",
+    ),
+    GateConfig(
+        "fwd-sparse-q64-kv64-two-ctas-q-in-registers",
+        "fwd-q64-q-regs",
+        (64, 64),
+        "FlashAttentionForwardSm90TwoCtasQInRegisters",
+        "the same with QK^T reading Q from registers (flash_attn_vsa.q_regs_sm90; not routed "
+        "until measured)",
     ),
     GateConfig(
         "fwd-sparse-q128-kv64-paired",
@@ -203,8 +211,12 @@ def run_gate(
     timeout: float = 900.0,
 ) -> GateReport:
     """Compile the named configurations (default: all) in a fresh process; never raises for
-    a failed compilation, which is reported in the results."""
+    a failed compilation, which is reported in the results. ``dump_dir`` (created if missing:
+    CuTe DSL silently keeps nothing in a folder that does not exist) receives the PTX and
+    cubins."""
     selected = select_configs(configs)
+    if dump_dir is not None:
+        os.makedirs(dump_dir, exist_ok=True)
     cmd = ["--arch", arch, *(arg for config in selected for arg in ("-c", config.name))]
     output = run_worker(
         "flash_attn_vsa.compile_gate",
@@ -410,10 +422,17 @@ def _compile_one(config: GateConfig, arch: str, counter: CountingCompile) -> Gat
                     return_lse=True,
                     _arch=_arch_number(arch),
                 )
-            elif config.direction == "fwd-q64":
+            elif config.direction in ("fwd-q64", "fwd-q64-q-regs"):
                 from flash_attn_vsa.fwd_sm90 import block_sparse_forward_q64
 
-                block_sparse_forward_q64(q, k, v, sparse, softmax_scale=HEAD_DIM**-0.5)
+                block_sparse_forward_q64(
+                    q,
+                    k,
+                    v,
+                    sparse,
+                    softmax_scale=HEAD_DIM**-0.5,
+                    q_in_registers=config.direction == "fwd-q64-q-regs",
+                )
             elif config.direction == "fwd-paired":
                 from flash_attn_vsa.fwd_sm90_paired import KEY_BLOCK, block_sparse_forward_paired
 

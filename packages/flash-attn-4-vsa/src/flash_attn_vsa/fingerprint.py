@@ -216,8 +216,17 @@ SYMBOLS: tuple[Symbol, ...] = (
         "FlashAttentionForwardSm90",
         "the Hopper forward kernel class fwd_sm90 subclasses (its register split is set in "
         "__call__ before _setup_attributes, which the subclass overrides, and __call__ "
-        "launches through self.kernel(...).launch(min_blocks_per_mp=...))",
-        methods=("__init__", "__call__", "_setup_attributes", "kernel", "load"),
+        "launches through self.kernel(...).launch(min_blocks_per_mp=...)); q_regs_sm90 "
+        "overrides _get_tiled_mma and wraps mma (by its parameter names)",
+        methods=(
+            "__init__",
+            "__call__",
+            "_setup_attributes",
+            "kernel",
+            "load",
+            "mma",
+            "_get_tiled_mma",
+        ),
         source=True,
     ),
     Symbol(
@@ -252,6 +261,24 @@ SYMBOLS: tuple[Symbol, ...] = (
         "cpasync",
         "the module global the sm_90 forward builds its TMA atoms with; fwd_sm90_paired wraps "
         "it (64 x 64 K/V boxes inside its scope)",
+    ),
+    Symbol(
+        "flash_attn.cute.flash_fwd_sm90",
+        "sm90_utils",
+        "the module global the sm_90 forward partitions its MMA operands with; q_regs_sm90 "
+        "stands in for it (records QK^T's register A fragment while its kernel is traced)",
+    ),
+    Symbol(
+        "quack.sm90_utils",
+        "partition_fragment_ABC",
+        "q_regs_sm90's stand-in calls it and keeps the A fragment it makes for a register-A MMA",
+        source=True,
+    ),
+    Symbol(
+        "quack.copy_utils",
+        "get_smem_load_atom",
+        "q_regs_sm90 copies Q into registers with its ldmatrix atom",
+        source=True,
     ),
     Symbol(
         "quack.copy_utils",

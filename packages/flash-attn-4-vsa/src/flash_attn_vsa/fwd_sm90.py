@@ -75,9 +75,19 @@ class _TwoCtaLauncher:
         return getattr(self._inner, name)
 
 
+def kernel_class(q_in_registers: bool = False) -> type:
+    """Upstream's sm_90 forward kernel class, sized and launched for two CTAs per SM; with
+    ``q_in_registers``, QK^T reads Q from registers (delta 5, `q_regs_sm90`; not measured yet,
+    so vsa-fa4 does not ask for it). One class object per variant."""
+    if q_in_registers:
+        from flash_attn_vsa.q_regs_sm90 import with_q_in_registers
+
+        return with_q_in_registers(_two_cta_class())
+    return _two_cta_class()
+
+
 @functools.cache
-def kernel_class() -> type:
-    """Upstream's sm_90 forward kernel class, sized and launched for two CTAs per SM."""
+def _two_cta_class() -> type:
     from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90
 
     class FlashAttentionForwardSm90TwoCtas(FlashAttentionForwardSm90):
@@ -103,25 +113,28 @@ def kernel_class() -> type:
 _active = threading.local()
 
 TWO_CTAS = "two_ctas"
+TWO_CTAS_Q_IN_REGISTERS = "two_ctas_q_in_registers"
 PAIRED_KEYS = "paired_keys"
-"""Forward scopes: `kernel_class()` (this module) and `fwd_sm90_paired.kernel_class()`."""
+"""Forward scopes: `kernel_class()` and `kernel_class(q_in_registers=True)` (this module),
+`fwd_sm90_paired.kernel_class()`."""
+SCOPES = (TWO_CTAS, TWO_CTAS_Q_IN_REGISTERS, PAIRED_KEYS)
 
 
 def current_scope() -> str | None:
-    """The innermost forward scope active on this thread (`TWO_CTAS`, `PAIRED_KEYS`) or None."""
+    """The innermost forward scope active on this thread (one of `SCOPES`) or None."""
     stack = getattr(_active, "stack", ())
     return stack[-1] if stack else None
 
 
 def current_kernel_class() -> type:
     """The sm_90 forward kernel class upstream's interface builds on this thread now:
-    `kernel_class()` inside `two_cta_scope`, the paired-key class inside
-    ``fwd_sm90_paired.paired_scope``, upstream's own elsewhere."""
+    `kernel_class()` inside `two_cta_scope` (with Q in registers where it says so), the
+    paired-key class inside ``fwd_sm90_paired.paired_scope``, upstream's own elsewhere."""
     from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90
 
     scope = current_scope()
-    if scope == TWO_CTAS:
-        return kernel_class()
+    if scope in (TWO_CTAS, TWO_CTAS_Q_IN_REGISTERS):
+        return kernel_class(q_in_registers=scope == TWO_CTAS_Q_IN_REGISTERS)
     if scope == PAIRED_KEYS:
         from flash_attn_vsa import fwd_sm90_paired
 
@@ -177,10 +190,10 @@ def _install() -> None:
 @contextmanager
 def forward_scope(scope: str) -> Iterator[None]:
     """Within this block, on this thread, upstream's ``_flash_attn_fwd`` compiles and runs its
-    sm_90 forward as the class of ``scope`` (`TWO_CTAS` or `PAIRED_KEYS`), from that scope's
-    own compile cache."""
-    if scope not in (TWO_CTAS, PAIRED_KEYS):
-        raise ValueError(f"scope must be {TWO_CTAS!r} or {PAIRED_KEYS!r}, got {scope!r}")
+    sm_90 forward as the class of ``scope`` (one of `SCOPES`), from that scope's own compile
+    cache."""
+    if scope not in SCOPES:
+        raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
     _install()
     _active.stack = (*getattr(_active, "stack", ()), scope)
     try:
@@ -189,10 +202,10 @@ def forward_scope(scope: str) -> Iterator[None]:
         _active.stack = _active.stack[:-1]
 
 
-def two_cta_scope() -> contextlib.AbstractContextManager[None]:
+def two_cta_scope(q_in_registers: bool = False) -> contextlib.AbstractContextManager[None]:
     """Within this block, on this thread, upstream's ``_flash_attn_fwd`` compiles and runs its
-    sm_90 forward as `kernel_class()` (from its own compile cache)."""
-    return forward_scope(TWO_CTAS)
+    sm_90 forward as ``kernel_class(q_in_registers)`` (from its own compile cache)."""
+    return forward_scope(TWO_CTAS_Q_IN_REGISTERS if q_in_registers else TWO_CTAS)
 
 
 def block_sparse_forward_q64(
@@ -206,6 +219,7 @@ def block_sparse_forward_q64(
     aux_tensors: list[Any] | None = None,
     out: Any = None,
     lse: Any = None,
+    q_in_registers: bool = False,
 ) -> tuple[Any, Any]:
     """Block-sparse attention forward on sm_90 with 64x64 sparse blocks, two CTAs per SM.
 
@@ -214,12 +228,13 @@ def block_sparse_forward_q64(
     64-token query block: its key blocks, full and partial lists apart) with
     ``block_size=(64, 64)``, optional ``mask_mod`` + ``aux_tensors`` applied on the partial
     lists, optional preallocated ``out`` [B, S, H, D] and ``lse`` [B, H, S] float32. Returns
-    ``(out, lse)``; rows that see no key get out 0 and lse -inf.
+    ``(out, lse)``; rows that see no key get out 0 and lse -inf. ``q_in_registers``: QK^T
+    reads Q from registers (delta 5, `q_regs_sm90`; experimental until measured).
     """
     from flash_attn.cute.interface import _flash_attn_fwd
 
     check_call(q, k, v, tuple(block_sparse_tensors.block_size or ()))
-    with two_cta_scope():
+    with two_cta_scope(q_in_registers):
         result = _flash_attn_fwd(
             q,
             k,

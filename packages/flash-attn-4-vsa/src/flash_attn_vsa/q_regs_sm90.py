@@ -1,0 +1,177 @@
+"""Q in registers for the sm_90 forward's QK^T: the fork's fifth delta (not routed yet).
+
+Why (a count, NOTES.md): a Hopper wgmma m64nNk16 with both operands in shared memory reads
+2 KB of A and 32N B of B per 2,048N FLOP. In the 64x64 forward QK^T is such a wgmma at N = 64
+(128 B per clock at the tensor cores' peak, all of an SM's shared-memory bandwidth); PV already
+takes P from registers (64 B per clock) and each CTA lands its own K and V (another 64 B per
+clock). About 160 B per clock wanted against 128: a bound near 0.8 of the tensor-core peak that
+dense's 128x128 tiles do not have. With Q in registers QK^T reads only K. Whether that bound is
+what holds the measured kernel (0.58 of peak) is experiment 10's question; until it is
+measured on an H200 vsa-fa4 does not route here.
+
+`with_q_in_registers(base)` subclasses a sm_90 forward kernel class (delta 2's two-CTA class):
+
+- its QK^T tiled MMA takes A from registers (``_get_tiled_mma``);
+- upstream's consumer (``mma``) is run with a stand-in for its Q pipeline whose consumer wait,
+  once per work tile, also copies the tile's Q from shared memory into the MMA's A fragment
+  (ldmatrix, 32 registers per thread at head dim 128), so every QK^T of the tile reads it there;
+- the fragment is the one upstream's ``mma`` partitions: a stand-in for ``quack.sm90_utils`` in
+  ``flash_fwd_sm90``'s namespace (installed once per process, see `install`) hands it to the
+  copy while that ``mma`` is traced on this thread, and is otherwise upstream's module.
+
+Q's shared memory stays allocated (upstream stages O there for the epilogue). The kernel body,
+its pipelines and the epilogue are upstream's.
+
+Upstream internals this relies on (fingerprinted in ``upstream_api.json``):
+``FlashAttentionForwardSm90._get_tiled_mma`` returning the (QK^T, PV) tiled MMAs, ``mma``'s
+parameters ``tiled_mma_qk``, ``sQ``, ``pipeline_q`` and ``tidx``, ``mma`` waiting on
+``pipeline_q.consumer_wait_w_index_phase`` once per work tile before that tile's first QK^T
+and partitioning QK^T's operands with ``sm90_utils.partition_fragment_ABC`` (the module
+global of ``flash_fwd_sm90``), and ``quack.copy_utils.get_smem_load_atom``.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import threading
+import types
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+__all__ = ["install", "with_q_in_registers"]
+
+_tracing = threading.local()
+
+
+class _QFragment:
+    """Filled while upstream's ``mma`` is traced: QK^T's A operand in registers."""
+
+    fragment: Any = None
+
+
+def _copy_q_to_registers(tiled_mma_qk: Any, sQ: Any, tidx: Any, fragment: Any) -> None:
+    """ldmatrix the tile's Q (tile_m x head dim) from shared memory into QK^T's A fragment."""
+    import cutlass.cute as cute
+    from quack import copy_utils
+
+    atom = copy_utils.get_smem_load_atom(sQ.element_type, transpose=False)
+    tiled_copy = cute.make_tiled_copy_A(atom, tiled_mma_qk)
+    thr_copy = tiled_copy.get_slice(tidx)
+    cute.copy(tiled_copy, thr_copy.partition_S(sQ), thr_copy.retile(fragment))
+
+
+class _PipelineQToRegisters:
+    """Upstream's Q pipeline, except that the consumer's wait for a tile's Q also copies it
+    into the register fragment."""
+
+    def __init__(self, inner: Any, tiled_mma_qk: Any, sQ: Any, tidx: Any, q: _QFragment) -> None:
+        self._inner = inner
+        self._copy_args = (tiled_mma_qk, sQ, tidx)
+        self._q = q
+
+    def consumer_wait_w_index_phase(self, *args: Any, **kwargs: Any) -> Any:
+        result = self._inner.consumer_wait_w_index_phase(*args, **kwargs)
+        if self._q.fragment is None:
+            raise RuntimeError(
+                "upstream's sm_90 forward waited for Q before partitioning QK^T's operands; "
+                "q_regs_sm90 needs a review against this upstream version"
+            )
+        _copy_q_to_registers(*self._copy_args, self._q.fragment)
+        return result
+
+    # The pipeline is live across upstream's work-tile loop, so the DSL carries it as a runtime
+    # value: hand over the wrapped pipeline's values, and rebuild the stand-in around them.
+    def __extract_mlir_values__(self) -> Any:
+        import cutlass
+
+        return cutlass.extract_mlir_values(self._inner)
+
+    def __new_from_mlir_values__(self, values: Any) -> _PipelineQToRegisters:
+        import cutlass
+
+        inner = cutlass.new_from_mlir_values(self._inner, values)
+        return _PipelineQToRegisters(inner, *self._copy_args, self._q)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+@functools.cache
+def install() -> None:
+    """Once per process: ``flash_fwd_sm90``'s ``sm90_utils`` becomes a stand-in whose
+    ``partition_fragment_ABC`` is upstream's and, while `_recording` is open on the calling
+    thread, also records the A fragment of the call that partitions Q for a register-A MMA.
+    Upstream's own kernels never make that call (their register-A MMA is PV, whose shared
+    A operand is None), so for them nothing changes."""
+    import flash_attn.cute.flash_fwd_sm90 as fwd_module
+    from cutlass.cute.nvgpu import warpgroup
+
+    upstream = fwd_module.sm90_utils
+    stand_in = types.ModuleType(upstream.__name__, upstream.__doc__)
+    stand_in.__dict__.update(vars(upstream))
+
+    def partition_fragment_ABC(thr_mma, shape_mnk, sA, sB, swap_AB=False):
+        acc, rA, rB = upstream.partition_fragment_ABC(thr_mma, shape_mnk, sA, sB, swap_AB)
+        q = getattr(_tracing, "q", None)
+        if q is not None and sA is not None and thr_mma.op.a_src == warpgroup.OperandSource.RMEM:
+            q.fragment = rA
+        return acc, rA, rB
+
+    stand_in.partition_fragment_ABC = partition_fragment_ABC
+    stand_in.upstream = upstream  # for a reader in a debugger: what this stands in for
+    fwd_module.sm90_utils = stand_in
+
+
+@contextmanager
+def _recording(q: _QFragment) -> Iterator[None]:
+    saved = getattr(_tracing, "q", None)
+    _tracing.q = q
+    try:
+        yield
+    finally:
+        _tracing.q = saved
+
+
+@functools.cache
+def with_q_in_registers(base: type) -> type:
+    """A subclass of the sm_90 forward kernel class ``base`` whose QK^T reads Q from registers
+    (loaded once per tile). ``base`` keeps its launch and register split."""
+    import cutlass.cute as cute
+    import cutlass.utils.hopper_helpers as sm90_helpers
+    from cutlass import Float32
+    from cutlass.cute.nvgpu import warpgroup
+
+    install()
+    mma_signature = inspect.signature(base.mma)
+
+    class QInRegisters(base):  # type: ignore[misc, valid-type]
+        """``base`` with QK^T's A operand (Q) in registers."""
+
+        def _get_tiled_mma(self) -> tuple[Any, Any]:
+            _, tiled_mma_pv = super()._get_tiled_mma()
+            tiled_mma_qk = sm90_helpers.make_trivial_tiled_mma(
+                self.dtype,
+                self.dtype,
+                cute.nvgpu.OperandMajorMode.K,
+                cute.nvgpu.OperandMajorMode.K,
+                Float32,
+                atom_layout_mnk=(self.tile_m // 64, 1, 1),
+                tiler_mn=(64, self.tile_n),
+                a_source=warpgroup.OperandSource.RMEM,
+            )
+            return tiled_mma_qk, tiled_mma_pv
+
+        def mma(self, *args: Any, **kwargs: Any) -> Any:
+            bound = mma_signature.bind(self, *args, **kwargs)
+            given = bound.arguments
+            q = _QFragment()
+            given["pipeline_q"] = _PipelineQToRegisters(
+                given["pipeline_q"], given["tiled_mma_qk"], given["sQ"], given["tidx"], q
+            )
+            with _recording(q):
+                return base.mma(*bound.args, **bound.kwargs)
+
+    QInRegisters.__name__ = QInRegisters.__qualname__ = f"{base.__name__}QInRegisters"
+    return QInRegisters
