@@ -19,23 +19,28 @@ tile, and every QK^T of the tile reads it there. (Written here first in session 
 into the package with its GPU tests, so that a measured gain ships as a one-line routing
 change.)
 
-Arms (raw FA4 calls, no mask_mod, S=32768, H=12, D=128): dense FA4, ``two_cta`` (delta 2 as
-shipped), ``two_cta_q_regs``; correctness first (S=2048, H=4, random 30% lists with an empty
-query block and unselected key blocks, NaN-poisoned outputs, float32 reference), then timing
-on an exact256 90% mask refined to 64x64 and on native random 10% lists, interleaved call by
-call, two rounds.
+Arms (no mask_mod, S=32768, H=12, D=128): dense FA4, ``two_cta`` (delta 2 as shipped),
+``two_cta_q_regs``; and for 128-row query blocks ``paired`` (delta 4 as shipped) and
+``paired_q_regs`` (the same consumer change on its two warpgroups: QK^T at N = 128 reads 2 KB
+of Q and 4 KB of K per wgmma, a third less with Q in registers). Correctness first (S=2048,
+H=4, random 30% lists with an empty query block and unselected key blocks, NaN-poisoned
+outputs, float32 reference), then timing on an exact256 90% mask refined to 64x64 and 128x64
+and on native random 10% 64x64 lists, interleaved call by call with dense, two rounds.
 
 Predictions: if shared-memory bandwidth holds the Q64 forward, ``two_cta_q_regs`` gains up to
 ~20% (toward 0.95 of dense); if < 3%, it does not, and what is left is latency (a 64x64 step's
-two short MMA chains per softmax). ::
+two short MMA chains per softmax). The paired kernel needs less shared memory per FLOP already
+(~112 B per clock at peak by the same count): a few percent at most. ::
 
     python3 packages/flash-attn-4-vsa/experiments/q64_fwd_q_in_registers.py --out DIR  # H200
     python3 packages/flash-attn-4-vsa/experiments/q64_fwd_q_in_registers.py --sass DIR # CPU
 
-Compiled on the CPU (session 7, sm_90a, cuobjdump): both 128 registers at launch, no stack;
-the variant's 40 ``HGMMA.64x64x16`` (QK^T) read A from registers (``HGMMA ... R24, R148,
-gdesc[UR4]`` where delta 2 has ``R24, gdesc[UR16]``), after 8 ``LDSM.16.M88.4`` per thread
-(Q's 32 registers) once per tile; 2,800 SASS instructions against 2,752.
+Compiled on the CPU (session 7, sm_90a, cuobjdump): two-CTA both 128 registers at launch, no
+stack; the variant's 40 ``HGMMA.64x64x16`` (QK^T) read A from registers (``HGMMA ... R24,
+R148, gdesc[UR4]`` where delta 2 has ``R24, gdesc[UR16]``), after 8 ``LDSM.16.M88.4`` per
+thread (Q's 32 registers) once per tile; 2,800 SASS instructions against 2,752. Paired: 168
+registers, no stack either way, register-A ``HGMMA.64x128x16`` 72 against 32 (PV's), 4,000
+instructions against 4,048.
 """
 
 from __future__ import annotations
@@ -48,15 +53,36 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-ARMS = ("two_cta", "two_cta_q_regs")
+ARMS = {  # name -> (query rows per sparse block, Q in registers)
+    "two_cta": (64, False),
+    "two_cta_q_regs": (64, True),
+    "paired": (128, False),
+    "paired_q_regs": (128, True),
+}
 
 
-def forward(arm, q, k, v, tensors, scale, out=None, lse=None):
-    """One forward of ``arm``: delta 2 as shipped, or with ``q_in_registers``."""
+def prepare(arm, layout):
+    """The arm's prebuilt index tensors for ``layout`` (64x64 or 128x64 blocks)."""
+    from kv64_bwd_configs import fa4_tensors
+    from paired_kv_fwd import paired_tensors
+
+    if ARMS[arm][0] == 64:
+        return fa4_tensors(layout, False)
+    return paired_tensors(layout), layout.kv_valid_sizes
+
+
+def forward(arm, q, k, v, prepared, scale, out=None, lse=None):
+    """One forward of ``arm``: delta 2 or delta 4 as shipped, or with ``q_in_registers``."""
     from flash_attn_vsa.fwd_sm90 import block_sparse_forward_q64
+    from flash_attn_vsa.fwd_sm90_paired import block_sparse_forward_paired
 
-    return block_sparse_forward_q64(q, k, v, tensors, softmax_scale=scale, out=out, lse=lse,
-                                    q_in_registers=arm == "two_cta_q_regs")  # fmt: skip
+    q_block, q_in_registers = ARMS[arm]
+    if q_block == 64:
+        return block_sparse_forward_q64(q, k, v, prepared, softmax_scale=scale, out=out,
+                                        lse=lse, q_in_registers=q_in_registers)  # fmt: skip
+    tensors, valid = prepared
+    return block_sparse_forward_paired(q, k, v, tensors, valid, softmax_scale=scale, out=out,
+                                       lse=lse, q_in_registers=q_in_registers)  # fmt: skip
 
 
 def run(args) -> int:
@@ -66,7 +92,6 @@ def run(args) -> int:
         check_forward,
         emit_interleaved_times,
         exact256_layout,
-        fa4_tensors,
         random_layout,
         reference,
         start_log,
@@ -78,31 +103,34 @@ def run(args) -> int:
     q, k, v, dout = (
         torch.randn(1, 2048, 4, dim, device="cuda", dtype=torch.bfloat16) for _ in range(4)
     )
-    lay = random_layout(2048, 4, (64, 64), 0.3, seed=1)
-    ref_out = reference(q, k, v, dout, lay, scale)[0]
-    tensors = fa4_tensors(lay, False)
     good = []
-    for arm in ARMS:
+    for q_block in (64, 128):
+        lay = random_layout(2048, 4, (q_block, 64), 0.3, seed=1)
+        ref_out = reference(q, k, v, dout, lay, scale)[0]
+        for arm in [a for a, (qb, _) in ARMS.items() if qb == q_block]:
+            prepared = prepare(arm, lay)
 
-        def run_arm(out, lse, arm=arm):
-            forward(arm, q, k, v, tensors, scale, out, lse)
+            def run_arm(out, lse, arm=arm, prepared=prepared):
+                forward(arm, q, k, v, prepared, scale, out, lse)
 
-        if check_forward(emit, {"arm": arm}, q, ref_out, run_arm):
-            good.append(arm)
+            if check_forward(emit, {"arm": arm}, q, ref_out, run_arm):
+                good.append(arm)
     seq, heads = args.seq, args.heads
     q, k, v = (torch.randn(1, seq, heads, dim, device="cuda", dtype=torch.bfloat16) for _ in "qkv")
-    layouts = {
-        "exact256_90": exact256_layout(seq, heads, 0.9, seed=2).refine((64, 64)).to("cuda"),
-        "native_random_10": random_layout(seq, heads, (64, 64), 0.1, seed=3, empty_kv=()),
+    base = exact256_layout(seq, heads, 0.9, seed=2)
+    layouts = {  # (mask, query rows) -> layout
+        ("exact256_90", 64): base.refine((64, 64)).to("cuda"),
+        ("native_random_10", 64): random_layout(seq, heads, (64, 64), 0.1, seed=3, empty_kv=()),
+        ("exact256_90", 128): base.refine((128, 64)).to("cuda"),
     }
-    for mask, layout in layouts.items():
-        tensors = fa4_tensors(layout, False)
+    for (mask, q_block), layout in layouts.items():
         arms = {"dense": (lambda _: _flash_attn_fwd(q, k, v, softmax_scale=scale), None)}
-        for arm in good:
-            arms[arm] = (lambda _, a=arm, t=tensors: forward(a, q, k, v, t, scale), None)
+        for arm in [a for a in good if ARMS[a][0] == q_block]:
+            prepared = prepare(arm, layout)
+            arms[arm] = (lambda _, a=arm, p=prepared: forward(a, q, k, v, p, scale), None)
         pairs = float(layout.selected_token_pairs().sum()) / heads
         emit_interleaved_times(emit, arms, rounds=2, reps=args.reps, pairs=pairs,
-                               shape=(seq, heads, dim), mask=mask)  # fmt: skip
+                               shape=(seq, heads, dim), mask=mask, q_block=q_block)  # fmt: skip
     return 0
 
 
@@ -125,8 +153,12 @@ def compile_for_sass(dump_dir: str, arm: str | None) -> int:
     import torch
 
     with gate.fake_cuda_qkv() as (q, k, v):
-        sparse = gate._sparse_tensors(torch, (64, 64), "fwd")
-        forward(arm, q, k, v, sparse, gate.HEAD_DIM**-0.5)
+        if ARMS[arm][0] == 64:
+            prepared = gate._sparse_tensors(torch, (64, 64), "fwd")
+        else:
+            valid = torch.empty(gate.SEQLEN // 64, dtype=torch.int32, device="cuda")
+            prepared = (gate._sparse_tensors(torch, (128, 128), "fwd"), valid)
+        forward(arm, q, k, v, prepared, gate.HEAD_DIM**-0.5)
     return 0
 
 

@@ -145,12 +145,26 @@ def test_scope_swaps_mask_class_and_tma_boxes_only_inside_and_only_for_its_threa
         pass
 
 
+@needs_upstream
+def test_q_in_registers_scope_is_a_paired_scope_with_its_own_class():
+    import flash_attn.cute.flash_fwd_sm90 as fwd_module
+
+    with paired().paired_scope(q_in_registers=True):
+        assert fwd_sm90.current_scope() == fwd_sm90.PAIRED_KEYS_Q_IN_REGISTERS
+        cls = fwd_sm90.current_kernel_class()
+        assert type(fwd_module.AttentionMask(64, 128, None)) is paired().mask_class()
+    assert cls is paired().kernel_class(q_in_registers=True)
+    assert issubclass(cls, paired().kernel_class()) and cls is not paired().kernel_class()
+    assert paired().kernel_class(False) is paired().kernel_class()  # one class per variant
+
+
 # ---- GPU ----------------------------------------------------------------------------------------
 @pytest.mark.gpu
 @needs_upstream
 @pytest.mark.skipif(not cases.sm90(), reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_paired_forward_matches_the_reference(dtype):
+@pytest.mark.parametrize("q_in_registers", [False, True])
+def test_paired_forward_matches_the_reference(dtype, q_in_registers):
     head_dim, q_block = 128, 128
     valid, selected = cases.case(seed=11, q_block=q_block)
     q, k, v, dout = cases.inputs(head_dim, dtype, valid)
@@ -169,8 +183,9 @@ def test_paired_forward_matches_the_reference(dtype):
     out = torch.full_like(q, float("nan"))
     lse = torch.full((1, cases.HEADS, cases.SEQ), float("nan"), device="cuda")
     got_out, got_lse = paired().block_sparse_forward_paired(
-        q, k, v, tensors, valid.cuda(), softmax_scale=scale, out=out, lse=lse
-    )
+        q, k, v, tensors, valid.cuda(), softmax_scale=scale, out=out, lse=lse,
+        q_in_registers=q_in_registers,
+    )  # fmt: skip
     assert got_out.data_ptr() == out.data_ptr() and got_lse.data_ptr() == lse.data_ptr()
     assert torch.isfinite(got_out).all()
     err = ((got_out.float() - ref_out).norm() / ref_out.norm()).item()

@@ -57,7 +57,7 @@ class GateConfig:
 
     name: str
     direction: str  # "fwd", "bwd" (upstream's entry points); ours: "fwd-q64",
-    # "fwd-q64-q-regs", "fwd-paired", "bwd-kv64"
+    # "fwd-q64-q-regs", "fwd-paired", "fwd-paired-q-regs", "bwd-kv64"
     block_size: tuple[int, int] | None  # (q, kv) tokens per sparse block; None: dense
     kernel: str  # the kernel class that must be compiled (for sm_90a)
     why: str
@@ -108,6 +108,14 @@ CONFIGS: tuple[GateConfig, ...] = (
         "FlashAttentionForwardSm90PairedKeys",
         "the fork's 128x64 block-sparse forward over pairs of 64-token key blocks "
         "(flash_attn_vsa.fwd_sm90_paired)",
+    ),
+    GateConfig(
+        "fwd-sparse-q128-kv64-paired-q-in-registers",
+        "fwd-paired-q-regs",
+        (128, 128),
+        "FlashAttentionForwardSm90PairedKeysQInRegisters",
+        "the same with QK^T reading Q from registers (flash_attn_vsa.q_regs_sm90; not routed "
+        "until measured)",
     ),
     GateConfig(
         "bwd-dense",
@@ -433,11 +441,19 @@ def _compile_one(config: GateConfig, arch: str, counter: CountingCompile) -> Gat
                     softmax_scale=HEAD_DIM**-0.5,
                     q_in_registers=config.direction == "fwd-q64-q-regs",
                 )
-            elif config.direction == "fwd-paired":
+            elif config.direction in ("fwd-paired", "fwd-paired-q-regs"):
                 from flash_attn_vsa.fwd_sm90_paired import KEY_BLOCK, block_sparse_forward_paired
 
                 valid = torch.empty(SEQLEN // KEY_BLOCK, dtype=torch.int32, device="cuda")
-                block_sparse_forward_paired(q, k, v, sparse, valid, softmax_scale=HEAD_DIM**-0.5)
+                block_sparse_forward_paired(
+                    q,
+                    k,
+                    v,
+                    sparse,
+                    valid,
+                    softmax_scale=HEAD_DIM**-0.5,
+                    q_in_registers=config.direction == "fwd-paired-q-regs",
+                )
             else:
                 out, dout = torch.empty_like(q), torch.empty_like(q)
                 lse = torch.empty(BATCH, HEADS, SEQLEN, dtype=torch.float32, device="cuda")

@@ -115,9 +115,11 @@ _active = threading.local()
 TWO_CTAS = "two_ctas"
 TWO_CTAS_Q_IN_REGISTERS = "two_ctas_q_in_registers"
 PAIRED_KEYS = "paired_keys"
-"""Forward scopes: `kernel_class()` and `kernel_class(q_in_registers=True)` (this module),
-`fwd_sm90_paired.kernel_class()`."""
-SCOPES = (TWO_CTAS, TWO_CTAS_Q_IN_REGISTERS, PAIRED_KEYS)
+PAIRED_KEYS_Q_IN_REGISTERS = "paired_keys_q_in_registers"
+"""Forward scopes: `kernel_class()` (this module) and `fwd_sm90_paired.kernel_class()`, each
+plain or with Q in registers (delta 5)."""
+SCOPES = (TWO_CTAS, TWO_CTAS_Q_IN_REGISTERS, PAIRED_KEYS, PAIRED_KEYS_Q_IN_REGISTERS)
+PAIRED_SCOPES = (PAIRED_KEYS, PAIRED_KEYS_Q_IN_REGISTERS)
 
 
 def current_scope() -> str | None:
@@ -128,17 +130,18 @@ def current_scope() -> str | None:
 
 def current_kernel_class() -> type:
     """The sm_90 forward kernel class upstream's interface builds on this thread now:
-    `kernel_class()` inside `two_cta_scope` (with Q in registers where it says so), the
-    paired-key class inside ``fwd_sm90_paired.paired_scope``, upstream's own elsewhere."""
+    `kernel_class()` inside `two_cta_scope`, the paired-key class inside
+    ``fwd_sm90_paired.paired_scope`` (each with Q in registers where the scope says so),
+    upstream's own elsewhere."""
     from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90
 
     scope = current_scope()
     if scope in (TWO_CTAS, TWO_CTAS_Q_IN_REGISTERS):
         return kernel_class(q_in_registers=scope == TWO_CTAS_Q_IN_REGISTERS)
-    if scope == PAIRED_KEYS:
+    if scope in PAIRED_SCOPES:
         from flash_attn_vsa import fwd_sm90_paired
 
-        return fwd_sm90_paired.kernel_class()
+        return fwd_sm90_paired.kernel_class(q_in_registers=scope == PAIRED_KEYS_Q_IN_REGISTERS)
     return FlashAttentionForwardSm90
 
 

@@ -43,7 +43,13 @@ import contextlib
 import functools
 from typing import Any
 
-from flash_attn_vsa.fwd_sm90 import PAIRED_KEYS, current_scope, forward_scope
+from flash_attn_vsa.fwd_sm90 import (
+    PAIRED_KEYS,
+    PAIRED_KEYS_Q_IN_REGISTERS,
+    PAIRED_SCOPES,
+    current_scope,
+    forward_scope,
+)
 
 __all__ = [
     "BLOCK_SIZE",
@@ -214,9 +220,18 @@ def mask_class() -> type:
 
 
 # ---- the kernel -----------------------------------------------------------------------------
+def kernel_class(q_in_registers: bool = False) -> type:
+    """Upstream's sm_90 forward kernel class with our producer: two key blocks per stage; with
+    ``q_in_registers``, QK^T reads Q from registers (delta 5, `q_regs_sm90`; experimental)."""
+    if q_in_registers:
+        from flash_attn_vsa.q_regs_sm90 import with_q_in_registers
+
+        return with_q_in_registers(_paired_class())
+    return _paired_class()
+
+
 @functools.cache
-def kernel_class() -> type:
-    """Upstream's sm_90 forward kernel class with our producer: two key blocks per stage."""
+def _paired_class() -> type:
     import cutlass
     import cutlass.cute as cute
     from cutlass import Int32, pipeline
@@ -322,7 +337,7 @@ class _ScopedCpasync:
         self._real = real
 
     def make_tiled_tma_atom(self, op, gmem, smem_layout, tiler, *rest, **kwargs):
-        if not rest or current_scope() != PAIRED_KEYS:
+        if not rest or current_scope() not in PAIRED_SCOPES:
             return self._real.make_tiled_tma_atom(op, gmem, smem_layout, tiler, *rest, **kwargs)
         from cutlass.utils import LayoutEnum
         from quack import sm90_utils
@@ -350,18 +365,19 @@ def _install() -> None:
     class ScopedMask(outside):  # a subclass, so issubclass/isinstance still hold
         def __new__(cls, *args: Any, **kwargs: Any) -> Any:
             # Returns an instance of another class, so Python does not call __init__ again.
-            inside = current_scope() == PAIRED_KEYS
+            inside = current_scope() in PAIRED_SCOPES
             return (mask_class() if inside else outside)(*args, **kwargs)
 
     fwd_module.AttentionMask = ScopedMask
     fwd_module.cpasync = _ScopedCpasync(fwd_module.cpasync)
 
 
-def paired_scope() -> contextlib.AbstractContextManager[None]:
+def paired_scope(q_in_registers: bool = False) -> contextlib.AbstractContextManager[None]:
     """Within this block, on this thread, upstream's ``_flash_attn_fwd`` compiles and runs
-    `kernel_class()` with 64 x 64 K/V boxes (from a compile cache of its own)."""
+    ``kernel_class(q_in_registers)`` with 64 x 64 K/V boxes (from a compile cache of its
+    own)."""
     _install()
-    return forward_scope(PAIRED_KEYS)
+    return forward_scope(PAIRED_KEYS_Q_IN_REGISTERS if q_in_registers else PAIRED_KEYS)
 
 
 def block_sparse_forward_paired(
@@ -374,11 +390,13 @@ def block_sparse_forward_paired(
     softmax_scale: float,
     out: Any = None,
     lse: Any = None,
+    q_in_registers: bool = False,
 ) -> tuple[Any, Any]:
     """Block-sparse attention forward on sm_90, 128-row query blocks over pairs of 64-token key
     blocks. ``block_sparse_tensors``: FA4 ``BlockSparseTensorsTorch`` with `BLOCK_SIZE` whose
     lists hold `pair_lists`' packed pairs; ``kv_valid_sizes``: [S / 64] int32 real tokens per
-    key block. BSHD ``q, k, v`` (fp16/bf16, head dim `HEAD_DIM`). Returns ``(out, lse)``."""
+    key block. BSHD ``q, k, v`` (fp16/bf16, head dim `HEAD_DIM`). Returns ``(out, lse)``.
+    ``q_in_registers``: QK^T reads Q from registers (delta 5; experimental until measured)."""
     from flash_attn.cute.interface import _flash_attn_fwd
 
     from flash_attn_vsa.sm90_blocks import check_call
@@ -393,7 +411,7 @@ def block_sparse_forward_paired(
             f"kv_valid_sizes must have one entry per {KEY_BLOCK}-token key block "
             f"({k.shape[1] // KEY_BLOCK}), got {kv_valid_sizes.shape[0]}"
         )
-    with paired_scope():
+    with paired_scope(q_in_registers):
         result = _flash_attn_fwd(
             q,
             k,
