@@ -39,3 +39,28 @@ def test_paired_keys_only_for_128x64_head_dim_128_on_sm90(
     q = torch.zeros(1, 512, 2, head_dim)
     valid = torch.full((num_kv,), 64, dtype=torch.int32)
     assert launch._pairs_keys(q, lists(width), valid, block) is pairs
+
+
+@pytest.mark.parametrize("q_in_registers", [False, True])
+def test_forward_passes_the_q_in_registers_switch_to_both_fork_kernels(monkeypatch, q_in_registers):
+    import flash_attn.cute.interface as interface
+
+    from flash_attn_vsa import fwd_sm90, fwd_sm90_paired
+
+    seen = []
+
+    def record(name):
+        def kernel(*args, **kwargs):
+            seen.append((name, kwargs["q_in_registers"]))
+
+        return kernel
+
+    monkeypatch.setattr(launch, "FORWARD_Q_IN_REGISTERS", q_in_registers)
+    monkeypatch.setattr(fwd_sm90, "block_sparse_forward_q64", record("two_ctas"))
+    monkeypatch.setattr(fwd_sm90_paired, "block_sparse_forward_paired", record("paired"))
+    monkeypatch.setattr(interface, "_get_device_arch", lambda: 90)
+    q = torch.zeros(1, 512, 2, 128)
+    valid = torch.full((16,), 64, dtype=torch.int32)
+    for block in ((64, 64), (128, 64)):
+        launch.run_forward(q, q, q, q, q, lists(5), valid, 0.1, block, masked=False)
+    assert seen == [("two_ctas", q_in_registers), ("paired", q_in_registers)]

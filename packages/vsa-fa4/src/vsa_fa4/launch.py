@@ -20,6 +20,11 @@ import torch
 
 from vsa_fa4.metadata import SparseLists
 
+FORWARD_Q_IN_REGISTERS = False
+"""Whether the fork's 64x64 (two-CTA) and 128x64 (paired-key) forwards keep Q in registers for
+QK^T (`flash_attn_vsa.q_regs_sm90`). Off until an H200 measures it faster (the fork's NOTES.md,
+experiment 10); both variants pass the same GPU tests."""
+
 
 def _upstream() -> tuple[Any, Any, Any, Any]:
     from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
@@ -88,7 +93,7 @@ def run_forward(
     if tuple(block_size) == (64, 64):
         from flash_attn_vsa.fwd_sm90 import block_sparse_forward_q64 as fwd
 
-        kwargs = {}
+        kwargs = {"q_in_registers": FORWARD_Q_IN_REGISTERS}
     with _on_device(q.device):
         fwd(
             q,
@@ -149,7 +154,7 @@ def run_forward_paired(
     with _on_device(q.device):
         paired.block_sparse_forward_paired(
             q, k, v, _block_sparse(tensors_cls, pairs, paired.BLOCK_SIZE), kv_valid_sizes,
-            softmax_scale=scale, out=out, lse=lse,
+            softmax_scale=scale, out=out, lse=lse, q_in_registers=FORWARD_Q_IN_REGISTERS,
         )  # fmt: skip
 
 
