@@ -265,13 +265,14 @@ SYMBOLS: tuple[Symbol, ...] = (
     Symbol(
         "flash_attn.cute.flash_fwd_sm90",
         "sm90_utils",
-        "the module global the sm_90 forward partitions its MMA operands with; q_regs_sm90 "
-        "stands in for it (records QK^T's register A fragment while its kernel is traced)",
+        "the module global the sm_90 forward partitions its MMA operands and builds its shared "
+        "layouts with; sm90_operands stands in for it (hooks for q_regs_sm90 and the streams "
+        "forward while their kernels are traced)",
     ),
     Symbol(
         "quack.sm90_utils",
         "partition_fragment_ABC",
-        "q_regs_sm90's stand-in calls it and keeps the A fragment it makes for a register-A MMA",
+        "sm90_operands' stand-in calls it (q_regs_sm90 keeps the register A fragment it makes)",
         source=True,
     ),
     Symbol(

@@ -15,9 +15,8 @@ measured on an H200 vsa-fa4 does not route here.
 - upstream's consumer (``mma``) is run with a stand-in for its Q pipeline whose consumer wait,
   once per work tile, also copies the tile's Q from shared memory into the MMA's A fragment
   (ldmatrix, 32 registers per thread at head dim 128), so every QK^T of the tile reads it there;
-- the fragment is the one upstream's ``mma`` partitions: a stand-in for ``quack.sm90_utils`` in
-  ``flash_fwd_sm90``'s namespace (installed once per process, see `install`) hands it to the
-  copy while that ``mma`` is traced on this thread, and is otherwise upstream's module.
+- the fragment is the one upstream's ``mma`` partitions, recorded by a partition hook
+  (`flash_attn_vsa.sm90_operands`) while that ``mma`` is traced on this thread.
 
 Q's shared memory stays allocated (upstream stages O there for the epilogue). The kernel body,
 its pipelines and the epilogue are upstream's.
@@ -26,29 +25,33 @@ Upstream internals this relies on (fingerprinted in ``upstream_api.json``):
 ``FlashAttentionForwardSm90._get_tiled_mma`` returning the (QK^T, PV) tiled MMAs, ``mma``'s
 parameters ``tiled_mma_qk``, ``sQ``, ``pipeline_q`` and ``tidx``, ``mma`` waiting on
 ``pipeline_q.consumer_wait_w_index_phase`` once per work tile before that tile's first QK^T
-and partitioning QK^T's operands with ``sm90_utils.partition_fragment_ABC`` (the module
-global of ``flash_fwd_sm90``), and ``quack.copy_utils.get_smem_load_atom``.
+and partitioning QK^T's operands with ``sm90_utils.partition_fragment_ABC`` (see
+`flash_attn_vsa.sm90_operands`), and ``quack.copy_utils.get_smem_load_atom``.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
-import threading
-import types
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
-__all__ = ["install", "with_q_in_registers"]
+from flash_attn_vsa import sm90_operands
 
-_tracing = threading.local()
+__all__ = ["with_q_in_registers"]
 
 
 class _QFragment:
     """Filled while upstream's ``mma`` is traced: QK^T's A operand in registers."""
 
     fragment: Any = None
+
+    def record(self, thr_mma, shape_mnk, sA, sB, acc, rA, rB) -> None:
+        """Partition hook: keep the A fragment of the call that partitions Q for a
+        register-A MMA (upstream's register-A MMA is PV, whose shared A operand is None)."""
+        from cutlass.cute.nvgpu import warpgroup
+
+        if sA is not None and thr_mma.op.a_src == warpgroup.OperandSource.RMEM:
+            self.fragment = rA
 
 
 def _copy_q_to_registers(tiled_mma_qk: Any, sQ: Any, tidx: Any, fragment: Any) -> None:
@@ -99,42 +102,6 @@ class _PipelineQToRegisters:
 
 
 @functools.cache
-def install() -> None:
-    """Once per process: ``flash_fwd_sm90``'s ``sm90_utils`` becomes a stand-in whose
-    ``partition_fragment_ABC`` is upstream's and, while `_recording` is open on the calling
-    thread, also records the A fragment of the call that partitions Q for a register-A MMA.
-    Upstream's own kernels never make that call (their register-A MMA is PV, whose shared
-    A operand is None), so for them nothing changes."""
-    import flash_attn.cute.flash_fwd_sm90 as fwd_module
-    from cutlass.cute.nvgpu import warpgroup
-
-    upstream = fwd_module.sm90_utils
-    stand_in = types.ModuleType(upstream.__name__, upstream.__doc__)
-    stand_in.__dict__.update(vars(upstream))
-
-    def partition_fragment_ABC(thr_mma, shape_mnk, sA, sB, swap_AB=False):
-        acc, rA, rB = upstream.partition_fragment_ABC(thr_mma, shape_mnk, sA, sB, swap_AB)
-        q = getattr(_tracing, "q", None)
-        if q is not None and sA is not None and thr_mma.op.a_src == warpgroup.OperandSource.RMEM:
-            q.fragment = rA
-        return acc, rA, rB
-
-    stand_in.partition_fragment_ABC = partition_fragment_ABC
-    stand_in.upstream = upstream  # for a reader in a debugger: what this stands in for
-    fwd_module.sm90_utils = stand_in
-
-
-@contextmanager
-def _recording(q: _QFragment) -> Iterator[None]:
-    saved = getattr(_tracing, "q", None)
-    _tracing.q = q
-    try:
-        yield
-    finally:
-        _tracing.q = saved
-
-
-@functools.cache
 def with_q_in_registers(base: type) -> type:
     """A subclass of the sm_90 forward kernel class ``base`` whose QK^T reads Q from registers
     (loaded once per tile). ``base`` keeps its launch and register split."""
@@ -143,7 +110,6 @@ def with_q_in_registers(base: type) -> type:
     from cutlass import Float32
     from cutlass.cute.nvgpu import warpgroup
 
-    install()
     mma_signature = inspect.signature(base.mma)
 
     class QInRegisters(base):  # type: ignore[misc, valid-type]
@@ -170,7 +136,7 @@ def with_q_in_registers(base: type) -> type:
             given["pipeline_q"] = _PipelineQToRegisters(
                 given["pipeline_q"], given["tiled_mma_qk"], given["sQ"], given["tidx"], q
             )
-            with _recording(q):
+            with sm90_operands.partition_hooks(after=q.record):
                 return base.mma(*bound.args, **bound.kwargs)
 
     QInRegisters.__name__ = QInRegisters.__qualname__ = f"{base.__name__}QInRegisters"

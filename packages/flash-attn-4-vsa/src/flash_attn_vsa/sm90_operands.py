@@ -1,0 +1,105 @@
+"""Where the fork's sm_90 forward deltas reach into upstream's consumer: the operands it
+partitions and the shared-memory layouts it allocates.
+
+Upstream's sm_90 forward (``flash_attn.cute.flash_fwd_sm90``) partitions its MMA operands with
+``sm90_utils.partition_fragment_ABC`` and builds its shared-memory layouts with
+``sm90_utils.make_smem_layout``, ``sm90_utils`` being a module global (quack's module).
+`install` replaces that global, once per process, with a stand-in whose two functions are
+upstream's, except while one of this module's hooks is open on the calling thread:
+
+- `partition_hooks(before=..., after=...)`: ``before(thr_mma, shape_mnk, sA, sB)`` may return
+  other ``(sA, sB)`` to partition (delta 6 hands each warpgroup its half of a key/value
+  stage); ``after(thr_mma, shape_mnk, sA, sB, acc, rA, rB)`` sees what was made (delta 5
+  records QK^T's register A fragment). Hooks nest: an inner ``before`` sees what the outer
+  one returned, every ``after`` sees the result.
+- `staged_rows_hook(factor)`: staged layouts (the key and value pipelines') get ``factor``
+  times the rows they ask for (delta 6's stages hold two 64-token key blocks while its tiles
+  are 64 keys wide).
+
+Kernels traced with no hook open, upstream's own among them, get exactly upstream's results.
+
+Upstream internals this relies on (fingerprinted): the module global ``flash_fwd_sm90.sm90_utils``
+and quack's ``sm90_utils.partition_fragment_ABC`` and ``sm90_utils.make_smem_layout``.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import types
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+__all__ = ["install", "partition_hooks", "staged_rows_hook"]
+
+_hooks = threading.local()
+
+
+def _stack(name: str) -> tuple[Any, ...]:
+    return getattr(_hooks, name, ())
+
+
+@contextmanager
+def _pushed(name: str, value: Any) -> Iterator[None]:
+    saved = _stack(name)
+    setattr(_hooks, name, (*saved, value))
+    try:
+        yield
+    finally:
+        setattr(_hooks, name, saved)
+
+
+@contextmanager
+def partition_hooks(
+    before: Callable[..., tuple[Any, Any]] | None = None,
+    after: Callable[..., None] | None = None,
+) -> Iterator[None]:
+    """While open on this thread, the forward's ``partition_fragment_ABC`` runs these hooks."""
+    install()
+    with _pushed("partition", (before, after)):
+        yield
+
+
+@contextmanager
+def staged_rows_hook(factor: int) -> Iterator[None]:
+    """While open on this thread, the forward's staged shared-memory layouts get ``factor``
+    times the rows asked for."""
+    install()
+    with _pushed("staged_rows", factor):
+        yield
+
+
+@functools.cache
+def install() -> None:
+    """Once per process: ``flash_fwd_sm90.sm90_utils`` becomes the stand-in (see the module
+    doc); with no hook open it is upstream's module to every caller."""
+    import cutlass.cute as cute
+    import flash_attn.cute.flash_fwd_sm90 as fwd_module
+
+    upstream = fwd_module.sm90_utils
+    stand_in = types.ModuleType(upstream.__name__, upstream.__doc__)
+    stand_in.__dict__.update(vars(upstream))
+
+    def partition_fragment_ABC(thr_mma, shape_mnk, sA, sB, swap_AB=False):
+        hooks = _stack("partition")
+        for before, _ in hooks:
+            if before is not None:
+                sA, sB = before(thr_mma, shape_mnk, sA, sB)
+        acc, rA, rB = upstream.partition_fragment_ABC(thr_mma, shape_mnk, sA, sB, swap_AB)
+        for _, after in hooks:
+            if after is not None:
+                after(thr_mma, shape_mnk, sA, sB, acc, rA, rB)
+        return acc, rA, rB
+
+    def make_smem_layout(dtype, layout, tile, stage=None, *args, **kwargs):
+        factors = _stack("staged_rows")
+        if factors and stage is not None:
+            rows, *rest = cute.product_each(cute.shape(tile))
+            tile = (rows * functools.reduce(lambda a, b: a * b, factors), *rest)
+        return upstream.make_smem_layout(dtype, layout, tile, stage, *args, **kwargs)
+
+    stand_in.partition_fragment_ABC = partition_fragment_ABC
+    stand_in.make_smem_layout = make_smem_layout
+    stand_in.upstream = upstream  # for a reader in a debugger: what this stands in for
+    fwd_module.sm90_utils = stand_in
