@@ -24,8 +24,11 @@ Arms (no mask_mod, S=32768, H=12, D=128): dense FA4, ``two_cta`` (delta 2 as shi
 ``paired_q_regs`` (the same consumer change on its two warpgroups: QK^T at N = 128 reads 2 KB
 of Q and 4 KB of K per wgmma, a third less with Q in registers). Correctness first (S=2048,
 H=4, random 30% lists with an empty query block and unselected key blocks, NaN-poisoned
-outputs, float32 reference), then timing on an exact256 90% mask refined to 64x64 and 128x64
-and on native random 10% 64x64 lists, interleaved call by call with dense, two rounds.
+outputs, float32 reference), then timing on an exact256 90% mask refined to 64x64 and 128x64,
+on native random 10% 64x64 lists (Bernoulli: lengths differ, which the two-stream kernel pays
+for) and on native top-k 12.5% lists (VSA's shape: every 64-row block its own list, all of one
+length), interleaved call by call with dense, two rounds. ``streams`` and ``streams_q_regs``
+are delta 6 (`fwd_sm90_streams`) on the same 64x64 lists.
 
 Predictions: if shared-memory bandwidth holds the Q64 forward, ``two_cta_q_regs`` gains up to
 ~20% (toward 0.95 of dense); if < 3%, it does not, and what is left is latency (a 64x64 step's
@@ -53,12 +56,32 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-ARMS = {  # name -> (query rows per sparse block, Q in registers)
-    "two_cta": (64, False),
-    "two_cta_q_regs": (64, True),
-    "paired": (128, False),
-    "paired_q_regs": (128, True),
+ARMS = {  # name -> (query rows per sparse block of the lists, kernel, Q in registers)
+    "two_cta": (64, "two_cta", False),
+    "two_cta_q_regs": (64, "two_cta", True),
+    "streams": (64, "streams", False),
+    "streams_q_regs": (64, "streams", True),
+    "paired": (128, "paired", False),
+    "paired_q_regs": (128, "paired", True),
 }
+
+
+def stream_tensors(layout):
+    """The two-stream kernel's FA4 tensors of a 64x64 layout: vsa-fa4's full/partial split,
+    then `fwd_sm90_streams.stream_lists`."""
+    from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
+
+    from flash_attn_vsa import fwd_sm90_streams as streams
+    from vsa_fa4.metadata import forward_lists
+
+    split = forward_lists(layout.kv_indices, layout.kv_counts, layout.kv_valid_sizes, 64)
+    mask_cnt, mask_idx, full_cnt, full_idx = streams.stream_lists(
+        split.full_block_idx, split.full_block_cnt, split.mask_block_idx, split.mask_block_cnt
+    )
+    return BlockSparseTensorsTorch(
+        mask_block_cnt=mask_cnt, mask_block_idx=mask_idx, full_block_cnt=full_cnt,
+        full_block_idx=full_idx, block_size=streams.BLOCK_SIZE,
+    )  # fmt: skip
 
 
 def prepare(arm, layout):
@@ -66,27 +89,33 @@ def prepare(arm, layout):
     from kv64_bwd_configs import fa4_tensors
     from paired_kv_fwd import paired_tensors
 
-    if ARMS[arm][0] == 64:
+    kernel = ARMS[arm][1]
+    if kernel == "two_cta":
         return fa4_tensors(layout, False)
+    if kernel == "streams":
+        return stream_tensors(layout), layout.kv_valid_sizes
     return paired_tensors(layout), layout.kv_valid_sizes
 
 
 def forward(arm, q, k, v, prepared, scale, out=None, lse=None):
-    """One forward of ``arm``: delta 2 or delta 4 as shipped, or with ``q_in_registers``."""
+    """One forward of ``arm``: delta 2, 6 or 4, with or without ``q_in_registers``."""
     from flash_attn_vsa.fwd_sm90 import block_sparse_forward_q64
     from flash_attn_vsa.fwd_sm90_paired import block_sparse_forward_paired
+    from flash_attn_vsa.fwd_sm90_streams import block_sparse_forward_streams
 
-    q_block, q_in_registers = ARMS[arm]
-    if q_block == 64:
+    _, kernel, q_in_registers = ARMS[arm]
+    if kernel == "two_cta":
         return block_sparse_forward_q64(q, k, v, prepared, softmax_scale=scale, out=out,
                                         lse=lse, q_in_registers=q_in_registers)  # fmt: skip
+    run = block_sparse_forward_streams if kernel == "streams" else block_sparse_forward_paired
     tensors, valid = prepared
-    return block_sparse_forward_paired(q, k, v, tensors, valid, softmax_scale=scale, out=out,
-                                       lse=lse, q_in_registers=q_in_registers)  # fmt: skip
+    return run(q, k, v, tensors, valid, softmax_scale=scale, out=out, lse=lse,
+               q_in_registers=q_in_registers)  # fmt: skip
 
 
 def run(args) -> int:
     import torch
+    from bwd_list_rotation import topk_layout
     from flash_attn.cute.interface import _flash_attn_fwd
     from kv64_bwd_configs import (
         check_forward,
@@ -107,7 +136,7 @@ def run(args) -> int:
     for q_block in (64, 128):
         lay = random_layout(2048, 4, (q_block, 64), 0.3, seed=1)
         ref_out = reference(q, k, v, dout, lay, scale)[0]
-        for arm in [a for a, (qb, _) in ARMS.items() if qb == q_block]:
+        for arm in [a for a, (qb, _, _) in ARMS.items() if qb == q_block]:
             prepared = prepare(arm, lay)
 
             def run_arm(out, lse, arm=arm, prepared=prepared):
@@ -121,6 +150,7 @@ def run(args) -> int:
     layouts = {  # (mask, query rows) -> layout
         ("exact256_90", 64): base.refine((64, 64)).to("cuda"),
         ("native_random_10", 64): random_layout(seq, heads, (64, 64), 0.1, seed=3, empty_kv=()),
+        ("native_topk_12.5", 64): topk_layout(seq, heads, 0.125, seed=4),
         ("exact256_90", 128): base.refine((128, 64)).to("cuda"),
     }
     for (mask, q_block), layout in layouts.items():
@@ -153,11 +183,11 @@ def compile_for_sass(dump_dir: str, arm: str | None) -> int:
     import torch
 
     with gate.fake_cuda_qkv() as (q, k, v):
-        if ARMS[arm][0] == 64:
-            prepared = gate._sparse_tensors(torch, (64, 64), "fwd")
-        else:
-            valid = torch.empty(gate.SEQLEN // 64, dtype=torch.int32, device="cuda")
-            prepared = (gate._sparse_tensors(torch, (128, 128), "fwd"), valid)
+        valid = torch.empty(gate.SEQLEN // 64, dtype=torch.int32, device="cuda")
+        block = {"two_cta": (64, 64), "streams": (128, 64), "paired": (128, 128)}[ARMS[arm][1]]
+        prepared = gate._sparse_tensors(torch, block, "fwd")
+        if ARMS[arm][1] != "two_cta":
+            prepared = (prepared, valid)
         forward(arm, q, k, v, prepared, gate.HEAD_DIM**-0.5)
     return 0
 

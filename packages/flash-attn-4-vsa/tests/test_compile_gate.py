@@ -18,7 +18,7 @@ def test_configs_cover_what_the_adapter_uses():
     fwd_blocks = {c.block_size for c in cg.CONFIGS if c.direction == "fwd"}
     assert {None, (128, 128), (64, 64)} <= fwd_blocks
     directions = ("fwd", "bwd", "fwd-q64", "fwd-q64-q-regs", "fwd-paired", "fwd-paired-q-regs",
-                  "bwd-kv64")  # fmt: skip
+                  "fwd-streams", "fwd-streams-q-regs", "bwd-kv64")  # fmt: skip
     assert all(c.direction in directions for c in cg.CONFIGS)
     assert any(c.kernel == "FlashAttentionBackwardSm90KV64" for c in cg.CONFIGS)  # the fork
     assert any(c.kernel == "FlashAttentionForwardSm90TwoCtas" for c in cg.CONFIGS)

@@ -57,7 +57,8 @@ class GateConfig:
 
     name: str
     direction: str  # "fwd", "bwd" (upstream's entry points); ours: "fwd-q64",
-    # "fwd-q64-q-regs", "fwd-paired", "fwd-paired-q-regs", "bwd-kv64"
+    # "fwd-q64-q-regs", "fwd-paired", "fwd-paired-q-regs", "fwd-streams", "fwd-streams-q-regs",
+    # "bwd-kv64"
     block_size: tuple[int, int] | None  # (q, kv) tokens per sparse block; None: dense
     kernel: str  # the kernel class that must be compiled (for sm_90a)
     why: str
@@ -116,6 +117,21 @@ CONFIGS: tuple[GateConfig, ...] = (
         "FlashAttentionForwardSm90PairedKeysQInRegisters",
         "the same with QK^T reading Q from registers (flash_attn_vsa.q_regs_sm90; not routed "
         "until measured)",
+    ),
+    GateConfig(
+        "fwd-sparse-q64-kv64-two-streams",
+        "fwd-streams",
+        (128, 64),
+        "FlashAttentionForwardSm90TwoStreams",
+        "the fork's 64x64 forward as two query streams per 128-row tile "
+        "(flash_attn_vsa.fwd_sm90_streams; not routed until measured)",
+    ),
+    GateConfig(
+        "fwd-sparse-q64-kv64-two-streams-q-in-registers",
+        "fwd-streams-q-regs",
+        (128, 64),
+        "FlashAttentionForwardSm90TwoStreamsQInRegisters",
+        "the same with QK^T reading Q from registers",
     ),
     GateConfig(
         "bwd-dense",
@@ -440,6 +456,19 @@ def _compile_one(config: GateConfig, arch: str, counter: CountingCompile) -> Gat
                     sparse,
                     softmax_scale=HEAD_DIM**-0.5,
                     q_in_registers=config.direction == "fwd-q64-q-regs",
+                )
+            elif config.direction in ("fwd-streams", "fwd-streams-q-regs"):
+                from flash_attn_vsa.fwd_sm90_streams import block_sparse_forward_streams
+
+                valid = torch.empty(SEQLEN // 64, dtype=torch.int32, device="cuda")
+                block_sparse_forward_streams(
+                    q,
+                    k,
+                    v,
+                    sparse,
+                    valid,
+                    softmax_scale=HEAD_DIM**-0.5,
+                    q_in_registers=config.direction == "fwd-streams-q-regs",
                 )
             elif config.direction in ("fwd-paired", "fwd-paired-q-regs"):
                 from flash_attn_vsa.fwd_sm90_paired import KEY_BLOCK, block_sparse_forward_paired

@@ -116,10 +116,27 @@ TWO_CTAS = "two_ctas"
 TWO_CTAS_Q_IN_REGISTERS = "two_ctas_q_in_registers"
 PAIRED_KEYS = "paired_keys"
 PAIRED_KEYS_Q_IN_REGISTERS = "paired_keys_q_in_registers"
-"""Forward scopes: `kernel_class()` (this module) and `fwd_sm90_paired.kernel_class()`, each
-plain or with Q in registers (delta 5)."""
-SCOPES = (TWO_CTAS, TWO_CTAS_Q_IN_REGISTERS, PAIRED_KEYS, PAIRED_KEYS_Q_IN_REGISTERS)
+TWO_STREAMS = "two_streams"
+TWO_STREAMS_Q_IN_REGISTERS = "two_streams_q_in_registers"
+"""Forward scopes: `kernel_class()` (this module), `fwd_sm90_paired.kernel_class()` and
+`fwd_sm90_streams.kernel_class()`, each plain or with Q in registers (delta 5)."""
+SCOPES = (
+    TWO_CTAS,
+    TWO_CTAS_Q_IN_REGISTERS,
+    PAIRED_KEYS,
+    PAIRED_KEYS_Q_IN_REGISTERS,
+    TWO_STREAMS,
+    TWO_STREAMS_Q_IN_REGISTERS,
+)
 PAIRED_SCOPES = (PAIRED_KEYS, PAIRED_KEYS_Q_IN_REGISTERS)
+STREAMS_SCOPES = (TWO_STREAMS, TWO_STREAMS_Q_IN_REGISTERS)
+TWO_BLOCK_STAGE_SCOPES = PAIRED_SCOPES + STREAMS_SCOPES
+"""Scopes whose key/value stages hold two 64-token blocks (the paired-key producer's)."""
+Q_IN_REGISTERS_SCOPES = (
+    TWO_CTAS_Q_IN_REGISTERS,
+    PAIRED_KEYS_Q_IN_REGISTERS,
+    TWO_STREAMS_Q_IN_REGISTERS,
+)
 
 
 def current_scope() -> str | None:
@@ -131,7 +148,8 @@ def current_scope() -> str | None:
 def current_kernel_class() -> type:
     """The sm_90 forward kernel class upstream's interface builds on this thread now:
     `kernel_class()` inside `two_cta_scope`, the paired-key class inside
-    ``fwd_sm90_paired.paired_scope`` (each with Q in registers where the scope says so),
+    ``fwd_sm90_paired.paired_scope``, the two-stream class inside
+    ``fwd_sm90_streams.streams_scope`` (each with Q in registers where the scope says so),
     upstream's own elsewhere."""
     from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90
 
@@ -142,6 +160,10 @@ def current_kernel_class() -> type:
         from flash_attn_vsa import fwd_sm90_paired
 
         return fwd_sm90_paired.kernel_class(q_in_registers=scope == PAIRED_KEYS_Q_IN_REGISTERS)
+    if scope in STREAMS_SCOPES:
+        from flash_attn_vsa import fwd_sm90_streams
+
+        return fwd_sm90_streams.kernel_class(q_in_registers=scope == TWO_STREAMS_Q_IN_REGISTERS)
     return FlashAttentionForwardSm90
 
 

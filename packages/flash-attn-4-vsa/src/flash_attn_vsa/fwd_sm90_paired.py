@@ -47,6 +47,8 @@ from flash_attn_vsa.fwd_sm90 import (
     PAIRED_KEYS,
     PAIRED_KEYS_Q_IN_REGISTERS,
     PAIRED_SCOPES,
+    STREAMS_SCOPES,
+    TWO_BLOCK_STAGE_SCOPES,
     current_scope,
     forward_scope,
 )
@@ -329,15 +331,16 @@ def _real_cpasync() -> Any:
 
 
 class _ScopedCpasync:
-    """``cpasync`` as upstream's forward module sees it: inside `paired_scope` on the calling
-    thread the K/V TMA atoms (built with a multicast count) get a 64 x 64 box; elsewhere, and
-    for every other call, the real module."""
+    """``cpasync`` as upstream's forward module sees it: inside `paired_scope` (and the
+    two-stream scope, same producer) on the calling thread the K/V TMA atoms (built with a
+    multicast count) get a 64 x 64 box; elsewhere, and for every other call, the real
+    module."""
 
     def __init__(self, real: Any) -> None:
         self._real = real
 
     def make_tiled_tma_atom(self, op, gmem, smem_layout, tiler, *rest, **kwargs):
-        if not rest or current_scope() not in PAIRED_SCOPES:
+        if not rest or current_scope() not in TWO_BLOCK_STAGE_SCOPES:
             return self._real.make_tiled_tma_atom(op, gmem, smem_layout, tiler, *rest, **kwargs)
         from cutlass.utils import LayoutEnum
         from quack import sm90_utils
@@ -353,8 +356,9 @@ class _ScopedCpasync:
 @functools.cache
 def _install() -> None:
     """Once per process: upstream's forward module sees `_ScopedCpasync` and builds its mask
-    from `mask_class()` inside `paired_scope` on the calling thread (elsewhere, exactly what
-    it saw before: the real module, `flash_attn_vsa.mask_sm90`'s class)."""
+    from `mask_class()` inside `paired_scope` (the two-stream kernel's inside its scope) on
+    the calling thread (elsewhere, exactly what it saw before: the real module,
+    `flash_attn_vsa.mask_sm90`'s class)."""
     import flash_attn.cute.flash_fwd_sm90 as fwd_module
 
     from flash_attn_vsa import mask_sm90
@@ -365,8 +369,14 @@ def _install() -> None:
     class ScopedMask(outside):  # a subclass, so issubclass/isinstance still hold
         def __new__(cls, *args: Any, **kwargs: Any) -> Any:
             # Returns an instance of another class, so Python does not call __init__ again.
-            inside = current_scope() in PAIRED_SCOPES
-            return (mask_class() if inside else outside)(*args, **kwargs)
+            scope = current_scope()
+            if scope in PAIRED_SCOPES:
+                return mask_class()(*args, **kwargs)
+            if scope in STREAMS_SCOPES:
+                from flash_attn_vsa import fwd_sm90_streams
+
+                return fwd_sm90_streams.mask_class()(*args, **kwargs)
+            return outside(*args, **kwargs)
 
     fwd_module.AttentionMask = ScopedMask
     fwd_module.cpasync = _ScopedCpasync(fwd_module.cpasync)

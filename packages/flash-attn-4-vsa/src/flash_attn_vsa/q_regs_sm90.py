@@ -109,8 +109,10 @@ def with_q_in_registers(base: type) -> type:
     import cutlass.utils.hopper_helpers as sm90_helpers
     from cutlass import Float32
     from cutlass.cute.nvgpu import warpgroup
+    from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90
 
-    mma_signature = inspect.signature(base.mma)
+    # Upstream's parameter names (``base`` may wrap ``mma`` as ``*args, **kwargs`` itself).
+    mma_signature = inspect.signature(FlashAttentionForwardSm90.mma)
 
     class QInRegisters(base):  # type: ignore[misc, valid-type]
         """``base`` with QK^T's A operand (Q) in registers."""

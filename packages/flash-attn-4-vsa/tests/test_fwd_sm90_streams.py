@@ -1,0 +1,166 @@
+"""The two-stream forward (`flash_attn_vsa.fwd_sm90_streams`).
+
+CPU: `stream_lists` (every block of each 64-row query block's list exactly once, on its own
+side, in the right list; zeros after; refusals), the mask class's dispatch, the scope. GPU
+(sm_90): 64-row query blocks with their own lists (0..5 blocks, different lengths within a
+tile) over full, partial and empty key blocks against the float32 reference, NaN-poisoned
+outputs fully written, with and without Q in registers.
+"""
+
+from __future__ import annotations
+
+import pytest
+import sm90_cases as cases
+import torch
+from test_fwd_sm90_paired import random_split_lists
+
+from flash_attn_vsa import fwd_sm90, upstream_version
+
+needs_upstream = pytest.mark.skipif(upstream_version() is None, reason="needs flash-attn-4")
+I32 = torch.int32
+
+
+def streams():
+    from flash_attn_vsa import fwd_sm90_streams
+
+    return fwd_sm90_streams
+
+
+def sides(entries, count):
+    """([low ids], [high ids]) of the first ``count`` packed entries, NO_BLOCK left out."""
+    low, high = [], []
+    for value in entries[:count].tolist():
+        for side, block in ((low, value & 0xFFFF), (high, value >> 16)):
+            if block != streams().NO_BLOCK:
+                side.append(block)
+    return low, high
+
+
+@needs_upstream
+@pytest.mark.parametrize("seed,rows,num_kv,width", [(0, 40, 24, 9), (1, 30, 10, 9), (2, 6, 8, 1),
+                                                    (3, 8, 200, 64), (4, 4, 6, 0)])  # fmt: skip
+def test_stream_lists_keep_each_query_blocks_list_on_its_own_side(seed, rows, num_kv, width):
+    full, n_full, part, n_part = random_split_lists(seed, rows, num_kv, max(width, 1))
+    mask_cnt, mask_idx, full_cnt, full_idx = streams().stream_lists(full, n_full, part, n_part)
+    assert all(t.dtype == I32 for t in (mask_cnt, mask_idx, full_cnt, full_idx))
+    assert full_idx.shape == mask_idx.shape == (rows // 2, max(width, 1))
+    for t in range(rows // 2):
+        full_low, full_high = sides(full_idx[t], int(full_cnt[t]))
+        mask_low, mask_high = sides(mask_idx[t], int(mask_cnt[t]))
+        assert len(full_low) == len(full_high) == int(full_cnt[t])  # full: two real blocks
+        for side, (got_full, got_mask) in enumerate(((full_low, mask_low),
+                                                     (full_high, mask_high))):  # fmt: skip
+            r = 2 * t + side
+            want_full = full[r, : n_full[r]].tolist()
+            want_part = part[r, : n_part[r]].tolist()
+            assert set(got_full) <= set(want_full)  # the full list holds full blocks only
+            assert sorted(got_full + got_mask) == sorted(want_full + want_part)
+            assert len(got_full + got_mask) == len(want_full + want_part)  # each once
+        assert int(full_cnt[t]) == min(n_full[2 * t], n_full[2 * t + 1])
+        assert int(mask_cnt[t]) == max(len(mask_low), len(mask_high))  # no all-empty entry
+        assert not full_idx[t, full_cnt[t] :].any() and not mask_idx[t, mask_cnt[t] :].any()
+
+
+@needs_upstream
+def test_stream_lists_refuse_an_odd_number_of_query_blocks():
+    full, n_full, part, n_part = random_split_lists(0, 3, 8, 4)
+    with pytest.raises(ValueError, match="must be even, got 3"):
+        streams().stream_lists(full, n_full, part, n_part)
+
+
+@needs_upstream
+def test_mask_class_applies_only_the_stream_mask_and_skips_the_seqlen_mask(monkeypatch):
+    from flash_attn.cute.mask import AttentionMask
+    from flash_attn.cute.utils import AuxData
+
+    cls = streams().mask_class()
+    calls = []
+    monkeypatch.setattr(cls, "keep_stream_columns", lambda self, *args: calls.append(args[-1]))
+    monkeypatch.setattr(AttentionMask, "apply_mask", lambda *args: calls.append("upstream"))
+    mask = cls(128, 64, None)
+    aux = AuxData(tensors=["valid sizes"])
+
+    def apply(mask_mod, causal=False):
+        return mask.apply_mask("acc", 0, 0, 0, 5, "thr", True, causal, False, mask_mod, aux)
+
+    assert apply(None) is None and calls == []  # both blocks full: no seqlen mask either
+    apply(streams().stream_mask_mod())
+    assert calls == ["valid sizes"]
+    with pytest.raises(ValueError, match="stream_mask_mod"):
+        apply(lambda *args: True)
+    with pytest.raises(ValueError, match="no causal"):
+        apply(streams().stream_mask_mod(), causal=True)
+
+
+@needs_upstream
+def test_scope_picks_the_streams_class_mask_and_two_block_stages():
+    import flash_attn.cute.flash_fwd_sm90 as fwd_module
+
+    from flash_attn_vsa import fwd_sm90_paired, sm90_operands
+
+    for q_in_registers in (False, True):
+        with streams().streams_scope(q_in_registers=q_in_registers):
+            assert fwd_sm90.current_scope() in fwd_sm90.STREAMS_SCOPES
+            cls = fwd_sm90.current_kernel_class()
+            assert type(fwd_module.AttentionMask(128, 64, None)) is streams().mask_class()
+            assert sm90_operands._stack("staged_rows") == (2,)
+        assert cls is streams().kernel_class(q_in_registers=q_in_registers)
+        assert issubclass(cls, fwd_sm90_paired.kernel_class())  # the paired-key producer
+    assert sm90_operands._stack("staged_rows") == ()
+    assert streams().kernel_class(True) is not streams().kernel_class()
+
+
+# ---- GPU ----------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@needs_upstream
+@pytest.mark.skipif(not cases.sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("q_in_registers", [False, True])
+def test_two_stream_forward_matches_the_reference(dtype, q_in_registers):
+    head_dim = 128
+    valid, selected = cases.case(seed=13)  # 64-row query blocks: i selects i % 6 key blocks
+    q, k, v, dout = cases.inputs(head_dim, dtype, valid)
+    scale = head_dim**-0.5
+    ref_out, ref_lse, _ = cases.reference(q, k, v, dout, valid, selected, scale)
+    split = cases.sparse_tensors(valid, selected, backward=False)
+    mask_cnt, mask_idx, full_cnt, full_idx = streams().stream_lists(
+        split.full_block_idx, split.full_block_cnt, split.mask_block_idx, split.mask_block_cnt
+    )
+    tensors = split._replace(
+        mask_block_cnt=mask_cnt, mask_block_idx=mask_idx, full_block_cnt=full_cnt,
+        full_block_idx=full_idx, block_size=streams().BLOCK_SIZE,
+    )  # fmt: skip
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((1, cases.HEADS, cases.SEQ), float("nan"), device="cuda")
+    got_out, got_lse = streams().block_sparse_forward_streams(
+        q, k, v, tensors, valid.cuda(), softmax_scale=scale, out=out, lse=lse,
+        q_in_registers=q_in_registers,
+    )  # fmt: skip
+    assert got_out.data_ptr() == out.data_ptr() and got_lse.data_ptr() == lse.data_ptr()
+    assert torch.isfinite(got_out).all()
+    err = ((got_out.float() - ref_out).norm() / ref_out.norm()).item()
+    assert err <= 1e-2, err
+    sees_keys = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(got_lse), sees_keys)
+    assert (got_lse[sees_keys] - ref_lse[sees_keys]).abs().max().item() <= 1e-2
+    assert bool((got_out.transpose(1, 2)[~sees_keys] == 0).all())
+
+
+@pytest.mark.gpu
+@needs_upstream
+@pytest.mark.skipif(not cases.sm90(), reason="needs an sm_90 GPU")
+def test_two_stream_forward_refuses_other_block_sizes_and_head_dims():
+    q = torch.zeros(1, 256, 2, 128, device="cuda", dtype=torch.bfloat16)
+    tensors = cases.sparse_tensors(
+        torch.full((4,), 64, dtype=torch.int32), torch.zeros(cases.HEADS, 2, 4, dtype=torch.bool),
+        backward=False,
+    )  # fmt: skip
+    valid = torch.full((4,), 64, dtype=I32, device="cuda")
+    with pytest.raises(ValueError, match="block_size must be"):
+        streams().block_sparse_forward_streams(
+            q, q, q, tensors._replace(block_size=(64, 64)), valid, softmax_scale=0.1
+        )
+    small = q[..., :64].contiguous()
+    with pytest.raises(ValueError, match="head dim must be 128"):
+        streams().block_sparse_forward_streams(small, small, small, tensors, valid,
+                                               softmax_scale=0.1)  # fmt: skip
