@@ -37,6 +37,7 @@ TARGETS = (
     "dense_fwd",
     "fa4_fwd64",
     "fa4_fwd64_q_regs",
+    "fa4_streams",
     "fa4_paired",
     "dense_bwd",
     "fa4_bwd64",
@@ -62,9 +63,11 @@ def build(seq: int, heads: int, keep: float):
     from bwd_list_rotation import length_case
     from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd
     from paired_kv_fwd import paired_tensors
+    from q64_fwd_q_in_registers import stream_tensors
 
     from flash_attn_vsa.fwd_sm90 import block_sparse_forward_q64
     from flash_attn_vsa.fwd_sm90_paired import block_sparse_forward_paired
+    from flash_attn_vsa.fwd_sm90_streams import block_sparse_forward_streams
     from vsa_core.rotation import rotation_width
     from vsa_fa4 import launch
     from vsa_fa4.metadata import backward_lists, forward_lists
@@ -82,6 +85,7 @@ def build(seq: int, heads: int, keep: float):
     tensors_cls = launch._upstream()[0]
     fwd64 = launch._block_sparse(tensors_cls, forward_lists(idx, cnt, valid, BLOCK), (64, 64))
     paired = paired_tensors(lay128)
+    streams = stream_tensors(lay)
     sms = rotation_width(q.device)
     bwd64 = backward_lists(idx, cnt, valid, BLOCK, masked=False, rotate_sms=sms)
     bwd128 = backward_lists(idx128, cnt128, valid, BLOCK, masked=False, rotate_sms=sms)
@@ -99,6 +103,9 @@ def build(seq: int, heads: int, keep: float):
         "dense_fwd": lambda: _flash_attn_fwd(q, k, v, softmax_scale=scale),
         "fa4_fwd64": lambda: fwd64_call(False),
         "fa4_fwd64_q_regs": lambda: fwd64_call(True),
+        "fa4_streams": lambda: block_sparse_forward_streams(
+            q, k, v, streams, valid, softmax_scale=scale
+        ),
         "fa4_paired": lambda: block_sparse_forward_paired(
             q, k, v, paired, valid, softmax_scale=scale
         ),
