@@ -32,6 +32,7 @@ on stdout (progress goes to stderr) and PNG plots of TFLOP/s vs sparsity.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import sys
 import time
@@ -199,7 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--arms",
         nargs="+",
         help=f"arms to run (default: {' '.join(KNOWN_ARMS)} plus vsa:NAME for every other "
-        "registered vsa backend)",
+        "registered vsa backend); vsa:fa4+OPTION[+OPTION] runs the fa4 backend with the fork's "
+        f"experimental forward kernels where they fit (options: {', '.join(FA4_VARIANTS)})",
     )
     g.add_argument("--batch", type=int, default=1)
     g.add_argument("--heads", type=int, help="default 12 (CPU: 2)")
@@ -272,6 +274,12 @@ def make_config(args: argparse.Namespace, device: torch.device) -> Config:
     unknown = [a for a in arms if a not in KNOWN_ARMS and not a.startswith("vsa:")]
     if unknown:
         raise SystemExit(f"unknown arms {unknown}; known: {', '.join(KNOWN_ARMS)}, vsa:NAME")
+    for arm in arms:
+        if arm.startswith("vsa:") and "+" in arm:
+            try:
+                Fa4VariantArm(arm)
+            except ValueError as exc:
+                raise SystemExit(str(exc)) from None
     cfg = Config(
         seq_lens=list(pick("seq_lens")),
         sparsities=list(dict.fromkeys(args.sparsities)),
@@ -464,6 +472,10 @@ class VsaBackendArm(Arm):
         self.name = arm_name or backend
         self.backend: Any = None
 
+    def context(self) -> contextlib.AbstractContextManager[Any]:
+        """Entered around every call of the op (a variant arm's settings)."""
+        return contextlib.nullcontext()
+
     def unavailable(self, device: torch.device) -> str | None:
         try:
             self.backend = get_backend(self.backend_name)
@@ -491,10 +503,36 @@ class VsaBackendArm(Arm):
         layout, name, scale = cell.layout, self.backend_name, inputs.scale
 
         def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            return block_sparse_attn(q, k, v, layout, backend=name, scale=scale)[0]
+            with self.context():
+                return block_sparse_attn(q, k, v, layout, backend=name, scale=scale)[0]
 
         leaves = bc.make_leaves((inputs.q, inputs.k, inputs.v), cell.mode, lambda t: t)
         return bc.autograd_runner(forward, leaves, inputs.dout, cell.mode)
+
+
+FA4_VARIANTS = {"qregs": "q_in_registers", "streams": "two_streams"}
+"""Options of ``vsa:fa4+...`` arms: fields of ``vsa_fa4.launch.ForwardVariant``."""
+
+
+class Fa4VariantArm(VsaBackendArm):
+    """``vsa:fa4+OPTION[+OPTION]``: the fa4 backend with the fork's experimental forward kernels
+    (``vsa_fa4.launch.ForwardVariant``) where they fit, the shipped ones elsewhere."""
+
+    def __init__(self, arm_name: str) -> None:
+        backend, *options = arm_name.removeprefix("vsa:").split("+")
+        unknown = [o for o in options if o not in FA4_VARIANTS]
+        if backend != "fa4" or not options or unknown:
+            raise ValueError(
+                f"a variant arm is vsa:fa4+OPTION[+OPTION] with options "
+                f"{', '.join(FA4_VARIANTS)}; got {arm_name!r}"
+            )
+        super().__init__("fa4", arm_name=arm_name)
+        self.options = {FA4_VARIANTS[o]: True for o in options}
+
+    def context(self) -> contextlib.AbstractContextManager[Any]:
+        from vsa_fa4 import launch
+
+        return launch.forward_variant(launch.ForwardVariant(**self.options))
 
 
 def cuda_only(device: torch.device, what: str) -> str | None:
@@ -811,6 +849,8 @@ def build_arms(names: Sequence[str]) -> list[Arm]:
     for name in names:
         if name in VSA_BACKEND_ARMS:
             arms.append(VsaBackendArm(name))
+        elif name.startswith("vsa:") and "+" in name:
+            arms.append(Fa4VariantArm(name))
         elif name.startswith("vsa:"):
             arms.append(VsaBackendArm(name[4:], arm_name=name))
         elif name == "fa4_raw":

@@ -135,6 +135,24 @@ def test_cuda_arms_are_skipped_with_reasons_on_cpu(vsa_run):
             assert r["reason"] == backend.supports(call)
 
 
+def test_fa4_variant_arms_run_the_fa4_backend_inside_their_forward_variant():
+    from vsa_fa4 import launch
+
+    arm = bench_vsa.build_arms(["vsa:fa4+streams+qregs"])[0]
+    assert isinstance(arm, bench_vsa.Fa4VariantArm) and arm.backend_name == "fa4"
+    assert arm.name == "vsa:fa4+streams+qregs"
+    with arm.context():
+        assert launch.current_forward_variant() == launch.ForwardVariant(True, True)
+    assert launch.current_forward_variant() == launch.SHIPPED_FORWARD
+    with arm.__class__("vsa:fa4+streams").context():
+        assert launch.current_forward_variant() == launch.ForwardVariant(two_streams=True)
+    for bad in ("vsa:fa4+fast", "vsa:triton+streams"):
+        with pytest.raises(ValueError, match="vsa:fa4\\+OPTION"):
+            bench_vsa.build_arms([bad])
+        with pytest.raises(SystemExit, match="vsa:fa4\\+OPTION"):
+            bench_vsa.main(["--device", "cpu", "--arms", bad])
+
+
 def test_markdown_table_on_stdout_and_in_md_file(vsa_run):
     out, doc = vsa_run
     text = out.with_suffix(".md").read_text()

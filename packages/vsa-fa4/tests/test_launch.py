@@ -42,10 +42,11 @@ def test_paired_keys_only_for_128x64_head_dim_128_on_sm90(
 
 
 @pytest.mark.parametrize("q_in_registers", [False, True])
-def test_forward_passes_the_q_in_registers_switch_to_both_fork_kernels(monkeypatch, q_in_registers):
+@pytest.mark.parametrize("two_streams", [False, True])
+def test_forward_variant_routes_to_the_fork_kernels(monkeypatch, q_in_registers, two_streams):
     import flash_attn.cute.interface as interface
 
-    from flash_attn_vsa import fwd_sm90, fwd_sm90_paired
+    from flash_attn_vsa import fwd_sm90, fwd_sm90_paired, fwd_sm90_streams
 
     seen = []
 
@@ -55,12 +56,25 @@ def test_forward_passes_the_q_in_registers_switch_to_both_fork_kernels(monkeypat
 
         return kernel
 
-    monkeypatch.setattr(launch, "FORWARD_Q_IN_REGISTERS", q_in_registers)
     monkeypatch.setattr(fwd_sm90, "block_sparse_forward_q64", record("two_ctas"))
     monkeypatch.setattr(fwd_sm90_paired, "block_sparse_forward_paired", record("paired"))
+    monkeypatch.setattr(fwd_sm90_streams, "block_sparse_forward_streams", record("streams"))
     monkeypatch.setattr(interface, "_get_device_arch", lambda: 90)
     q = torch.zeros(1, 512, 2, 128)
     valid = torch.full((16,), 64, dtype=torch.int32)
-    for block in ((64, 64), (128, 64)):
-        launch.run_forward(q, q, q, q, q, lists(5), valid, 0.1, block, masked=False)
-    assert seen == [("two_ctas", q_in_registers), ("paired", q_in_registers)]
+    variant = launch.ForwardVariant(q_in_registers=q_in_registers, two_streams=two_streams)
+    with launch.forward_variant(variant):
+        for block in ((64, 64), (128, 64)):
+            launch.run_forward(q, q, q, q, q, lists(5), valid, 0.1, block, masked=False)
+        odd = torch.zeros(1, 448, 2, 128)  # 7 query blocks: no pairs of streams
+        launch.run_forward(odd, odd, odd, odd, odd, lists(5), valid[:7], 0.1, (64, 64))
+    first = "streams" if two_streams else "two_ctas"
+    want = [(first, q_in_registers), ("paired", q_in_registers), ("two_ctas", q_in_registers)]
+    assert seen == want
+    assert launch.current_forward_variant() == launch.SHIPPED_FORWARD
+    with pytest.raises(ValueError, match="ForwardVariant"), launch.forward_variant("streams"):
+        pass
+
+
+def test_shipped_forward_runs_neither_experimental_kernel():
+    assert launch.ForwardVariant(q_in_registers=False, two_streams=False) == launch.SHIPPED_FORWARD

@@ -14,16 +14,53 @@ launch, which is how the compile gate checks this path on a CPU.
 from __future__ import annotations
 
 import contextlib
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from vsa_fa4.metadata import SparseLists
 
-FORWARD_Q_IN_REGISTERS = False
-"""Whether the fork's 64x64 (two-CTA) and 128x64 (paired-key) forwards keep Q in registers for
-QK^T (`flash_attn_vsa.q_regs_sm90`). Off until an H200 measures it faster (the fork's NOTES.md,
-experiment 10); both variants pass the same GPU tests."""
+
+@dataclass(frozen=True)
+class ForwardVariant:
+    """Which of the fork's experimental forward kernels the fa4 forwards use where they fit.
+
+    ``q_in_registers``: QK^T reads Q from registers (`flash_attn_vsa.q_regs_sm90`, delta 5) in
+    the 64x64, 128x64 and two-stream forwards. ``two_streams``: 64x64 forwards run two 64-row
+    query blocks per 128-row tile, one per warpgroup, each with its own list
+    (`flash_attn_vsa.fwd_sm90_streams`, delta 6; head dim 128, an even number of query blocks,
+    sm_90). Both off in `SHIPPED_FORWARD` until an H200 measures them faster (the fork's
+    NOTES.md, experiment 10); benchmarks compare them with `forward_variant`."""
+
+    q_in_registers: bool = False
+    two_streams: bool = False
+
+
+SHIPPED_FORWARD = ForwardVariant()
+"""What the forwards run unless `forward_variant` says otherwise."""
+
+_variant = threading.local()
+
+
+def current_forward_variant() -> ForwardVariant:
+    """The variant in force on this thread (`SHIPPED_FORWARD` outside `forward_variant`)."""
+    return getattr(_variant, "value", SHIPPED_FORWARD)
+
+
+@contextlib.contextmanager
+def forward_variant(variant: ForwardVariant) -> Iterator[None]:
+    """Within this block, on this thread, fa4 forwards run ``variant``."""
+    if not isinstance(variant, ForwardVariant):
+        raise ValueError(f"variant must be a ForwardVariant, got {variant!r}")
+    saved = current_forward_variant()
+    _variant.value = variant
+    try:
+        yield
+    finally:
+        _variant.value = saved
 
 
 def _upstream() -> tuple[Any, Any, Any, Any]:
@@ -84,16 +121,21 @@ def run_forward(
     64x64 blocks (only sm_90 runs them) go to the fork's two-CTA-per-SM launch of upstream's
     kernel (`flash_attn_vsa.fwd_sm90`: 0.78 of dense instead of 0.55 on an H200); 128x64
     blocks at head dim 128 on sm_90 to the fork's paired-key kernel (`run_forward_paired`);
-    everything else to upstream's ``_flash_attn_fwd``."""
+    everything else to upstream's ``_flash_attn_fwd``. `forward_variant` picks the fork's
+    experimental kernels where they fit."""
+    variant = current_forward_variant()
     if _pairs_keys(q, lists, kv_valid_sizes, block_size):
         run_forward_paired(q, k, v, out, lse, lists, kv_valid_sizes, scale)
+        return
+    if variant.two_streams and _runs_two_streams(q, kv_valid_sizes, block_size):
+        run_forward_streams(q, k, v, out, lse, lists, kv_valid_sizes, scale)
         return
     tensors_cls, fwd, _, mask_mod = _upstream()
     kwargs: dict[str, Any] = {"return_lse": True}
     if tuple(block_size) == (64, 64):
         from flash_attn_vsa.fwd_sm90 import block_sparse_forward_q64 as fwd
 
-        kwargs = {"q_in_registers": FORWARD_Q_IN_REGISTERS}
+        kwargs = {"q_in_registers": variant.q_in_registers}
     with _on_device(q.device):
         fwd(
             q,
@@ -154,7 +196,54 @@ def run_forward_paired(
     with _on_device(q.device):
         paired.block_sparse_forward_paired(
             q, k, v, _block_sparse(tensors_cls, pairs, paired.BLOCK_SIZE), kv_valid_sizes,
-            softmax_scale=scale, out=out, lse=lse, q_in_registers=FORWARD_Q_IN_REGISTERS,
+            softmax_scale=scale, out=out, lse=lse,
+            q_in_registers=current_forward_variant().q_in_registers,
+        )  # fmt: skip
+
+
+def _runs_two_streams(
+    q: torch.Tensor, kv_valid_sizes: torch.Tensor, block_size: tuple[int, int]
+) -> bool:
+    """Whether a forward fits the two-stream kernel: 64x64 blocks, head dim 128, an even
+    number of 64-row query blocks, key block ids that pack in 16 bits, sm_90."""
+    from flash_attn.cute.interface import _get_device_arch
+
+    from flash_attn_vsa import fwd_sm90_streams as streams
+
+    return (
+        tuple(block_size) == (streams.KEY_BLOCK, streams.KEY_BLOCK)
+        and q.shape[-1] == streams.HEAD_DIM
+        and (q.shape[1] // streams.KEY_BLOCK) % 2 == 0
+        and kv_valid_sizes.shape[0] < streams.NO_BLOCK
+        and _get_device_arch() // 10 == 9
+    )
+
+
+def run_forward_streams(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    lists: SparseLists,
+    kv_valid_sizes: torch.Tensor,
+    scale: float,
+) -> None:
+    """The 64x64 forward on `flash_attn_vsa.fwd_sm90_streams`: the full and partial lists of
+    query blocks ``2t`` and ``2t + 1`` packed side by side for 128-row tile ``t``."""
+    from flash_attn_vsa import fwd_sm90_streams as streams
+
+    tensors_cls = _upstream()[0]
+    packed = SparseLists(
+        *streams.stream_lists(
+            lists.full_block_idx, lists.full_block_cnt, lists.mask_block_idx, lists.mask_block_cnt
+        )
+    )
+    with _on_device(q.device):
+        streams.block_sparse_forward_streams(
+            q, k, v, _block_sparse(tensors_cls, packed, streams.BLOCK_SIZE), kv_valid_sizes,
+            softmax_scale=scale, out=out, lse=lse,
+            q_in_registers=current_forward_variant().q_in_registers,
         )  # fmt: skip
 
 
