@@ -4,14 +4,19 @@ compute-sanitizer (not a pytest module)::
     compute-sanitizer --tool memcheck python3 tests/sanitize_small.py triton
     compute-sanitizer --tool memcheck python3 tests/sanitize_small.py fa4
     compute-sanitizer --tool racecheck python3 tests/sanitize_small.py fa4 128x64 --forward-only
+    compute-sanitizer --tool racecheck python3 tests/sanitize_small.py fa4 64x64 --forward-only \
+        --fa4-variant streams,qregs
 
 Block shapes after the backend name limit the run to them; ``--forward-only`` skips the
-backward (racecheck of one forward kernel in seconds instead of minutes).
+backward (racecheck of one forward kernel in seconds instead of minutes); ``--fa4-variant``
+runs the fork's experimental forwards (``vsa_fa4.launch.ForwardVariant``: ``streams``,
+``qregs``) where they fit.
 
 Partial key blocks are included; a shape the backend refuses for training (its ``supports()``
 reason is printed) runs forward only, and one it refuses outright is skipped.
 """
 
+import contextlib
 import dataclasses
 import sys
 
@@ -23,6 +28,18 @@ from vsa_core.backends import get_backend
 args = sys.argv[1:]
 forward_only = "--forward-only" in args
 args = [a for a in args if a != "--forward-only"]
+variant_context = contextlib.nullcontext  # entered once per shape: a factory
+if "--fa4-variant" in args:
+    at = args.index("--fa4-variant")
+    options = args[at + 1].split(",")
+    del args[at : at + 2]
+    from vsa_fa4 import launch
+
+    fields = {"streams": "two_streams", "qregs": "q_in_registers"}
+    if any(o not in fields for o in options):
+        raise ValueError(f"--fa4-variant takes a comma list of {sorted(fields)}, got {options}")
+    variant = launch.ForwardVariant(**{fields[o]: True for o in options})
+    variant_context = lambda: launch.forward_variant(variant)  # noqa: E731
 backend_name = args[0] if args else "triton"
 backend = get_backend(backend_name)
 ALL_SHAPES = ((64, 64), (128, 64), (128, 128), (64, 128), (256, 256))
@@ -46,7 +63,7 @@ for shape in chosen or ALL_SHAPES:
     if infer_refusal:
         print(shape, "skipped:", infer_refusal, flush=True)
         continue
-    with torch.set_grad_enabled(train_refusal is None):
+    with torch.set_grad_enabled(train_refusal is None), variant_context():
         out, lse = block_sparse_attn(q, k, v, layout, backend=backend_name)
         if train_refusal is None:
             out.sum().backward()
