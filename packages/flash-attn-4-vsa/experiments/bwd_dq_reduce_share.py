@@ -36,10 +36,7 @@ list's loop), each ``cp.reduce.async.bulk ... add.f32`` of 32,768 B in the PTX;
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import os
-import subprocess
 import sys
 import types
 from collections.abc import Iterator
@@ -129,20 +126,13 @@ def run_length(emit, seq: int, heads: int, keep: float, reps: int, sms: int) -> 
 
 def compile_for_sass(dump_dir: str, arm: str | None = None) -> int:
     """Compile the shipped kernel and each arm for sm_90a on fake tensors (no GPU), keeping
-    each one's PTX and cubin under ``dump_dir/<arm>/``: one process per arm, since CuTe DSL
-    takes its target and dump folder from the environment of the process."""
+    each one's PTX and cubin under ``dump_dir/<arm>/`` (one process per arm)."""
+    from kv64_bwd_configs import sass_in_processes
+
     from flash_attn_vsa import compile_gate as gate
 
     if arm is None:
-        for name in ["shipped", *FRACTIONS]:
-            arm_dir = os.path.join(dump_dir, name)
-            os.makedirs(arm_dir, exist_ok=True)
-            env = {**os.environ, **gate.gate_environment(dump_dir=arm_dir)}
-            cmd = [sys.executable, __file__, "--sass", dump_dir, "--sass-arm", name]
-            if subprocess.run(cmd, env=env).returncode:
-                return 1
-            print(f"{name}: compiled into {arm_dir}", flush=True)
-        return 0
+        return sass_in_processes(__file__, dump_dir, ["shipped", *FRACTIONS])
     import torch
 
     from flash_attn_vsa.bwd_sm90 import block_sparse_backward_kv64
@@ -159,15 +149,9 @@ def compile_for_sass(dump_dir: str, arm: str | None = None) -> int:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--sass", metavar="DIR", help="compile on the CPU, keep cubins; no timing")
-    ap.add_argument("--sass-arm", help=argparse.SUPPRESS)  # one arm, in its own process
-    ap.add_argument("--seqs", type=int, nargs="+", default=[32768, 131072])
-    ap.add_argument("--heads", type=int, default=12)
-    ap.add_argument("--keep", type=float, default=0.125)
-    ap.add_argument("--reps", type=int, default=10)
-    args = ap.parse_args()
+    from bwd_list_rotation import length_args
+
+    args = length_args(sass=True)
     if args.sass:
         return compile_for_sass(args.sass, args.sass_arm)
     import torch

@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -216,6 +217,30 @@ def one_length_args() -> argparse.Namespace:
     ap.add_argument("--heads", type=int, default=12)
     ap.add_argument("--reps", type=int, default=20)
     return ap.parse_args()
+
+
+def add_sass_args(ap: argparse.ArgumentParser) -> None:
+    """``--sass DIR``: compile the arms for sm_90a on the CPU and keep their cubins, no timing
+    (`sass_in_processes`); ``--sass-arm`` is the one-arm process it starts."""
+    ap.add_argument("--sass", metavar="DIR", help="compile on the CPU, keep cubins; no timing")
+    ap.add_argument("--sass-arm", help=argparse.SUPPRESS)
+
+
+def sass_in_processes(script: str, dump_dir: str, arms) -> int:
+    """Run ``script --sass DIR --sass-arm ARM`` once per arm, each in a process of its own with
+    the compile gate's environment and ``DIR/ARM`` as the dump folder (CuTe DSL takes its
+    target and dump folder from the environment of the process); 1 at the first failure."""
+    from flash_attn_vsa import compile_gate as gate
+
+    for name in arms:
+        arm_dir = os.path.join(dump_dir, name)
+        os.makedirs(arm_dir, exist_ok=True)
+        env = {**os.environ, **gate.gate_environment(dump_dir=arm_dir)}
+        cmd = [sys.executable, script, "--sass", dump_dir, "--sass-arm", name]
+        if subprocess.run(cmd, env=env).returncode:
+            return 1
+        print(f"{name}: compiled into {arm_dir}", flush=True)
+    return 0
 
 
 def jsonl_emitter(path):

@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -165,21 +164,14 @@ def run(args) -> int:
 
 
 def compile_for_sass(dump_dir: str, arm: str | None) -> int:
-    """Compile each arm for sm_90a on fake tensors (no GPU), one process per arm (CuTe DSL
-    takes its target and dump folder from the process's environment); PTX and cubins are kept
-    under ``dump_dir/<arm>/``."""
+    """Compile each arm for sm_90a on fake tensors (no GPU), keeping its PTX and cubins under
+    ``dump_dir/<arm>/`` (one process per arm)."""
+    from kv64_bwd_configs import sass_in_processes
+
     from flash_attn_vsa import compile_gate as gate
 
     if arm is None:
-        for name in ARMS:
-            arm_dir = os.path.join(dump_dir, name)
-            os.makedirs(arm_dir, exist_ok=True)
-            env = {**os.environ, **gate.gate_environment(dump_dir=arm_dir)}
-            cmd = [sys.executable, __file__, "--sass", dump_dir, "--sass-arm", name]
-            if subprocess.run(cmd, env=env).returncode:
-                return 1
-            print(f"{name}: compiled into {arm_dir}", flush=True)
-        return 0
+        return sass_in_processes(__file__, dump_dir, ARMS)
     import torch
 
     with gate.fake_cuda_qkv() as (q, k, v):
@@ -193,10 +185,11 @@ def compile_for_sass(dump_dir: str, arm: str | None) -> int:
 
 
 def main() -> int:
+    from kv64_bwd_configs import add_sass_args
+
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--sass", metavar="DIR", help="compile on the CPU, keep cubins; no timing")
-    ap.add_argument("--sass-arm", help=argparse.SUPPRESS)  # one arm, in its own process
+    add_sass_args(ap)
     ap.add_argument("--seq", type=int, default=32768)
     ap.add_argument("--heads", type=int, default=12)
     ap.add_argument("--reps", type=int, default=20)

@@ -96,3 +96,47 @@ def inputs(head_dim: int, dtype: torch.dtype, valid: torch.Tensor):
     pad = (torch.arange(BLOCK) >= valid[:, None]).flatten().cuda()
     k[:, pad], v[:, pad] = 30.0, -30.0
     return q, k, v, dout
+
+
+def with_lists(split, packed, block_size: tuple[int, int]):
+    """``split``'s FA4 tensors with ``packed`` (a fork's four list tensors, in
+    ``(mask_cnt, mask_idx, full_cnt, full_idx)`` order) and the block size FA4 is to see."""
+    mask_cnt, mask_idx, full_cnt, full_idx = packed
+    return split._replace(
+        mask_block_cnt=mask_cnt,
+        mask_block_idx=mask_idx,
+        full_block_cnt=full_cnt,
+        full_block_idx=full_idx,
+        block_size=block_size,
+    )
+
+
+def nan_outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``out`` like q and ``lse`` [1, H, S], NaN-filled: a kernel must write every element."""
+    out = torch.full_like(q, float("nan"))
+    return out, torch.full((1, HEADS, SEQ), float("nan"), device="cuda")
+
+
+def assert_forward_matches(got, written, ref_out: torch.Tensor, ref_lse: torch.Tensor) -> None:
+    """A forward's ``got`` (out, lse) is the preallocated ``written`` pair and matches the
+    float32 reference: out within relative L2 1e-2, lse within 1e-2 where a row sees keys and
+    -inf exactly where it sees none (its out 0 there)."""
+    got_out, got_lse = got
+    assert got_out.data_ptr() == written[0].data_ptr()
+    assert got_lse.data_ptr() == written[1].data_ptr()
+    assert torch.isfinite(got_out).all()
+    err = ((got_out.float() - ref_out).norm() / ref_out.norm()).item()
+    assert err <= 1e-2, err
+    sees_keys = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(got_lse), sees_keys)
+    assert (got_lse[sees_keys] - ref_lse[sees_keys]).abs().max().item() <= 1e-2
+    assert bool((got_out.transpose(1, 2)[~sees_keys] == 0).all())
+
+
+def small_refusal_case(num_kv: int = 4):
+    """(q [1, 64 * num_kv, 2, 128] bf16 zeros, forward tensors selecting nothing, valid sizes
+    on the GPU) for the argument checks, which must refuse before any launch."""
+    q = torch.zeros(1, BLOCK * num_kv, 2, 128, device="cuda", dtype=torch.bfloat16)
+    selected = torch.zeros(HEADS, num_kv // 2, num_kv, dtype=torch.bool)
+    tensors = sparse_tensors(torch.full((num_kv,), BLOCK, dtype=torch.int32), selected, False)
+    return q, tensors, torch.full((num_kv,), BLOCK, dtype=torch.int32, device="cuda")

@@ -171,41 +171,25 @@ def test_paired_forward_matches_the_reference(dtype, q_in_registers):
     scale = head_dim**-0.5
     ref_out, ref_lse, _ = cases.reference(q, k, v, dout, valid, selected, scale)
     split = cases.sparse_tensors(valid, selected, backward=False)
-    mask_cnt, mask_idx, full_cnt, full_idx = paired().pair_lists(
+    packed = paired().pair_lists(
         split.full_block_idx[..., : valid.shape[0] - 1], split.full_block_cnt,
         split.mask_block_idx[..., : valid.shape[0] - 1], split.mask_block_cnt, valid.shape[0],
     )  # fmt: skip
     assert (split.mask_block_cnt % 2).any() and (split.full_block_cnt % 2).any()  # odd tails
-    tensors = split._replace(
-        mask_block_cnt=mask_cnt, mask_block_idx=mask_idx, full_block_cnt=full_cnt,
-        full_block_idx=full_idx, block_size=paired().BLOCK_SIZE,
-    )  # fmt: skip
-    out = torch.full_like(q, float("nan"))
-    lse = torch.full((1, cases.HEADS, cases.SEQ), float("nan"), device="cuda")
-    got_out, got_lse = paired().block_sparse_forward_paired(
+    tensors = cases.with_lists(split, packed, paired().BLOCK_SIZE)
+    out, lse = cases.nan_outputs(q)
+    got = paired().block_sparse_forward_paired(
         q, k, v, tensors, valid.cuda(), softmax_scale=scale, out=out, lse=lse,
         q_in_registers=q_in_registers,
     )  # fmt: skip
-    assert got_out.data_ptr() == out.data_ptr() and got_lse.data_ptr() == lse.data_ptr()
-    assert torch.isfinite(got_out).all()
-    err = ((got_out.float() - ref_out).norm() / ref_out.norm()).item()
-    assert err <= 1e-2, err
-    sees_keys = torch.isfinite(ref_lse)
-    assert torch.equal(torch.isfinite(got_lse), sees_keys)
-    assert (got_lse[sees_keys] - ref_lse[sees_keys]).abs().max().item() <= 1e-2
-    assert bool((got_out.transpose(1, 2)[~sees_keys] == 0).all())
+    cases.assert_forward_matches(got, (out, lse), ref_out, ref_lse)
 
 
 @pytest.mark.gpu
 @needs_upstream
 @pytest.mark.skipif(not cases.sm90(), reason="needs an sm_90 GPU")
 def test_paired_forward_refuses_other_block_sizes_and_head_dims():
-    q = torch.zeros(1, 256, 2, 128, device="cuda", dtype=torch.bfloat16)
-    tensors = cases.sparse_tensors(
-        torch.full((4,), 64, dtype=torch.int32), torch.zeros(cases.HEADS, 2, 4, dtype=torch.bool),
-        backward=False,
-    )  # fmt: skip
-    valid = torch.full((4,), 64, dtype=I32, device="cuda")
+    q, tensors, valid = cases.small_refusal_case()
     with pytest.raises(ValueError, match="block_size must be"):
         paired().block_sparse_forward_paired(q, q, q, tensors, valid, softmax_scale=0.1)
     small = q[..., :64].contiguous()

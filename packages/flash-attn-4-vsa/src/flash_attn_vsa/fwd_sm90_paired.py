@@ -64,6 +64,7 @@ __all__ = [
     "pair_lists",
     "pair_mask_mod",
     "paired_scope",
+    "two_block_stage_forward",
 ]
 
 KEY_BLOCK = 64
@@ -178,14 +179,9 @@ def mask_class() -> type:
 
     class PairedKeyMask(mask_sm90.mask_class()):
         def own_mask(self, acc_S, n_block, thr_mma, mask_causal, mask_local, mask_mod, aux_data):
-            # Decided while tracing (compile-time values); every call is ours.
-            if mask_causal or mask_local or self.swap_AB or self.qhead_per_kvhead_packgqa != 1:
-                raise ValueError("paired keys support no causal, local, swapped or GQA masks")
-            if mask_mod is None:  # a full pair: every column is a real key
-                return True
-            if getattr(mask_mod, PAIR_MASK_ATTR, None) != KEY_BLOCK:
-                raise ValueError("paired keys take pair_mask_mod() as their only mask_mod")
-            self.keep_pair_columns(acc_S, n_block, thr_mma, aux_data.tensors[0])
+            what = ("paired keys", PAIR_MASK_ATTR, "pair_mask_mod()")
+            if packed_entry_mask_applies(self, mask_causal, mask_local, mask_mod, *what):
+                self.keep_pair_columns(acc_S, n_block, thr_mma, aux_data.tensors[0])
             return True
 
         @cute.jit
@@ -219,6 +215,24 @@ def mask_class() -> type:
             )
 
     return PairedKeyMask
+
+
+def packed_entry_mask_applies(
+    mask: Any, causal: bool, local: bool, mask_mod: Any, what: str, attr: str, expected: str
+) -> bool:
+    """For an ``AttentionMask`` of a kernel whose list entries are packed block ids (every call
+    is its own, decided while tracing): True when ``mask_mod`` is its marked one (``attr``) and
+    must be applied, False for a full entry (no mask_mod: every column is a real key, and
+    upstream's sequence-length mask, which would read the entry as a tile index, must not
+    run); ValueError for anything else (``what`` and ``expected`` name the kernel and its
+    mask_mod)."""
+    if causal or local or mask.swap_AB or mask.qhead_per_kvhead_packgqa != 1:
+        raise ValueError(f"{what} support no causal, local, swapped or GQA masks")
+    if mask_mod is None:
+        return False
+    if getattr(mask_mod, attr, None) != KEY_BLOCK:
+        raise ValueError(f"{what} take {expected} as their only mask_mod")
+    return True
 
 
 # ---- the kernel -----------------------------------------------------------------------------
@@ -407,27 +421,53 @@ def block_sparse_forward_paired(
     lists hold `pair_lists`' packed pairs; ``kv_valid_sizes``: [S / 64] int32 real tokens per
     key block. BSHD ``q, k, v`` (fp16/bf16, head dim `HEAD_DIM`). Returns ``(out, lse)``.
     ``q_in_registers``: QK^T reads Q from registers (delta 5; experimental until measured)."""
+    return two_block_stage_forward(
+        q, k, v, block_sparse_tensors, kv_valid_sizes, BLOCK_SIZE, "paired keys",
+        pair_mask_mod(), paired_scope(q_in_registers), softmax_scale=softmax_scale, out=out,
+        lse=lse,
+    )  # fmt: skip
+
+
+def two_block_stage_forward(
+    q: Any,
+    k: Any,
+    v: Any,
+    block_sparse_tensors: Any,
+    kv_valid_sizes: Any,
+    block_size: tuple[int, int],
+    what: str,
+    mask_mod: Any,
+    scope: contextlib.AbstractContextManager[Any],
+    *,
+    softmax_scale: float,
+    out: Any,
+    lse: Any,
+) -> tuple[Any, Any]:
+    """Check the arguments of a forward whose key/value stages hold two 64-token blocks (this
+    delta's and the two-stream one's: ``block_size`` as FA4 sees it, head dim `HEAD_DIM`, one
+    valid size per key block; ``what`` names it in errors), then run upstream's
+    ``_flash_attn_fwd`` inside ``scope`` with ``mask_mod`` on the partial list."""
     from flash_attn.cute.interface import _flash_attn_fwd
 
     from flash_attn_vsa.sm90_blocks import check_call
 
-    check_call(q, k, v, tuple(block_sparse_tensors.block_size or ()), (BLOCK_SIZE,))
+    check_call(q, k, v, tuple(block_sparse_tensors.block_size or ()), (block_size,))
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.shape[-1] != HEAD_DIM:
-            raise ValueError(f"{name}'s head dim must be {HEAD_DIM} (paired keys), got "
+            raise ValueError(f"{name}'s head dim must be {HEAD_DIM} ({what}), got "
                              f"{t.shape[-1]}")  # fmt: skip
     if kv_valid_sizes.shape[0] != k.shape[1] // KEY_BLOCK:
         raise ValueError(
             f"kv_valid_sizes must have one entry per {KEY_BLOCK}-token key block "
             f"({k.shape[1] // KEY_BLOCK}), got {kv_valid_sizes.shape[0]}"
         )
-    with paired_scope(q_in_registers):
+    with scope:
         result = _flash_attn_fwd(
             q,
             k,
             v,
             softmax_scale=softmax_scale,
-            mask_mod=pair_mask_mod(),
+            mask_mod=mask_mod,
             aux_tensors=[kv_valid_sizes],
             block_sparse_tensors=block_sparse_tensors,
             return_lse=True,

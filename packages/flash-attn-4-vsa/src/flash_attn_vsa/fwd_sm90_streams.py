@@ -155,17 +155,13 @@ def mask_class() -> type:
     from quack import layout_utils
 
     from flash_attn_vsa import mask_sm90
+    from flash_attn_vsa.fwd_sm90_paired import packed_entry_mask_applies
 
     class TwoStreamMask(mask_sm90.mask_class()):
         def own_mask(self, acc_S, n_block, thr_mma, mask_causal, mask_local, mask_mod, aux_data):
-            # Decided while tracing (compile-time values); every call is ours.
-            if mask_causal or mask_local or self.swap_AB or self.qhead_per_kvhead_packgqa != 1:
-                raise ValueError("two streams support no causal, local, swapped or GQA masks")
-            if mask_mod is None:  # both blocks full: every column is a real key
-                return True
-            if getattr(mask_mod, STREAM_MASK_ATTR, None) != KEY_BLOCK:
-                raise ValueError("two streams take stream_mask_mod() as their only mask_mod")
-            self.keep_stream_columns(acc_S, n_block, thr_mma, aux_data.tensors[0])
+            what = ("two streams", STREAM_MASK_ATTR, "stream_mask_mod()")
+            if packed_entry_mask_applies(self, mask_causal, mask_local, mask_mod, *what):
+                self.keep_stream_columns(acc_S, n_block, thr_mma, aux_data.tensors[0])
             return True
 
         @cute.jit
@@ -280,31 +276,10 @@ def block_sparse_forward_streams(
     entries; ``kv_valid_sizes``: [S / 64] int32 real tokens per key block. BSHD ``q, k, v``
     (fp16/bf16, head dim `HEAD_DIM`, sequence lengths multiples of 128 and 64). Returns
     ``(out, lse)``; rows that see no key get out 0 and lse -inf."""
-    from flash_attn.cute.interface import _flash_attn_fwd
+    from flash_attn_vsa.fwd_sm90_paired import two_block_stage_forward
 
-    from flash_attn_vsa.sm90_blocks import check_call
-
-    check_call(q, k, v, tuple(block_sparse_tensors.block_size or ()), (BLOCK_SIZE,))
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.shape[-1] != HEAD_DIM:
-            raise ValueError(f"{name}'s head dim must be {HEAD_DIM} (two streams), got "
-                             f"{t.shape[-1]}")  # fmt: skip
-    if kv_valid_sizes.shape[0] != k.shape[1] // KEY_BLOCK:
-        raise ValueError(
-            f"kv_valid_sizes must have one entry per {KEY_BLOCK}-token key block "
-            f"({k.shape[1] // KEY_BLOCK}), got {kv_valid_sizes.shape[0]}"
-        )
-    with streams_scope(q_in_registers):
-        result = _flash_attn_fwd(
-            q,
-            k,
-            v,
-            softmax_scale=softmax_scale,
-            mask_mod=stream_mask_mod(),
-            aux_tensors=[kv_valid_sizes],
-            block_sparse_tensors=block_sparse_tensors,
-            return_lse=True,
-            out=out,
-            lse=lse,
-        )
-    return result[0], result[1]
+    return two_block_stage_forward(
+        q, k, v, block_sparse_tensors, kv_valid_sizes, BLOCK_SIZE, "two streams",
+        stream_mask_mod(), streams_scope(q_in_registers), softmax_scale=softmax_scale, out=out,
+        lse=lse,
+    )  # fmt: skip

@@ -183,20 +183,35 @@ def run_forward_paired(
     blocks and odd tails, so ``masked`` does not matter here)."""
     from flash_attn_vsa import fwd_sm90_paired as paired
 
-    tensors_cls = _upstream()[0]
-    pairs = SparseLists(
-        *paired.pair_lists(
-            lists.full_block_idx,
-            lists.full_block_cnt,
-            lists.mask_block_idx,
-            lists.mask_block_cnt,
-            kv_valid_sizes.shape[0],
-        )
+    pairs = paired.pair_lists(
+        lists.full_block_idx,
+        lists.full_block_cnt,
+        lists.mask_block_idx,
+        lists.mask_block_cnt,
+        kv_valid_sizes.shape[0],
     )
+    _run_packed(paired.block_sparse_forward_paired, paired.BLOCK_SIZE, pairs,
+                q, k, v, out, lse, kv_valid_sizes, scale)  # fmt: skip
+
+
+def _run_packed(
+    kernel: Any,
+    block_size: tuple[int, int],
+    packed: tuple[torch.Tensor, ...],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    kv_valid_sizes: torch.Tensor,
+    scale: float,
+) -> None:
+    """Run a fork forward whose lists hold packed entries (``packed``: FA4's four list tensors
+    in `SparseLists` order) into ``out`` and ``lse``."""
+    tensors = _block_sparse(_upstream()[0], SparseLists(*packed), block_size)
     with _on_device(q.device):
-        paired.block_sparse_forward_paired(
-            q, k, v, _block_sparse(tensors_cls, pairs, paired.BLOCK_SIZE), kv_valid_sizes,
-            softmax_scale=scale, out=out, lse=lse,
+        kernel(
+            q, k, v, tensors, kv_valid_sizes, softmax_scale=scale, out=out, lse=lse,
             q_in_registers=current_forward_variant().q_in_registers,
         )  # fmt: skip
 
@@ -233,18 +248,11 @@ def run_forward_streams(
     query blocks ``2t`` and ``2t + 1`` packed side by side for 128-row tile ``t``."""
     from flash_attn_vsa import fwd_sm90_streams as streams
 
-    tensors_cls = _upstream()[0]
-    packed = SparseLists(
-        *streams.stream_lists(
-            lists.full_block_idx, lists.full_block_cnt, lists.mask_block_idx, lists.mask_block_cnt
-        )
+    packed = streams.stream_lists(
+        lists.full_block_idx, lists.full_block_cnt, lists.mask_block_idx, lists.mask_block_cnt
     )
-    with _on_device(q.device):
-        streams.block_sparse_forward_streams(
-            q, k, v, _block_sparse(tensors_cls, packed, streams.BLOCK_SIZE), kv_valid_sizes,
-            softmax_scale=scale, out=out, lse=lse,
-            q_in_registers=current_forward_variant().q_in_registers,
-        )  # fmt: skip
+    _run_packed(streams.block_sparse_forward_streams, streams.BLOCK_SIZE, packed,
+                q, k, v, out, lse, kv_valid_sizes, scale)  # fmt: skip
 
 
 def run_backward(
