@@ -28,8 +28,10 @@ counters)
   ;;
 bench)
   # The numbers we quote: the shipped fa4 against its experimental forwards, same run.
+  common="--seq-lens 32768 --sparsities 0.875 0.9 --block-shapes 64x64 128x64 --modes fwd --arms fa4 vsa:fa4+qregs vsa:fa4+streams vsa:fa4+streams+qregs fa4_dense"
   bash benchmarks/gpu_sitting.sh \
-    "step bench 300 python3 benchmarks/bench_vsa.py --seq-lens 32768 --sparsities 0.875 0.9 --block-shapes 64x64 128x64 --modes fwd --masks native exact256 --arms fa4 vsa:fa4+qregs vsa:fa4+streams vsa:fa4+streams+qregs fa4_dense --out \$OUT/bench_vsa-variants.json"
+    "step bench_native 140 python3 benchmarks/bench_vsa.py $common --masks native --out \$OUT/bench_vsa-variants-native.json" \
+    "step bench_exact256 140 python3 benchmarks/bench_vsa.py $common --masks exact256 --out \$OUT/bench_vsa-variants-exact256.json"
   ;;
 *)
   echo "usage: $0 kernels|counters|bench" >&2
