@@ -61,6 +61,45 @@ def test_stream_lists_keep_each_query_blocks_list_on_its_own_side(seed, rows, nu
         assert not full_idx[t, full_cnt[t] :].any() and not mask_idx[t, mask_cnt[t] :].any()
 
 
+def token_mask_through_the_kernel(packed, valid, rows):
+    """[rows * 64, keys] bool: the keys each query row attends to, read from `stream_lists`'
+    output the way the kernel reads it: tile t's rows 0-63 take an entry's low id, rows 64-127
+    its high id; a full-list entry keeps its blocks' 64 keys, a partial-list entry the first
+    ``valid`` keys of each block, `NO_BLOCK` none."""
+    mask_cnt, mask_idx, full_cnt, full_idx = packed
+    keys = torch.zeros(rows * 64, valid.shape[0] * 64, dtype=torch.bool)
+    for t in range(rows // 2):
+        lists = ((full_idx[t, : full_cnt[t]], False), (mask_idx[t, : mask_cnt[t]], True))
+        for entries, partial in lists:
+            for entry in entries.tolist():
+                for side in (0, 1):
+                    block = (entry >> (16 * side)) & 0xFFFF
+                    if block == streams().NO_BLOCK:
+                        continue
+                    width = int(valid[block]) if partial else 64
+                    row = (2 * t + side) * 64
+                    assert not keys[row, block * 64].item(), "a block visited twice"
+                    keys[row : row + 64, block * 64 : block * 64 + width] = True
+    return keys
+
+
+@needs_upstream
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_stream_lists_read_as_the_kernel_reads_them_select_the_original_token_pairs(seed):
+    rows, num_kv, width = 12, 20, 9
+    full, n_full, part, n_part = random_split_lists(seed, rows, num_kv, width)
+    gen = torch.Generator().manual_seed(seed)
+    valid = torch.randint(1, 64, (num_kv,), generator=gen, dtype=I32)  # partial sizes
+    for r in range(rows):  # the blocks random_split_lists calls full are full
+        valid[full[r, : n_full[r]].long()] = 64
+    want = torch.zeros(rows * 64, num_kv * 64, dtype=torch.bool)
+    for r in range(rows):
+        for block in full[r, : n_full[r]].tolist() + part[r, : n_part[r]].tolist():
+            want[r * 64 : r * 64 + 64, block * 64 : block * 64 + int(valid[block])] = True
+    packed = streams().stream_lists(full, n_full, part, n_part)
+    assert torch.equal(token_mask_through_the_kernel(packed, valid, rows), want)
+
+
 @needs_upstream
 def test_stream_lists_refuse_an_odd_number_of_query_blocks():
     full, n_full, part, n_part = random_split_lists(0, 3, 8, 4)
