@@ -510,7 +510,7 @@ class VsaBackendArm(Arm):
         return bc.autograd_runner(forward, leaves, inputs.dout, cell.mode)
 
 
-FA4_VARIANTS = {"qregs": "q_in_registers", "streams": "two_streams"}
+FA4_VARIANTS = {"qregs": "q_in_registers", "streams": "two_streams", "persistent": "persistent"}
 """Options of ``vsa:fa4+...`` arms: fields of ``vsa_fa4.launch.ForwardVariant``."""
 
 

@@ -10,7 +10,7 @@ compute-sanitizer (not a pytest module)::
 Block shapes after the backend name limit the run to them; ``--forward-only`` skips the
 backward (racecheck of one forward kernel in seconds instead of minutes); ``--fa4-variant``
 runs the fork's experimental forwards (``vsa_fa4.launch.ForwardVariant``: ``streams``,
-``qregs``) where they fit.
+``qregs``, ``persistent``) where they fit.
 
 Partial key blocks are included; a shape the backend refuses for training (its ``supports()``
 reason is printed) runs forward only, and one it refuses outright is skipped.
@@ -35,7 +35,7 @@ if "--fa4-variant" in args:
     del args[at : at + 2]
     from vsa_fa4 import launch
 
-    fields = {"streams": "two_streams", "qregs": "q_in_registers"}
+    fields = {"streams": "two_streams", "qregs": "q_in_registers", "persistent": "persistent"}
     if any(o not in fields for o in options):
         raise ValueError(f"--fa4-variant takes a comma list of {sorted(fields)}, got {options}")
     variant = launch.ForwardVariant(**{fields[o]: True for o in options})

@@ -55,13 +55,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-ARMS = {  # name -> (query rows per sparse block of the lists, kernel, Q in registers)
-    "two_cta": (64, "two_cta", False),
-    "two_cta_q_regs": (64, "two_cta", True),
-    "streams": (64, "streams", False),
-    "streams_q_regs": (64, "streams", True),
-    "paired": (128, "paired", False),
-    "paired_q_regs": (128, "paired", True),
+ARMS = {  # name -> (query rows per sparse block of the lists, kernel, variants)
+    "two_cta": (64, "two_cta", {}),
+    "two_cta_q_regs": (64, "two_cta", {"q_in_registers": True}),
+    "two_cta_persistent": (64, "two_cta", {"persistent": True}),
+    "streams": (64, "streams", {}),
+    "streams_q_regs": (64, "streams", {"q_in_registers": True}),
+    "streams_persistent": (64, "streams", {"persistent": True}),
+    "paired": (128, "paired", {}),
+    "paired_q_regs": (128, "paired", {"q_in_registers": True}),
+    "paired_persistent": (128, "paired", {"persistent": True}),
 }
 
 
@@ -97,19 +100,20 @@ def prepare(arm, layout):
 
 
 def forward(arm, q, k, v, prepared, scale, out=None, lse=None):
-    """One forward of ``arm``: delta 2, 6 or 4, with or without ``q_in_registers``."""
+    """One forward of ``arm``: delta 2, 6 or 4, as shipped or with its variants (Q in
+    registers, delta 5; persistent tiles, delta 7)."""
     from flash_attn_vsa.fwd_sm90 import block_sparse_forward_q64
     from flash_attn_vsa.fwd_sm90_paired import block_sparse_forward_paired
     from flash_attn_vsa.fwd_sm90_streams import block_sparse_forward_streams
 
-    _, kernel, q_in_registers = ARMS[arm]
+    _, kernel, variants = ARMS[arm]
     if kernel == "two_cta":
         return block_sparse_forward_q64(q, k, v, prepared, softmax_scale=scale, out=out,
-                                        lse=lse, q_in_registers=q_in_registers)  # fmt: skip
+                                        lse=lse, **variants)  # fmt: skip
     run = block_sparse_forward_streams if kernel == "streams" else block_sparse_forward_paired
     tensors, valid = prepared
     return run(q, k, v, tensors, valid, softmax_scale=scale, out=out, lse=lse,
-               q_in_registers=q_in_registers)  # fmt: skip
+               **variants)  # fmt: skip
 
 
 def run(args) -> int:

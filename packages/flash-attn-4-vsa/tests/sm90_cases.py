@@ -111,6 +111,20 @@ def with_lists(split, packed, block_size: tuple[int, int]):
     )
 
 
+BF16, FP16 = torch.bfloat16, torch.float16
+QREGS, PERSISTENT = {"q_in_registers": True}, {"persistent": 5}
+"""The experimental variants of the fork's forwards, as keyword arguments: Q in registers
+(delta 5) and persistent tiles on 5 CTAs (delta 7: few CTAs, so that each walks many tiles)."""
+VARIANT_CASES = [
+    (BF16, {}),
+    (FP16, {}),
+    (BF16, QREGS),
+    (BF16, PERSISTENT),
+    (FP16, {**QREGS, **PERSISTENT}),
+]
+"""(dtype, variant) pairs a forward's GPU test runs: both dtypes plain, each variant once."""
+
+
 def nan_outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``out`` like q and ``lse`` [1, H, S], NaN-filled: a kernel must write every element."""
     out = torch.full_like(q, float("nan"))

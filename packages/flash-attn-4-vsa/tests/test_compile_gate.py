@@ -17,9 +17,11 @@ def test_configs_cover_what_the_adapter_uses():
     assert len(set(names)) == len(names)
     fwd_blocks = {c.block_size for c in cg.CONFIGS if c.direction == "fwd"}
     assert {None, (128, 128), (64, 64)} <= fwd_blocks
-    directions = ("fwd", "bwd", "fwd-q64", "fwd-q64-q-regs", "fwd-paired", "fwd-paired-q-regs",
-                  "fwd-streams", "fwd-streams-q-regs", "bwd-kv64")  # fmt: skip
-    assert all(c.direction in directions for c in cg.CONFIGS)
+    for c in cg.CONFIGS:
+        kind, *options = c.direction.split("+")
+        assert kind in ("fwd", "bwd", "bwd-kv64", *cg.FORK_FORWARDS), c.direction
+        assert all(o in cg.FORK_FORWARD_OPTIONS for o in options), c.direction
+    assert {c.direction.split("+")[0] for c in cg.CONFIGS} >= set(cg.FORK_FORWARDS)
     assert any(c.kernel == "FlashAttentionBackwardSm90KV64" for c in cg.CONFIGS)  # the fork
     assert any(c.kernel == "FlashAttentionForwardSm90TwoCtas" for c in cg.CONFIGS)
     assert cg.HEAD_DIM == 128 and cg.DTYPE == "bfloat16"

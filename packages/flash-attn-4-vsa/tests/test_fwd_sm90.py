@@ -51,7 +51,8 @@ def test_scope_picks_kernel_class_and_cache_per_thread():
     assert "test-key" not in interface._flash_attn_fwd.compile_cache
     with fwd_sm90.two_cta_scope():
         assert interface._flash_attn_fwd.compile_cache["test-key"] == "ours"
-        del interface._flash_attn_fwd.compile_cache.own[fwd_sm90.TWO_CTAS]["test-key"]
+        own = interface._flash_attn_fwd.compile_cache.own
+        del own[fwd_sm90.ForwardKernel(fwd_sm90.TWO_CTAS)]["test-key"]
     # Upstream's interface builds its kernels through the scoped class, still a subclass.
     assert issubclass(interface.FlashAttentionForwardSm90, FlashAttentionForwardSm90)
 
@@ -62,12 +63,12 @@ def test_q_in_registers_scope_has_its_own_class_and_cache():
 
     with fwd_sm90.two_cta_scope(q_in_registers=True):
         inside = fwd_sm90.current_kernel_class()
-        assert fwd_sm90.current_scope() == fwd_sm90.TWO_CTAS_Q_IN_REGISTERS
+        assert fwd_sm90.current_scope() == fwd_sm90.ForwardKernel("two_ctas", True)
         interface._flash_attn_fwd.compile_cache["test-key"] = "q in registers"
         with fwd_sm90.two_cta_scope():  # the plain two-CTA kernels never share its entries
             assert "test-key" not in interface._flash_attn_fwd.compile_cache
         own = interface._flash_attn_fwd.compile_cache.own
-        del own[fwd_sm90.TWO_CTAS_Q_IN_REGISTERS]["test-key"]
+        del own[fwd_sm90.ForwardKernel(fwd_sm90.TWO_CTAS, q_in_registers=True)]["test-key"]
     assert inside is fwd_sm90.kernel_class(q_in_registers=True)
     assert issubclass(inside, fwd_sm90.kernel_class()) and inside is not fwd_sm90.kernel_class()
     assert inside.__name__ == "FlashAttentionForwardSm90TwoCtasQInRegisters"
@@ -77,10 +78,12 @@ def test_q_in_registers_scope_has_its_own_class_and_cache():
 @pytest.mark.gpu
 @needs_upstream
 @pytest.mark.skipif(not cases.sm90(), reason="needs an sm_90 GPU")
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("q_in_registers", [False, True])
-def test_two_cta_forward_matches_the_reference_and_upstream(head_dim, dtype, q_in_registers):
+@pytest.mark.parametrize(
+    "head_dim,dtype,variant",
+    [(64, cases.BF16, {}), (64, cases.FP16, cases.QREGS)]
+    + [(128, dtype, variant) for dtype, variant in cases.VARIANT_CASES],
+)
+def test_two_cta_forward_matches_the_reference_and_upstream(head_dim, dtype, variant):
     from flash_attn.cute.interface import _flash_attn_fwd
 
     mask_mod = mask_sm90.valid_size_mask_mod(cases.BLOCK)
@@ -92,7 +95,7 @@ def test_two_cta_forward_matches_the_reference_and_upstream(head_dim, dtype, q_i
     masking = {"mask_mod": mask_mod, "aux_tensors": [valid.cuda()]}
     out, lse = cases.nan_outputs(q)
     got_out, got_lse = fwd_sm90.block_sparse_forward_q64(
-        q, k, v, tensors, softmax_scale=scale, out=out, lse=lse, q_in_registers=q_in_registers,
+        q, k, v, tensors, softmax_scale=scale, out=out, lse=lse, **variant,
         **masking,
     )  # fmt: skip
     cases.assert_forward_matches((got_out, got_lse), (out, lse), ref_out, ref_lse)

@@ -123,7 +123,7 @@ def test_scope_swaps_mask_class_and_tma_boxes_only_inside_and_only_for_its_threa
     from flash_attn_vsa import mask_sm90
 
     with paired().paired_scope():
-        assert fwd_sm90.current_scope() == fwd_sm90.PAIRED_KEYS
+        assert fwd_sm90.current_scope() == fwd_sm90.ForwardKernel(fwd_sm90.PAIRED_KEYS)
         assert fwd_sm90.current_kernel_class() is paired().kernel_class()
         assert type(fwd_module.AttentionMask(64, 128, None)) is paired().mask_class()
         seen = {}
@@ -143,6 +143,8 @@ def test_scope_swaps_mask_class_and_tma_boxes_only_inside_and_only_for_its_threa
         assert fwd_sm90.current_kernel_class() is paired().kernel_class()
     with pytest.raises(ValueError, match="scope must be"), fwd_sm90.forward_scope("paired"):
         pass
+    with pytest.raises(ValueError, match="kind must be one of"):
+        fwd_sm90.ForwardKernel("paired")
 
 
 @needs_upstream
@@ -150,7 +152,7 @@ def test_q_in_registers_scope_is_a_paired_scope_with_its_own_class():
     import flash_attn.cute.flash_fwd_sm90 as fwd_module
 
     with paired().paired_scope(q_in_registers=True):
-        assert fwd_sm90.current_scope() == fwd_sm90.PAIRED_KEYS_Q_IN_REGISTERS
+        assert fwd_sm90.current_scope() == fwd_sm90.ForwardKernel("paired_keys", True)
         cls = fwd_sm90.current_kernel_class()
         assert type(fwd_module.AttentionMask(64, 128, None)) is paired().mask_class()
     assert cls is paired().kernel_class(q_in_registers=True)
@@ -162,9 +164,8 @@ def test_q_in_registers_scope_is_a_paired_scope_with_its_own_class():
 @pytest.mark.gpu
 @needs_upstream
 @pytest.mark.skipif(not cases.sm90(), reason="needs an sm_90 GPU")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("q_in_registers", [False, True])
-def test_paired_forward_matches_the_reference(dtype, q_in_registers):
+@pytest.mark.parametrize("dtype,variant", cases.VARIANT_CASES)
+def test_paired_forward_matches_the_reference(dtype, variant):
     head_dim, q_block = 128, 128
     valid, selected = cases.case(seed=11, q_block=q_block)
     q, k, v, dout = cases.inputs(head_dim, dtype, valid)
@@ -180,7 +181,7 @@ def test_paired_forward_matches_the_reference(dtype, q_in_registers):
     out, lse = cases.nan_outputs(q)
     got = paired().block_sparse_forward_paired(
         q, k, v, tensors, valid.cuda(), softmax_scale=scale, out=out, lse=lse,
-        q_in_registers=q_in_registers,
+        **variant,
     )  # fmt: skip
     cases.assert_forward_matches(got, (out, lse), ref_out, ref_lse)
 

@@ -139,7 +139,7 @@ def test_scope_picks_the_streams_class_mask_and_two_block_stages():
 
     for q_in_registers in (False, True):
         with streams().streams_scope(q_in_registers=q_in_registers):
-            assert fwd_sm90.current_scope() in fwd_sm90.STREAMS_SCOPES
+            assert fwd_sm90.current_scope() == fwd_sm90.ForwardKernel("two_streams", q_in_registers)
             cls = fwd_sm90.current_kernel_class()
             assert type(fwd_module.AttentionMask(128, 64, None)) is streams().mask_class()
             assert sm90_operands._stack("staged_rows") == (2,)
@@ -153,9 +153,8 @@ def test_scope_picks_the_streams_class_mask_and_two_block_stages():
 @pytest.mark.gpu
 @needs_upstream
 @pytest.mark.skipif(not cases.sm90(), reason="needs an sm_90 GPU")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("q_in_registers", [False, True])
-def test_two_stream_forward_matches_the_reference(dtype, q_in_registers):
+@pytest.mark.parametrize("dtype,variant", cases.VARIANT_CASES)
+def test_two_stream_forward_matches_the_reference(dtype, variant):
     head_dim = 128
     valid, selected = cases.case(seed=13)  # 64-row query blocks: i selects i % 6 key blocks
     q, k, v, dout = cases.inputs(head_dim, dtype, valid)
@@ -169,7 +168,7 @@ def test_two_stream_forward_matches_the_reference(dtype, q_in_registers):
     out, lse = cases.nan_outputs(q)
     got = streams().block_sparse_forward_streams(
         q, k, v, tensors, valid.cuda(), softmax_scale=scale, out=out, lse=lse,
-        q_in_registers=q_in_registers,
+        **variant,
     )  # fmt: skip
     cases.assert_forward_matches(got, (out, lse), ref_out, ref_lse)
 

@@ -43,7 +43,10 @@ def test_paired_keys_only_for_128x64_head_dim_128_on_sm90(
 
 @pytest.mark.parametrize("q_in_registers", [False, True])
 @pytest.mark.parametrize("two_streams", [False, True])
-def test_forward_variant_routes_to_the_fork_kernels(monkeypatch, q_in_registers, two_streams):
+@pytest.mark.parametrize("persistent", [False, True])
+def test_forward_variant_routes_to_the_fork_kernels(
+    monkeypatch, q_in_registers, two_streams, persistent
+):
     import flash_attn.cute.interface as interface
 
     from flash_attn_vsa import fwd_sm90, fwd_sm90_paired, fwd_sm90_streams
@@ -52,6 +55,7 @@ def test_forward_variant_routes_to_the_fork_kernels(monkeypatch, q_in_registers,
 
     def record(name):
         def kernel(*args, **kwargs):
+            assert kwargs["persistent"] is persistent
             seen.append((name, kwargs["q_in_registers"]))
 
         return kernel
@@ -62,7 +66,7 @@ def test_forward_variant_routes_to_the_fork_kernels(monkeypatch, q_in_registers,
     monkeypatch.setattr(interface, "_get_device_arch", lambda: 90)
     q = torch.zeros(1, 512, 2, 128)
     valid = torch.full((16,), 64, dtype=torch.int32)
-    variant = launch.ForwardVariant(q_in_registers=q_in_registers, two_streams=two_streams)
+    variant = launch.ForwardVariant(q_in_registers, two_streams, persistent)
     with launch.forward_variant(variant):
         for block in ((64, 64), (128, 64)):
             launch.run_forward(q, q, q, q, q, lists(5), valid, 0.1, block, masked=False)
@@ -76,5 +80,5 @@ def test_forward_variant_routes_to_the_fork_kernels(monkeypatch, q_in_registers,
         pass
 
 
-def test_shipped_forward_runs_neither_experimental_kernel():
-    assert launch.ForwardVariant(q_in_registers=False, two_streams=False) == launch.SHIPPED_FORWARD
+def test_shipped_forward_runs_no_experimental_kernel():
+    assert launch.ForwardVariant(False, False, False) == launch.SHIPPED_FORWARD

@@ -8,8 +8,9 @@ repository root records the pin, our deltas and the refresh procedure. The delta
 ``flash_attn_vsa.fwd_sm90`` (the 64x64 block-sparse forward, two CTAs per SM on Hopper),
 ``flash_attn_vsa.mask_sm90`` (partial key blocks masked as one column limit per tile),
 ``flash_attn_vsa.fwd_sm90_paired`` (128x64 blocks over pairs of 64-token key blocks) and,
-experimental, ``flash_attn_vsa.q_regs_sm90`` (Q in registers for QK^T) and
-``flash_attn_vsa.fwd_sm90_streams`` (two 64-row query streams per 128-row tile).
+experimental, ``flash_attn_vsa.q_regs_sm90`` (Q in registers for QK^T),
+``flash_attn_vsa.fwd_sm90_streams`` (two 64-row query streams per 128-row tile) and
+``flash_attn_vsa.persistent_sm90`` (persistent CTAs walking the tiles).
 
 The pin is kept checkable by three tools: ``flash_attn_vsa.fingerprint`` (the recorded API of
 the upstream symbols we rely on), ``flash_attn_vsa.compile_gate`` (every kernel configuration

@@ -56,9 +56,8 @@ class GateConfig:
     """One kernel configuration: an upstream (or, later, fork) entry point and its inputs."""
 
     name: str
-    direction: str  # "fwd", "bwd" (upstream's entry points); ours: "fwd-q64",
-    # "fwd-q64-q-regs", "fwd-paired", "fwd-paired-q-regs", "fwd-streams", "fwd-streams-q-regs",
-    # "bwd-kv64"
+    direction: str  # "fwd", "bwd" (upstream's entry points); ours: "bwd-kv64" and the fork
+    # forwards `FORK_FORWARDS` with their variants (`FORK_FORWARD_OPTIONS`), e.g. "fwd-q64+q-regs"
     block_size: tuple[int, int] | None  # (q, kv) tokens per sparse block; None: dense
     kernel: str  # the kernel class that must be compiled (for sm_90a)
     why: str
@@ -96,7 +95,7 @@ CONFIGS: tuple[GateConfig, ...] = (
     ),
     GateConfig(
         "fwd-sparse-q64-kv64-two-ctas-q-in-registers",
-        "fwd-q64-q-regs",
+        "fwd-q64+q-regs",
         (64, 64),
         "FlashAttentionForwardSm90TwoCtasQInRegisters",
         "the same with QK^T reading Q from registers (flash_attn_vsa.q_regs_sm90; not routed "
@@ -112,7 +111,7 @@ CONFIGS: tuple[GateConfig, ...] = (
     ),
     GateConfig(
         "fwd-sparse-q128-kv64-paired-q-in-registers",
-        "fwd-paired-q-regs",
+        "fwd-paired+q-regs",
         (128, 128),
         "FlashAttentionForwardSm90PairedKeysQInRegisters",
         "the same with QK^T reading Q from registers (flash_attn_vsa.q_regs_sm90; not routed "
@@ -128,10 +127,32 @@ CONFIGS: tuple[GateConfig, ...] = (
     ),
     GateConfig(
         "fwd-sparse-q64-kv64-two-streams-q-in-registers",
-        "fwd-streams-q-regs",
+        "fwd-streams+q-regs",
         (128, 64),
         "FlashAttentionForwardSm90TwoStreamsQInRegisters",
         "the same with QK^T reading Q from registers",
+    ),
+    GateConfig(
+        "fwd-sparse-q64-kv64-two-streams-persistent",
+        "fwd-streams+persistent",
+        (128, 64),
+        "FlashAttentionForwardSm90TwoStreamsPersistent",
+        "the two-stream forward on persistent CTAs (flash_attn_vsa.persistent_sm90; not routed "
+        "until measured)",
+    ),
+    GateConfig(
+        "fwd-sparse-q128-kv64-paired-persistent",
+        "fwd-paired+persistent",
+        (128, 128),
+        "FlashAttentionForwardSm90PairedKeysPersistent",
+        "the paired-key forward on persistent CTAs",
+    ),
+    GateConfig(
+        "fwd-sparse-q64-kv64-two-ctas-persistent",
+        "fwd-q64+persistent",
+        (64, 64),
+        "FlashAttentionForwardSm90TwoCtasPersistent",
+        "the two-CTA forward on persistent CTAs (two per SM)",
     ),
     GateConfig(
         "bwd-dense",
@@ -425,6 +446,29 @@ def timed_compile(
     return GateResult(name, True, seconds, kernels)
 
 
+FORK_FORWARDS = {
+    # direction -> (module, entry point, takes the key blocks' valid sizes)
+    "fwd-q64": ("fwd_sm90", "block_sparse_forward_q64", False),
+    "fwd-paired": ("fwd_sm90_paired", "block_sparse_forward_paired", True),
+    "fwd-streams": ("fwd_sm90_streams", "block_sparse_forward_streams", True),
+}
+FORK_FORWARD_OPTIONS = {"q-regs": "q_in_registers", "persistent": "persistent"}
+"""A fork forward's direction is ``KIND[+OPTION...]``: the options are its variants."""
+
+
+def _fork_forward(direction: str, q: Any, k: Any, v: Any, sparse: Any) -> None:
+    import importlib
+
+    import torch
+
+    kind, *options = direction.split("+")
+    module, entry, takes_valid = FORK_FORWARDS[kind]
+    run = getattr(importlib.import_module(f"flash_attn_vsa.{module}"), entry)
+    variants = {FORK_FORWARD_OPTIONS[o]: True for o in options}
+    valid = (torch.empty(SEQLEN // 64, dtype=torch.int32, device="cuda"),) if takes_valid else ()
+    run(q, k, v, sparse, *valid, softmax_scale=HEAD_DIM**-0.5, **variants)
+
+
 def _compile_one(config: GateConfig, arch: str, counter: CountingCompile) -> GateResult:
     def body() -> None:
         import torch
@@ -446,43 +490,8 @@ def _compile_one(config: GateConfig, arch: str, counter: CountingCompile) -> Gat
                     return_lse=True,
                     _arch=_arch_number(arch),
                 )
-            elif config.direction in ("fwd-q64", "fwd-q64-q-regs"):
-                from flash_attn_vsa.fwd_sm90 import block_sparse_forward_q64
-
-                block_sparse_forward_q64(
-                    q,
-                    k,
-                    v,
-                    sparse,
-                    softmax_scale=HEAD_DIM**-0.5,
-                    q_in_registers=config.direction == "fwd-q64-q-regs",
-                )
-            elif config.direction in ("fwd-streams", "fwd-streams-q-regs"):
-                from flash_attn_vsa.fwd_sm90_streams import block_sparse_forward_streams
-
-                valid = torch.empty(SEQLEN // 64, dtype=torch.int32, device="cuda")
-                block_sparse_forward_streams(
-                    q,
-                    k,
-                    v,
-                    sparse,
-                    valid,
-                    softmax_scale=HEAD_DIM**-0.5,
-                    q_in_registers=config.direction == "fwd-streams-q-regs",
-                )
-            elif config.direction in ("fwd-paired", "fwd-paired-q-regs"):
-                from flash_attn_vsa.fwd_sm90_paired import KEY_BLOCK, block_sparse_forward_paired
-
-                valid = torch.empty(SEQLEN // KEY_BLOCK, dtype=torch.int32, device="cuda")
-                block_sparse_forward_paired(
-                    q,
-                    k,
-                    v,
-                    sparse,
-                    valid,
-                    softmax_scale=HEAD_DIM**-0.5,
-                    q_in_registers=config.direction == "fwd-paired-q-regs",
-                )
+            elif config.direction.split("+")[0] in FORK_FORWARDS:
+                _fork_forward(config.direction, q, k, v, sparse)
             else:
                 out, dout = torch.empty_like(q), torch.empty_like(q)
                 lse = torch.empty(BATCH, HEADS, SEQLEN, dtype=torch.float32, device="cuda")

@@ -208,8 +208,10 @@ SYMBOLS: tuple[Symbol, ...] = (
     Symbol(
         "flash_attn.cute.flash_fwd",
         "FlashAttentionForwardBase",
-        "base of the forward kernels: FlashAttentionForwardSm90 passes its arguments on to it",
-        methods=("__init__",),
+        "base of the forward kernels: FlashAttentionForwardSm90 passes its arguments on to it; "
+        "persistent_sm90 releases Q after its epilogue (whose O store waits for its reads)",
+        methods=("__init__", "epilogue"),
+        source=True,
     ),
     Symbol(
         "flash_attn.cute.flash_fwd_sm90",
@@ -268,6 +270,19 @@ SYMBOLS: tuple[Symbol, ...] = (
         "the module global the sm_90 forward partitions its MMA operands and builds its shared "
         "layouts with; sm90_operands stands in for it (hooks for q_regs_sm90 and the streams "
         "forward while their kernels are traced)",
+    ),
+    Symbol(
+        "flash_attn.cute.flash_fwd_sm90",
+        "SingleTileScheduler",
+        "the module global the sm_90 forward's __call__ takes its tile scheduler from; "
+        "persistent_sm90 stands in for it inside persistent_tiles",
+    ),
+    Symbol(
+        "flash_attn.cute.tile_scheduler",
+        "StaticPersistentTileScheduler",
+        "persistent_sm90's scheduler (with its own grid size)",
+        methods=("create", "to_underlying_arguments", "get_grid_shape", "advance_to_next_work"),
+        source=True,
     ),
     Symbol(
         "quack.sm90_utils",

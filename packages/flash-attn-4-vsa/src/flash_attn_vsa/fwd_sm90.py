@@ -34,6 +34,7 @@ import functools
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from flash_attn_vsa.sm90_blocks import BLOCK_SIZE, HEAD_DIMS, check_call
@@ -42,12 +43,15 @@ __all__ = [
     "BLOCK_SIZE",
     "CTAS_PER_SM",
     "HEAD_DIMS",
+    "KINDS",
+    "ForwardKernel",
     "block_sparse_forward_q64",
     "check_call",
     "current_kernel_class",
     "current_scope",
     "forward_scope",
     "kernel_class",
+    "sm_count",
     "two_cta_scope",
 ]
 
@@ -75,15 +79,12 @@ class _TwoCtaLauncher:
         return getattr(self._inner, name)
 
 
-def kernel_class(q_in_registers: bool = False) -> type:
+def kernel_class(q_in_registers: bool = False, persistent: bool | int = False) -> type:
     """Upstream's sm_90 forward kernel class, sized and launched for two CTAs per SM; with
-    ``q_in_registers``, QK^T reads Q from registers (delta 5, `q_regs_sm90`; not measured yet,
-    so vsa-fa4 does not ask for it). One class object per variant."""
-    if q_in_registers:
-        from flash_attn_vsa.q_regs_sm90 import with_q_in_registers
-
-        return with_q_in_registers(_two_cta_class())
-    return _two_cta_class()
+    ``q_in_registers`` QK^T reads Q from registers (delta 5), with ``persistent`` its CTAs
+    walk the tiles (delta 7); both experimental, so vsa-fa4 does not ask for them by default.
+    One class object per variant."""
+    return ForwardKernel(TWO_CTAS, q_in_registers, persistent).kernel_class()
 
 
 @functools.cache
@@ -113,58 +114,81 @@ def _two_cta_class() -> type:
 _active = threading.local()
 
 TWO_CTAS = "two_ctas"
-TWO_CTAS_Q_IN_REGISTERS = "two_ctas_q_in_registers"
 PAIRED_KEYS = "paired_keys"
-PAIRED_KEYS_Q_IN_REGISTERS = "paired_keys_q_in_registers"
 TWO_STREAMS = "two_streams"
-TWO_STREAMS_Q_IN_REGISTERS = "two_streams_q_in_registers"
-"""Forward scopes: `kernel_class()` (this module), `fwd_sm90_paired.kernel_class()` and
-`fwd_sm90_streams.kernel_class()`, each plain or with Q in registers (delta 5)."""
-SCOPES = (
-    TWO_CTAS,
-    TWO_CTAS_Q_IN_REGISTERS,
-    PAIRED_KEYS,
-    PAIRED_KEYS_Q_IN_REGISTERS,
-    TWO_STREAMS,
-    TWO_STREAMS_Q_IN_REGISTERS,
-)
-PAIRED_SCOPES = (PAIRED_KEYS, PAIRED_KEYS_Q_IN_REGISTERS)
-STREAMS_SCOPES = (TWO_STREAMS, TWO_STREAMS_Q_IN_REGISTERS)
-TWO_BLOCK_STAGE_SCOPES = PAIRED_SCOPES + STREAMS_SCOPES
-"""Scopes whose key/value stages hold two 64-token blocks (the paired-key producer's)."""
-Q_IN_REGISTERS_SCOPES = (
-    TWO_CTAS_Q_IN_REGISTERS,
-    PAIRED_KEYS_Q_IN_REGISTERS,
-    TWO_STREAMS_Q_IN_REGISTERS,
-)
+KINDS = (TWO_CTAS, PAIRED_KEYS, TWO_STREAMS)
+"""The fork's sm_90 forward kernels: this module's two-CTA one, `fwd_sm90_paired`'s and
+`fwd_sm90_streams`'s."""
 
 
-def current_scope() -> str | None:
-    """The innermost forward scope active on this thread (one of `SCOPES`) or None."""
+@dataclass(frozen=True)
+class ForwardKernel:
+    """One of the fork's sm_90 forward kernels, as `forward_scope` has upstream build it:
+    ``kind`` (one of `KINDS`), with Q in registers for QK^T (delta 5, `q_regs_sm90`) or not,
+    and on persistent CTAs (delta 7, `persistent_sm90`): ``persistent`` True for as many as
+    the GPU holds at once, a positive int for that many (tests use a few, so that each walks
+    many tiles), False for one CTA per tile (upstream's launch). Stored as the number of CTAs
+    (0: not persistent), so that equal kernels compare and hash equal."""
+
+    kind: str
+    q_in_registers: bool = False
+    persistent: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
+        if not isinstance(self.persistent, int) or self.persistent < 0:
+            raise ValueError(
+                f"persistent must be a bool or a positive number of CTAs, got {self.persistent!r}"
+            )
+        ctas = sm_count() * self.ctas_per_sm if self.persistent is True else int(self.persistent)
+        object.__setattr__(self, "persistent", ctas)
+
+    @property
+    def two_block_stages(self) -> bool:
+        """Whether its key/value stages hold two 64-token blocks (the paired-key producer)."""
+        return self.kind in (PAIRED_KEYS, TWO_STREAMS)
+
+    @property
+    def ctas_per_sm(self) -> int:
+        return CTAS_PER_SM if self.kind == TWO_CTAS else 1
+
+    def kernel_class(self) -> type:
+        """The kernel class: the kind's, with the variants' subclasses on top."""
+        if self.kind == TWO_CTAS:
+            cls = _two_cta_class()
+        elif self.kind == PAIRED_KEYS:
+            from flash_attn_vsa.fwd_sm90_paired import _paired_class
+
+            cls = _paired_class()
+        else:
+            from flash_attn_vsa.fwd_sm90_streams import _streams_class
+
+            cls = _streams_class()
+        if self.q_in_registers:
+            from flash_attn_vsa.q_regs_sm90 import with_q_in_registers
+
+            cls = with_q_in_registers(cls)
+        if self.persistent:
+            from flash_attn_vsa.persistent_sm90 import with_persistent_tiles
+
+            cls = with_persistent_tiles(cls)
+        return cls
+
+
+def current_scope() -> ForwardKernel | None:
+    """The innermost `forward_scope` kernel active on this thread, or None."""
     stack = getattr(_active, "stack", ())
     return stack[-1] if stack else None
 
 
 def current_kernel_class() -> type:
-    """The sm_90 forward kernel class upstream's interface builds on this thread now:
-    `kernel_class()` inside `two_cta_scope`, the paired-key class inside
-    ``fwd_sm90_paired.paired_scope``, the two-stream class inside
-    ``fwd_sm90_streams.streams_scope`` (each with Q in registers where the scope says so),
-    upstream's own elsewhere."""
+    """The sm_90 forward kernel class upstream's interface builds on this thread now: the
+    innermost `forward_scope`'s (`ForwardKernel.kernel_class`), upstream's own elsewhere."""
     from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90
 
     scope = current_scope()
-    if scope in (TWO_CTAS, TWO_CTAS_Q_IN_REGISTERS):
-        return kernel_class(q_in_registers=scope == TWO_CTAS_Q_IN_REGISTERS)
-    if scope in PAIRED_SCOPES:
-        from flash_attn_vsa import fwd_sm90_paired
-
-        return fwd_sm90_paired.kernel_class(q_in_registers=scope == PAIRED_KEYS_Q_IN_REGISTERS)
-    if scope in STREAMS_SCOPES:
-        from flash_attn_vsa import fwd_sm90_streams
-
-        return fwd_sm90_streams.kernel_class(q_in_registers=scope == TWO_STREAMS_Q_IN_REGISTERS)
-    return FlashAttentionForwardSm90
+    return FlashAttentionForwardSm90 if scope is None else scope.kernel_class()
 
 
 class _ScopedCompileCache:
@@ -174,7 +198,7 @@ class _ScopedCompileCache:
 
     def __init__(self, upstream: Any) -> None:
         self.upstream = upstream
-        self.own: dict[str, dict[Any, Any]] = {}
+        self.own: dict[ForwardKernel, dict[Any, Any]] = {}
 
     def _current(self) -> Any:
         scope = current_scope()
@@ -213,24 +237,54 @@ def _install() -> None:
 
 
 @contextmanager
-def forward_scope(scope: str) -> Iterator[None]:
+def forward_scope(kernel: ForwardKernel) -> Iterator[None]:
     """Within this block, on this thread, upstream's ``_flash_attn_fwd`` compiles and runs its
-    sm_90 forward as the class of ``scope`` (one of `SCOPES`), from that scope's own compile
-    cache."""
-    if scope not in SCOPES:
-        raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
+    sm_90 forward as ``kernel`` (`ForwardKernel.kernel_class`), from that kernel's own compile
+    cache; the two-stream kernel's stages get two blocks' rows
+    (`sm90_operands.staged_rows_hook`), persistent kernels their scheduler
+    (`persistent_sm90.persistent_tiles` over ``kernel.persistent`` CTAs)."""
+    if not isinstance(kernel, ForwardKernel):
+        raise ValueError(f"scope must be a ForwardKernel, got {kernel!r}")
     _install()
-    _active.stack = (*getattr(_active, "stack", ()), scope)
-    try:
-        yield
-    finally:
-        _active.stack = _active.stack[:-1]
+    if kernel.two_block_stages:
+        from flash_attn_vsa import fwd_sm90_paired
+
+        fwd_sm90_paired._install()
+    with contextlib.ExitStack() as hooks:
+        if kernel.kind == TWO_STREAMS:
+            from flash_attn_vsa import sm90_operands
+
+            hooks.enter_context(sm90_operands.staged_rows_hook(2))
+        if kernel.persistent:
+            from flash_attn_vsa.persistent_sm90 import persistent_tiles
+
+            hooks.enter_context(persistent_tiles(kernel.persistent))
+        _active.stack = (*getattr(_active, "stack", ()), kernel)
+        try:
+            yield
+        finally:
+            _active.stack = _active.stack[:-1]
 
 
-def two_cta_scope(q_in_registers: bool = False) -> contextlib.AbstractContextManager[None]:
+def sm_count() -> int:
+    """Multiprocessors of the current CUDA device, or (compiling without a GPU) FA4's
+    ``FLASH_ATTENTION_NUM_SMS``, or 132 (an H100 / H200)."""
+    import os
+
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    return int(os.environ.get("FLASH_ATTENTION_NUM_SMS", "132"))
+
+
+def two_cta_scope(
+    q_in_registers: bool = False, persistent: bool | int = False
+) -> contextlib.AbstractContextManager[None]:
     """Within this block, on this thread, upstream's ``_flash_attn_fwd`` compiles and runs its
-    sm_90 forward as ``kernel_class(q_in_registers)`` (from its own compile cache)."""
-    return forward_scope(TWO_CTAS_Q_IN_REGISTERS if q_in_registers else TWO_CTAS)
+    sm_90 forward as ``kernel_class(q_in_registers, persistent)`` (from its own compile
+    cache)."""
+    return forward_scope(ForwardKernel(TWO_CTAS, q_in_registers, persistent))
 
 
 def block_sparse_forward_q64(
@@ -245,6 +299,7 @@ def block_sparse_forward_q64(
     out: Any = None,
     lse: Any = None,
     q_in_registers: bool = False,
+    persistent: bool | int = False,
 ) -> tuple[Any, Any]:
     """Block-sparse attention forward on sm_90 with 64x64 sparse blocks, two CTAs per SM.
 
@@ -254,12 +309,13 @@ def block_sparse_forward_q64(
     ``block_size=(64, 64)``, optional ``mask_mod`` + ``aux_tensors`` applied on the partial
     lists, optional preallocated ``out`` [B, S, H, D] and ``lse`` [B, H, S] float32. Returns
     ``(out, lse)``; rows that see no key get out 0 and lse -inf. ``q_in_registers``: QK^T
-    reads Q from registers (delta 5, `q_regs_sm90`; experimental until measured).
+    reads Q from registers (delta 5, `q_regs_sm90`), ``persistent``: CTAs walk the tiles
+    (delta 7, `persistent_sm90`); both experimental until measured.
     """
     from flash_attn.cute.interface import _flash_attn_fwd
 
     check_call(q, k, v, tuple(block_sparse_tensors.block_size or ()))
-    with two_cta_scope(q_in_registers):
+    with two_cta_scope(q_in_registers, persistent):
         result = _flash_attn_fwd(
             q,
             k,

@@ -45,10 +45,8 @@ from typing import Any
 
 from flash_attn_vsa.fwd_sm90 import (
     PAIRED_KEYS,
-    PAIRED_KEYS_Q_IN_REGISTERS,
-    PAIRED_SCOPES,
-    STREAMS_SCOPES,
-    TWO_BLOCK_STAGE_SCOPES,
+    TWO_STREAMS,
+    ForwardKernel,
     current_scope,
     forward_scope,
 )
@@ -236,14 +234,11 @@ def packed_entry_mask_applies(
 
 
 # ---- the kernel -----------------------------------------------------------------------------
-def kernel_class(q_in_registers: bool = False) -> type:
+def kernel_class(q_in_registers: bool = False, persistent: bool | int = False) -> type:
     """Upstream's sm_90 forward kernel class with our producer: two key blocks per stage; with
-    ``q_in_registers``, QK^T reads Q from registers (delta 5, `q_regs_sm90`; experimental)."""
-    if q_in_registers:
-        from flash_attn_vsa.q_regs_sm90 import with_q_in_registers
-
-        return with_q_in_registers(_paired_class())
-    return _paired_class()
+    ``q_in_registers`` QK^T reads Q from registers (delta 5), with ``persistent`` its CTAs
+    walk the tiles (delta 7); both experimental."""
+    return ForwardKernel(PAIRED_KEYS, q_in_registers, persistent).kernel_class()
 
 
 @functools.cache
@@ -354,7 +349,8 @@ class _ScopedCpasync:
         self._real = real
 
     def make_tiled_tma_atom(self, op, gmem, smem_layout, tiler, *rest, **kwargs):
-        if not rest or current_scope() not in TWO_BLOCK_STAGE_SCOPES:
+        scope = current_scope()
+        if not rest or scope is None or not scope.two_block_stages:
             return self._real.make_tiled_tma_atom(op, gmem, smem_layout, tiler, *rest, **kwargs)
         from cutlass.utils import LayoutEnum
         from quack import sm90_utils
@@ -383,10 +379,10 @@ def _install() -> None:
     class ScopedMask(outside):  # a subclass, so issubclass/isinstance still hold
         def __new__(cls, *args: Any, **kwargs: Any) -> Any:
             # Returns an instance of another class, so Python does not call __init__ again.
-            scope = current_scope()
-            if scope in PAIRED_SCOPES:
+            kind = getattr(current_scope(), "kind", None)
+            if kind == PAIRED_KEYS:
                 return mask_class()(*args, **kwargs)
-            if scope in STREAMS_SCOPES:
+            if kind == TWO_STREAMS:
                 from flash_attn_vsa import fwd_sm90_streams
 
                 return fwd_sm90_streams.mask_class()(*args, **kwargs)
@@ -396,12 +392,13 @@ def _install() -> None:
     fwd_module.cpasync = _ScopedCpasync(fwd_module.cpasync)
 
 
-def paired_scope(q_in_registers: bool = False) -> contextlib.AbstractContextManager[None]:
+def paired_scope(
+    q_in_registers: bool = False, persistent: bool | int = False
+) -> contextlib.AbstractContextManager[None]:
     """Within this block, on this thread, upstream's ``_flash_attn_fwd`` compiles and runs
-    ``kernel_class(q_in_registers)`` with 64 x 64 K/V boxes (from a compile cache of its
-    own)."""
-    _install()
-    return forward_scope(PAIRED_KEYS_Q_IN_REGISTERS if q_in_registers else PAIRED_KEYS)
+    ``kernel_class(q_in_registers, persistent)`` with 64 x 64 K/V boxes (from a compile cache
+    of its own)."""
+    return forward_scope(ForwardKernel(PAIRED_KEYS, q_in_registers, persistent))
 
 
 def block_sparse_forward_paired(
@@ -415,15 +412,18 @@ def block_sparse_forward_paired(
     out: Any = None,
     lse: Any = None,
     q_in_registers: bool = False,
+    persistent: bool | int = False,
 ) -> tuple[Any, Any]:
     """Block-sparse attention forward on sm_90, 128-row query blocks over pairs of 64-token key
     blocks. ``block_sparse_tensors``: FA4 ``BlockSparseTensorsTorch`` with `BLOCK_SIZE` whose
     lists hold `pair_lists`' packed pairs; ``kv_valid_sizes``: [S / 64] int32 real tokens per
     key block. BSHD ``q, k, v`` (fp16/bf16, head dim `HEAD_DIM`). Returns ``(out, lse)``.
-    ``q_in_registers``: QK^T reads Q from registers (delta 5; experimental until measured)."""
+    ``q_in_registers``: QK^T reads Q from registers (delta 5), ``persistent``: CTAs walk the
+    tiles (delta 7); both experimental until measured."""
     return two_block_stage_forward(
         q, k, v, block_sparse_tensors, kv_valid_sizes, BLOCK_SIZE, "paired keys",
-        pair_mask_mod(), paired_scope(q_in_registers), softmax_scale=softmax_scale, out=out,
+        pair_mask_mod(), paired_scope(q_in_registers, persistent), softmax_scale=softmax_scale,
+        out=out,
         lse=lse,
     )  # fmt: skip
 

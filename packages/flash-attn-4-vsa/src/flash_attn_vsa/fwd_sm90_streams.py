@@ -38,15 +38,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
 from typing import Any
 
 from flash_attn_vsa import sm90_operands
-from flash_attn_vsa.fwd_sm90 import (
-    TWO_STREAMS,
-    TWO_STREAMS_Q_IN_REGISTERS,
-    forward_scope,
-)
+from flash_attn_vsa.fwd_sm90 import TWO_STREAMS, ForwardKernel, forward_scope
 from flash_attn_vsa.fwd_sm90_paired import HEAD_DIM, KEY_BLOCK, NO_BLOCK
 
 __all__ = [
@@ -209,14 +204,11 @@ def _own_half(thr_mma: Any, shape_mnk: Any, sA: Any, sB: Any) -> tuple[Any, Any]
     return sA, cute.make_tensor(first.iterator + warpgroup * step, first.layout)
 
 
-def kernel_class(q_in_registers: bool = False) -> type:
+def kernel_class(q_in_registers: bool = False, persistent: bool | int = False) -> type:
     """The paired-key producer's class with each MMA warpgroup on its own half of every
-    stage; with ``q_in_registers``, QK^T reads Q from registers (delta 5)."""
-    if q_in_registers:
-        from flash_attn_vsa.q_regs_sm90 import with_q_in_registers
-
-        return with_q_in_registers(_streams_class())
-    return _streams_class()
+    stage; with ``q_in_registers`` QK^T reads Q from registers (delta 5), with ``persistent``
+    its CTAs walk the tiles (delta 7)."""
+    return ForwardKernel(TWO_STREAMS, q_in_registers, persistent).kernel_class()
 
 
 @functools.cache
@@ -245,17 +237,13 @@ def _streams_class() -> type:
     return FlashAttentionForwardSm90TwoStreams
 
 
-@contextlib.contextmanager
-def streams_scope(q_in_registers: bool = False) -> Iterator[None]:
+def streams_scope(
+    q_in_registers: bool = False, persistent: bool | int = False
+) -> contextlib.AbstractContextManager[None]:
     """Within this block, on this thread, upstream's ``_flash_attn_fwd`` compiles and runs
-    ``kernel_class(q_in_registers)`` with key/value stages of two 64-token blocks and 64 x 64
-    K/V boxes (from a compile cache of its own)."""
-    from flash_attn_vsa import fwd_sm90_paired
-
-    fwd_sm90_paired._install()
-    scope = TWO_STREAMS_Q_IN_REGISTERS if q_in_registers else TWO_STREAMS
-    with forward_scope(scope), sm90_operands.staged_rows_hook(2):
-        yield
+    ``kernel_class(q_in_registers, persistent)`` with key/value stages of two 64-token blocks
+    and 64 x 64 K/V boxes (from a compile cache of its own)."""
+    return forward_scope(ForwardKernel(TWO_STREAMS, q_in_registers, persistent))
 
 
 def block_sparse_forward_streams(
@@ -269,17 +257,19 @@ def block_sparse_forward_streams(
     out: Any = None,
     lse: Any = None,
     q_in_registers: bool = False,
+    persistent: bool | int = False,
 ) -> tuple[Any, Any]:
     """Block-sparse attention forward on sm_90 for 64-row query blocks with their own lists of
     64-token key blocks, two blocks per 128-row tile. ``block_sparse_tensors``: FA4
     ``BlockSparseTensorsTorch`` with `BLOCK_SIZE` whose lists are `stream_lists`' packed
     entries; ``kv_valid_sizes``: [S / 64] int32 real tokens per key block. BSHD ``q, k, v``
     (fp16/bf16, head dim `HEAD_DIM`, sequence lengths multiples of 128 and 64). Returns
-    ``(out, lse)``; rows that see no key get out 0 and lse -inf."""
+    ``(out, lse)``; rows that see no key get out 0 and lse -inf. ``q_in_registers`` (delta
+    5) and ``persistent`` (delta 7) as for the paired-key forward."""
     from flash_attn_vsa.fwd_sm90_paired import two_block_stage_forward
 
     return two_block_stage_forward(
         q, k, v, block_sparse_tensors, kv_valid_sizes, BLOCK_SIZE, "two streams",
-        stream_mask_mod(), streams_scope(q_in_registers), softmax_scale=softmax_scale, out=out,
-        lse=lse,
+        stream_mask_mod(), streams_scope(q_in_registers, persistent),
+        softmax_scale=softmax_scale, out=out, lse=lse,
     )  # fmt: skip

@@ -32,11 +32,18 @@ class ForwardVariant:
     the 64x64, 128x64 and two-stream forwards. ``two_streams``: 64x64 forwards run two 64-row
     query blocks per 128-row tile, one per warpgroup, each with its own list
     (`flash_attn_vsa.fwd_sm90_streams`, delta 6; head dim 128, an even number of query blocks,
-    sm_90). Both off in `SHIPPED_FORWARD` until an H200 measures them faster (the fork's
-    NOTES.md, experiment 10); benchmarks compare them with `forward_variant`."""
+    sm_90). ``persistent``: the fork's forwards walk their tiles on persistent CTAs
+    (`flash_attn_vsa.persistent_sm90`, delta 7). All off in `SHIPPED_FORWARD` until an H200
+    measures them faster (the fork's NOTES.md, experiment 10); benchmarks compare them with
+    `forward_variant`."""
 
     q_in_registers: bool = False
     two_streams: bool = False
+    persistent: bool = False
+
+    def kernel_options(self) -> dict[str, bool]:
+        """The keyword arguments the fork's forward entry points take for this variant."""
+        return {"q_in_registers": self.q_in_registers, "persistent": self.persistent}
 
 
 SHIPPED_FORWARD = ForwardVariant()
@@ -135,7 +142,7 @@ def run_forward(
     if tuple(block_size) == (64, 64):
         from flash_attn_vsa.fwd_sm90 import block_sparse_forward_q64 as fwd
 
-        kwargs = {"q_in_registers": variant.q_in_registers}
+        kwargs = variant.kernel_options()
     with _on_device(q.device):
         fwd(
             q,
@@ -212,7 +219,7 @@ def _run_packed(
     with _on_device(q.device):
         kernel(
             q, k, v, tensors, kv_valid_sizes, softmax_scale=scale, out=out, lse=lse,
-            q_in_registers=current_forward_variant().q_in_registers,
+            **current_forward_variant().kernel_options(),
         )  # fmt: skip
 
 

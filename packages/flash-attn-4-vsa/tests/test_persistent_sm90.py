@@ -1,0 +1,90 @@
+"""Persistent tiles (`flash_attn_vsa.persistent_sm90`, delta 7) on the CPU: the scheduler
+upstream's forward sees, the held-back release of Q, and the kernels' scope; their GPU
+correctness runs in each forward's GPU test (``sm90_cases.PERSISTENT``: 5 CTAs walking many
+tiles)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from flash_attn_vsa import fwd_sm90, upstream_version
+
+needs_upstream = pytest.mark.skipif(upstream_version() is None, reason="needs flash-attn-4")
+
+
+def persistent():
+    from flash_attn_vsa import persistent_sm90
+
+    return persistent_sm90
+
+
+@needs_upstream
+def test_upstream_sees_our_scheduler_only_inside_persistent_tiles_on_its_thread():
+    import flash_attn.cute.flash_fwd_sm90 as fwd_module
+    from flash_attn.cute.tile_scheduler import SingleTileScheduler, StaticPersistentTileScheduler
+
+    persistent().install()
+    seen = {}
+    with persistent().persistent_tiles(7):
+        inside = fwd_module.SingleTileScheduler.get_grid_shape
+        other = threading.Thread(
+            target=lambda: seen.update(grid=fwd_module.SingleTileScheduler.get_grid_shape)
+        )
+        other.start()
+        other.join()
+    assert inside is persistent().scheduler_class(7).get_grid_shape
+    assert issubclass(persistent().scheduler_class(7), StaticPersistentTileScheduler)
+    assert seen["grid"] is SingleTileScheduler.get_grid_shape
+    assert fwd_module.SingleTileScheduler.create is SingleTileScheduler.create
+    with pytest.raises(ValueError, match="ctas must be"), persistent().persistent_tiles(0):
+        pass
+
+
+@needs_upstream
+def test_q_is_released_once_after_the_epilogue():
+    calls = []
+
+    class Pipeline:
+        def consumer_release_w_index(self, *args, **kwargs):
+            calls.append((args, kwargs))
+
+        def consumer_wait_w_index_phase(self, *args):
+            calls.append(("wait", args))
+
+    held = persistent()._QReleasedAfterEpilogue(Pipeline(), [])
+    held.consumer_wait_w_index_phase(0, 1)  # everything else passes through
+    held.consumer_release_w_index(0)
+    assert calls == [("wait", (0, 1))]  # the release is held back...
+    held.release_now()
+    assert calls == [("wait", (0, 1)), ((0,), {})]  # ...until the epilogue is done
+    with pytest.raises(RuntimeError, match="once per tile"):
+        held.release_now()
+
+
+def test_forward_kernels_store_their_persistent_ctas():
+    two_ctas = fwd_sm90.ForwardKernel(fwd_sm90.TWO_CTAS, persistent=True)
+    assert two_ctas.persistent == fwd_sm90.sm_count() * fwd_sm90.CTAS_PER_SM
+    paired = fwd_sm90.ForwardKernel(fwd_sm90.PAIRED_KEYS, persistent=True)
+    assert paired == fwd_sm90.ForwardKernel(fwd_sm90.PAIRED_KEYS, persistent=fwd_sm90.sm_count())
+    assert fwd_sm90.ForwardKernel(fwd_sm90.TWO_STREAMS, persistent=5).persistent == 5
+    assert fwd_sm90.ForwardKernel(fwd_sm90.TWO_STREAMS).persistent == 0
+    for bad in (-1, 2.5, "yes"):
+        with pytest.raises(ValueError, match="persistent must be"):
+            fwd_sm90.ForwardKernel(fwd_sm90.TWO_CTAS, persistent=bad)
+
+
+@needs_upstream
+def test_persistent_scope_opens_the_scheduler_and_builds_the_persistent_class():
+    from flash_attn_vsa import fwd_sm90_streams
+
+    with fwd_sm90_streams.streams_scope(persistent=5):
+        assert persistent()._stack("ctas") == (5,)
+        cls = fwd_sm90.current_kernel_class()
+    assert persistent()._stack("ctas") == ()
+    assert cls is fwd_sm90_streams.kernel_class(persistent=5)
+    assert cls.__name__ == "FlashAttentionForwardSm90TwoStreamsPersistent"
+    assert issubclass(cls, fwd_sm90_streams.kernel_class())
+    both = fwd_sm90.ForwardKernel(fwd_sm90.TWO_CTAS, q_in_registers=True, persistent=3)
+    assert both.kernel_class().__name__ == "FlashAttentionForwardSm90TwoCtasQInRegistersPersistent"
