@@ -255,6 +255,11 @@ def _paired_class() -> type:
     class FlashAttentionForwardSm90PairedKeys(FlashAttentionForwardSm90):
         """Same consumer; the producer loads packed pairs of 64-token key blocks."""
 
+        q_after_first_key = False
+        """Load a tile's Q after its first key block instead of before it: on persistent CTAs
+        (delta 7) Q's buffer frees only after the previous tile's epilogue, and the first keys
+        need not wait for it."""
+
         @cute.jit
         def _pair_loader(self, mX, sX, atom, pipe, seqlen, batch_idx, head_idx):
             """``load(packed, producer_state)``: key blocks ``a`` and ``b`` (``a`` again for
@@ -312,12 +317,32 @@ def _paired_class() -> type:
                     load_Q, _, _ = copy_utils.tma_get_copy_fn(
                         tma_atom_Q, 0, cute.make_layout(1), gQ, sQ, single_stage=True
                     )
-                    pipeline_q.producer_acquire_w_index_phase(0, q_phase)
-                    load_Q(tma_bar_ptr=pipeline_q.sync_object_full.get_barrier(0))
-                    q_phase ^= 1
+                    q_loaded = cute.make_rmem_tensor((1,), Int32)  # this tile's Q issued yet
+                    q_loaded[0] = 0
+
+                    # Everything bound as arguments: the DSL refuses closures over outer names
+                    # inside its staged if.
+                    def load_q(pipe=pipeline_q, load_Q=load_Q, phase=q_phase, loaded=q_loaded):
+                        pipe.producer_acquire_w_index_phase(0, phase)
+                        load_Q(tma_bar_ptr=pipe.sync_object_full.get_barrier(0))
+                        loaded[0] = 1
+
+                    if cutlass.const_expr(not self.q_after_first_key):
+                        load_q()
                     load_K = self._pair_loader(
                         mK, sK, tma_atom_K, pipeline_k, seqlen, batch_idx, head_idx
                     )
+                    if cutlass.const_expr(self.q_after_first_key):
+                        load_first_K = load_K
+
+                        def load_K(
+                            src_idx, producer_state, load_K=load_first_K, load_q=load_q,
+                            loaded=q_loaded,
+                        ):  # fmt: skip
+                            load_K(src_idx, producer_state)
+                            if loaded[0] == 0:
+                                load_q()
+
                     load_V = self._pair_loader(
                         mV, sV, tma_atom_V, pipeline_v, seqlen, batch_idx, head_idx
                     )
@@ -325,6 +350,10 @@ def _paired_class() -> type:
                         blocksparse_tensors, batch_idx, head_idx, m_block, seqlen, kv_state,
                         load_K, load_V, pipeline_k, pipeline_v, self.intra_wg_overlap,
                     )  # fmt: skip
+                    # A tile with no key block still needs its Q.
+                    if cutlass.const_expr(self.q_after_first_key) and q_loaded[0] == 0:
+                        load_q()
+                    q_phase ^= 1
                     scheduler.prefetch_next_work()
                     scheduler.advance_to_next_work()
                     work_tile = scheduler.get_current_work()

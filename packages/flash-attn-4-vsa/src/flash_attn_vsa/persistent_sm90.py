@@ -155,7 +155,10 @@ def with_persistent_tiles(base: type) -> type:
     mma_signature = inspect.signature(FlashAttentionForwardSm90.mma)
 
     class PersistentTilesForward(base):  # type: ignore[misc, valid-type]
-        """``base`` with Q released after the epilogue."""
+        """``base`` with Q released after the epilogue (and, where the producer is ours, Q
+        loaded after the tile's first key block, so that those keys need not wait for it)."""
+
+        q_after_first_key = True
 
         def mma(self, *args: Any, **kwargs: Any) -> Any:
             bound = mma_signature.bind(self, *args, **kwargs)
