@@ -142,10 +142,10 @@ def test_scope_picks_the_streams_class_mask_and_two_block_stages():
             assert fwd_sm90.current_scope() == fwd_sm90.ForwardKernel("two_streams", q_in_registers)
             cls = fwd_sm90.current_kernel_class()
             assert type(fwd_module.AttentionMask(128, 64, None)) is streams().mask_class()
-            assert sm90_operands._stack("staged_rows") == (2,)
+            assert sm90_operands.thread_stack("staged_rows") == (2,)
         assert cls is streams().kernel_class(q_in_registers=q_in_registers)
         assert issubclass(cls, fwd_sm90_paired.kernel_class())  # the paired-key producer
-    assert sm90_operands._stack("staged_rows") == ()
+    assert sm90_operands.thread_stack("staged_rows") == ()
     assert streams().kernel_class(True) is not streams().kernel_class()
 
 

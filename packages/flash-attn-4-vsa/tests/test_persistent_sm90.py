@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from flash_attn_vsa import fwd_sm90, upstream_version
+from flash_attn_vsa import fwd_sm90, sm90_operands, upstream_version
 
 needs_upstream = pytest.mark.skipif(upstream_version() is None, reason="needs flash-attn-4")
 
@@ -80,9 +80,9 @@ def test_persistent_scope_opens_the_scheduler_and_builds_the_persistent_class():
     from flash_attn_vsa import fwd_sm90_streams
 
     with fwd_sm90_streams.streams_scope(persistent=5):
-        assert persistent()._stack("ctas") == (5,)
+        assert sm90_operands.thread_stack("ctas") == (5,)
         cls = fwd_sm90.current_kernel_class()
-    assert persistent()._stack("ctas") == ()
+    assert sm90_operands.thread_stack("ctas") == ()
     assert cls is fwd_sm90_streams.kernel_class(persistent=5)
     assert cls.__name__ == "FlashAttentionForwardSm90TwoStreamsPersistent"
     assert issubclass(cls, fwd_sm90_streams.kernel_class())

@@ -34,28 +34,13 @@ from __future__ import annotations
 
 import functools
 import inspect
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from flash_attn_vsa.sm90_operands import pushed, thread_stack
+
 __all__ = ["install", "persistent_tiles", "scheduler_class", "with_persistent_tiles"]
-
-_state = threading.local()
-
-
-def _stack(name: str) -> tuple[Any, ...]:
-    return getattr(_state, name, ())
-
-
-@contextmanager
-def _pushed(name: str, value: Any) -> Iterator[None]:
-    saved = _stack(name)
-    setattr(_state, name, (*saved, value))
-    try:
-        yield
-    finally:
-        setattr(_state, name, saved)
 
 
 @contextmanager
@@ -65,7 +50,7 @@ def persistent_tiles(ctas: int) -> Iterator[None]:
     if isinstance(ctas, bool) or not isinstance(ctas, int) or ctas < 1:
         raise ValueError(f"ctas must be a positive int, got {ctas!r}")
     install()
-    with _pushed("ctas", ctas):
+    with pushed("ctas", ctas):
         yield
 
 
@@ -93,7 +78,7 @@ class _SchedulerChoice:
         self.upstream = upstream
 
     def _current(self) -> type:
-        ctas = _stack("ctas")
+        ctas = thread_stack("ctas")
         return scheduler_class(ctas[-1]) if ctas else self.upstream
 
     def __getattr__(self, name: str) -> Any:
@@ -164,12 +149,12 @@ def with_persistent_tiles(base: type) -> type:
             bound = mma_signature.bind(self, *args, **kwargs)
             pipeline_q = _QReleasedAfterEpilogue(bound.arguments["pipeline_q"], [])
             bound.arguments["pipeline_q"] = pipeline_q
-            with _pushed("pipeline_q", pipeline_q):
+            with pushed("pipeline_q", pipeline_q):
                 return base.mma(*bound.args, **bound.kwargs)
 
         def epilogue(self, *args: Any, **kwargs: Any) -> Any:
             result = base.epilogue(self, *args, **kwargs)
-            _stack("pipeline_q")[-1].release_now()
+            thread_stack("pipeline_q")[-1].release_now()
             return result
 
     PersistentTilesForward.__name__ = f"{base.__name__}Persistent"

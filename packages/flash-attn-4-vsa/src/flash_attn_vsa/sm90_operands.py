@@ -31,18 +31,21 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-__all__ = ["install", "partition_hooks", "staged_rows_hook"]
+__all__ = ["install", "partition_hooks", "pushed", "staged_rows_hook", "thread_stack"]
 
 _hooks = threading.local()
 
 
-def _stack(name: str) -> tuple[Any, ...]:
+def thread_stack(name: str) -> tuple[Any, ...]:
+    """The values pushed under ``name`` on this thread (innermost last): the hooks here, and
+    the other tracing-time state of the fork's deltas (`persistent_sm90`)."""
     return getattr(_hooks, name, ())
 
 
 @contextmanager
-def _pushed(name: str, value: Any) -> Iterator[None]:
-    saved = _stack(name)
+def pushed(name: str, value: Any) -> Iterator[None]:
+    """Push ``value`` on this thread's stack ``name`` for the duration of the block."""
+    saved = thread_stack(name)
     setattr(_hooks, name, (*saved, value))
     try:
         yield
@@ -57,7 +60,7 @@ def partition_hooks(
 ) -> Iterator[None]:
     """While open on this thread, the forward's ``partition_fragment_ABC`` runs these hooks."""
     install()
-    with _pushed("partition", (before, after)):
+    with pushed("partition", (before, after)):
         yield
 
 
@@ -66,7 +69,7 @@ def staged_rows_hook(factor: int) -> Iterator[None]:
     """While open on this thread, the forward's staged shared-memory layouts get ``factor``
     times the rows asked for."""
     install()
-    with _pushed("staged_rows", factor):
+    with pushed("staged_rows", factor):
         yield
 
 
@@ -82,7 +85,7 @@ def install() -> None:
     stand_in.__dict__.update(vars(upstream))
 
     def partition_fragment_ABC(thr_mma, shape_mnk, sA, sB, swap_AB=False):
-        hooks = _stack("partition")
+        hooks = thread_stack("partition")
         for before, _ in hooks:
             if before is not None:
                 sA, sB = before(thr_mma, shape_mnk, sA, sB)
@@ -93,7 +96,7 @@ def install() -> None:
         return acc, rA, rB
 
     def make_smem_layout(dtype, layout, tile, stage=None, *args, **kwargs):
-        factors = _stack("staged_rows")
+        factors = thread_stack("staged_rows")
         if factors and stage is not None:
             rows, *rest = cute.product_each(cute.shape(tile))
             tile = (rows * functools.reduce(lambda a, b: a * b, factors), *rest)
