@@ -37,6 +37,7 @@ efficiency (single-GPU op time / (N x sequence-parallel time)) and the peak memo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import sys
 import time
@@ -162,6 +163,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--no-coarse-gate", action="store_true", help="run without a coarse gate")
     g.add_argument(
+        "--fa4-variant",
+        type=lambda text: tuple(text.split(",")),
+        default=(),
+        metavar="OPTIONS",
+        help="the fork's experimental fa4 forwards where they fit, a comma list of qregs, "
+        "streams, persistent (vsa_fa4.launch.ForwardVariant); default: the shipped kernels",
+    )
+    g.add_argument(
         "--dtype",
         choices=sorted(bc.DTYPES),
         help="default bf16 (with --sequence-parallel on a CPU: float32)",
@@ -207,6 +216,15 @@ class Config:
     out: Path | None
     replica_timeout_s: float
     sequence_parallel: bool = False
+    fa4_variant: tuple[str, ...] = ()
+
+    def fa4_variant_context(self) -> contextlib.AbstractContextManager[Any]:
+        """Around each op cell: the fa4 forwards' variant (`--fa4-variant`), if any."""
+        if not self.fa4_variant:
+            return contextlib.nullcontext()
+        from vsa_fa4 import launch
+
+        return launch.forward_variant(launch.ForwardVariant.from_names(self.fa4_variant))
 
     def as_dict(self) -> dict[str, Any]:
         fields = {
@@ -227,6 +245,7 @@ class Config:
             "budget_s": self.budget_s,
             "time_budget_min": self.time_budget_min,
             "seed": self.seed,
+            "fa4_variant": list(self.fa4_variant),
         }
         if self.sequence_parallel:
             fields["sequence_parallel"] = True
@@ -272,6 +291,7 @@ def make_config(args: argparse.Namespace, device: torch.device) -> Config:
         out=args.out,
         replica_timeout_s=args.replica_timeout_s,
         sequence_parallel=sp,
+        fa4_variant=_checked_fa4_variant(args.fa4_variant),
     )
 
 
@@ -337,6 +357,25 @@ def attn_runner(inputs: OpInputs, mode: str, attn: Callable[..., Any]) -> bc.Run
 
     names = ("dq", "dk", "dv", "dgate")[: len(leaves)]
     return bc.autograd_runner(forward, leaves, inputs.dout, mode, names=names)
+
+
+def _variant_note(cfg: dict[str, Any]) -> str:
+    """The report's mention of ``--fa4-variant`` (nothing without it)."""
+    variant = cfg.get("fa4_variant")
+    return f" (fa4 forward variant: {'+'.join(variant)})" if variant else ""
+
+
+def _checked_fa4_variant(options: tuple[str, ...]) -> tuple[str, ...]:
+    """``--fa4-variant``'s options, checked now (SystemExit naming the known ones) rather than
+    in the first cell."""
+    if options:
+        from vsa_fa4 import launch
+
+        try:
+            launch.ForwardVariant.from_names(options)
+        except ValueError as exc:
+            raise SystemExit(f"--fa4-variant: {exc}") from None
+    return options
 
 
 def op_runner(
@@ -624,7 +663,8 @@ def run_benchmark(
                     rec.update(dense)
                     if inputs is None:
                         inputs = make_op_inputs(cfg, tiling, shape.heads, device)
-                    run_op_cell(cfg, rec, inputs, tiling, device, log)
+                    with cfg.fa4_variant_context():
+                        run_op_cell(cfg, rec, inputs, tiling, device, log)
                 derive(rec)
                 results.append(rec)
                 log(summary_line(rec))
@@ -851,7 +891,8 @@ def run_sequence_parallel(
                         local = shard_inputs(full, tiling)
                         if rank != 0:
                             full = None
-                    run_sp_cell(cfg, rec, full, local, tiling, device, rank, log)
+                    with cfg.fa4_variant_context():
+                        run_sp_cell(cfg, rec, full, local, tiling, device, rank, log)
                 derive(rec)
                 derive_sp(rec)
                 results.append(rec)
@@ -902,7 +943,8 @@ def render_markdown(doc: dict[str, Any]) -> str:
         f"- date (UTC): {meta['date_utc']}; seed {meta['seed']}",
         f"- command: `{meta['command']}`",
         f"- tile {tuple(cfg['tile'])}, D={cfg['head_dim']}, B={cfg['batch']}, {cfg['dtype']}, "
-        f"coarse gate: {cfg['coarse_gate']}; fine backend requested: {cfg['backend']}",
+        f"coarse gate: {cfg['coarse_gate']}; fine backend requested: {cfg['backend']}"
+        + _variant_note(cfg),
         "- speedup = dense time / op time; ideal = (real/padded tokens)^2 / kept fraction; "
         "coarse+select = pool_tiles x3 + coarse_attention + select_topk, timed apart; "
         "peak = max_memory_allocated beyond the inputs",
@@ -975,7 +1017,8 @@ def render_markdown_sp(doc: dict[str, Any]) -> str:
         f"- date (UTC): {meta['date_utc']}; seed {meta['seed']}",
         f"- command: `{meta['command']}`",
         f"- tile {tuple(cfg['tile'])}, D={cfg['head_dim']}, B={cfg['batch']}, {cfg['dtype']}, "
-        f"coarse gate: {cfg['coarse_gate']}; fine backend requested: {cfg['backend']}",
+        f"coarse gate: {cfg['coarse_gate']}; fine backend requested: {cfg['backend']}"
+        + _variant_note(cfg),
         f"- {cfg['warmup']} warm-up + {cfg['reps']} timed calls on every rank, between barriers; "
         "a call's time is the slowest rank's (all_reduce MAX), median over the calls; the "
         "single-GPU op and dense run on rank 0's GPU",

@@ -201,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         help=f"arms to run (default: {' '.join(KNOWN_ARMS)} plus vsa:NAME for every other "
         "registered vsa backend); vsa:fa4+OPTION[+OPTION] runs the fa4 backend with the fork's "
-        f"experimental forward kernels where they fit (options: {', '.join(FA4_VARIANTS)})",
+        "experimental forward kernels where they fit (options: qregs, streams, persistent)",
     )
     g.add_argument("--batch", type=int, default=1)
     g.add_argument("--heads", type=int, help="default 12 (CPU: 2)")
@@ -510,29 +510,28 @@ class VsaBackendArm(Arm):
         return bc.autograd_runner(forward, leaves, inputs.dout, cell.mode)
 
 
-FA4_VARIANTS = {"qregs": "q_in_registers", "streams": "two_streams", "persistent": "persistent"}
-"""Options of ``vsa:fa4+...`` arms: fields of ``vsa_fa4.launch.ForwardVariant``."""
-
-
 class Fa4VariantArm(VsaBackendArm):
     """``vsa:fa4+OPTION[+OPTION]``: the fa4 backend with the fork's experimental forward kernels
     (``vsa_fa4.launch.ForwardVariant``) where they fit, the shipped ones elsewhere."""
 
     def __init__(self, arm_name: str) -> None:
+        from vsa_fa4 import launch
+
         backend, *options = arm_name.removeprefix("vsa:").split("+")
-        unknown = [o for o in options if o not in FA4_VARIANTS]
-        if backend != "fa4" or not options or unknown:
+        try:
+            if backend != "fa4":
+                raise ValueError(f"the backend must be fa4, got {backend!r}")
+            self.variant = launch.ForwardVariant.from_names(options)
+        except ValueError as exc:
             raise ValueError(
-                f"a variant arm is vsa:fa4+OPTION[+OPTION] with options "
-                f"{', '.join(FA4_VARIANTS)}; got {arm_name!r}"
-            )
+                f"a variant arm is vsa:fa4+OPTION[+OPTION]; got {arm_name!r}: {exc}"
+            ) from None
         super().__init__("fa4", arm_name=arm_name)
-        self.options = {FA4_VARIANTS[o]: True for o in options}
 
     def context(self) -> contextlib.AbstractContextManager[Any]:
         from vsa_fa4 import launch
 
-        return launch.forward_variant(launch.ForwardVariant(**self.options))
+        return launch.forward_variant(self.variant)
 
 
 def cuda_only(device: torch.device, what: str) -> str | None:

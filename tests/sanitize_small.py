@@ -35,10 +35,7 @@ if "--fa4-variant" in args:
     del args[at : at + 2]
     from vsa_fa4 import launch
 
-    fields = {"streams": "two_streams", "qregs": "q_in_registers", "persistent": "persistent"}
-    if any(o not in fields for o in options):
-        raise ValueError(f"--fa4-variant takes a comma list of {sorted(fields)}, got {options}")
-    variant = launch.ForwardVariant(**{fields[o]: True for o in options})
+    variant = launch.ForwardVariant.from_names(options)
     variant_context = lambda: launch.forward_variant(variant)  # noqa: E731
 backend_name = args[0] if args else "triton"
 backend = get_backend(backend_name)

@@ -630,3 +630,24 @@ def test_profile_video_op_runs_once_per_selection_chunk_and_restores_it(tmp_path
     assert all(r["ms_per_call"] > 0 and r["fine_kernels_ms"] == 0 for r in runs)  # no CUDA
     for mib in (0, 16):
         assert (tmp_path / f"reference-fwd-selection{mib}mib.kernels.txt").read_text()
+
+
+def test_bench_video_fa4_variant_is_checked_recorded_and_entered(tmp_path, monkeypatch):
+    from vsa_fa4 import launch
+
+    with pytest.raises(SystemExit, match="--fa4-variant"):
+        bench_video.main(["--device", "cpu", "--fa4-variant", "fast"])
+    seen = []
+    real = bench_video.run_op_cell
+    monkeypatch.setattr(
+        bench_video,
+        "run_op_cell",
+        lambda *a, **k: (seen.append(launch.current_forward_variant()), real(*a, **k))[1],
+    )
+    out = tmp_path / "v.json"
+    argv = ["--device", "cpu", *FAST, "--modes", "fwd", "--fa4-variant", "streams,qregs"]
+    assert bench_video.main([*argv, "--out", str(out)]) == 0
+    assert seen and all(v == launch.ForwardVariant(True, True) for v in seen)
+    doc = json.loads(out.read_text())
+    assert doc["config"]["fa4_variant"] == ["streams", "qregs"]
+    assert "fa4 forward variant: streams+qregs" in out.with_suffix(".md").read_text()

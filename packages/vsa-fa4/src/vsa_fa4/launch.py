@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +44,21 @@ class ForwardVariant:
     def kernel_options(self) -> dict[str, bool]:
         """The keyword arguments the fork's forward entry points take for this variant."""
         return {"q_in_registers": self.q_in_registers, "persistent": self.persistent}
+
+    @classmethod
+    def from_names(cls, names: Sequence[str]) -> ForwardVariant:
+        """The variant with the named options on (`VARIANT_NAMES`: the short names benchmarks
+        and tools take, e.g. ``["streams", "qregs"]``); ValueError for an unknown name."""
+        unknown = [n for n in names if n not in VARIANT_NAMES]
+        if unknown or not names:
+            raise ValueError(
+                f"forward variant options must be among {sorted(VARIANT_NAMES)}, got {list(names)}"
+            )
+        return cls(**{VARIANT_NAMES[n]: True for n in names})
+
+
+VARIANT_NAMES = {"qregs": "q_in_registers", "streams": "two_streams", "persistent": "persistent"}
+"""Short names of `ForwardVariant`'s fields, as benchmarks and tools take them."""
 
 
 SHIPPED_FORWARD = ForwardVariant()
