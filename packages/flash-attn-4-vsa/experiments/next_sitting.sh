@@ -11,10 +11,11 @@ T=packages/flash-attn-4-vsa/tests
 bench="python3 benchmarks/bench_vsa.py --seq-lens 32768 --sparsities 0.875 0.9 --block-shapes 64x64 128x64 --modes fwd --arms fa4 vsa:fa4+qregs vsa:fa4+streams vsa:fa4+streams+qregs vsa:fa4+persistent vsa:fa4+streams+persistent fa4_dense"
 case "${1:-}" in
 kernels)
-  # Deltas 5-7 correct first (17 cases), then experiment 10 (the forward variants, timed).
+  # Deltas 5-7 correct first (17 cases), then experiment 10 (the forward variants, timed);
+  # if a test failed, the per-block diagnosis instead of the timing.
   bash benchmarks/gpu_sitting.sh \
     "step fwd_gpu 330 python3 -m pytest -m gpu -q -p no:cacheprovider $T/test_fwd_sm90.py $T/test_fwd_sm90_paired.py $T/test_fwd_sm90_streams.py" \
-    "step exp10 240 python3 $X/q64_fwd_q_in_registers.py --out \$OUT"
+    "if grep -q 'fwd_gpu rc=0' \$OUT/logs/steps.txt; then step exp10 240 python3 $X/q64_fwd_q_in_registers.py --out \$OUT; else step diagnose 240 python3 $X/diagnose_forward.py --out \$OUT; fi"
   ;;
 backward)
   # Experiment 9 (the dQ reduce-adds' share), experiment 8 (why the harnesses disagree) with
