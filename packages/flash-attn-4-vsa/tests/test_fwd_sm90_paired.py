@@ -99,7 +99,7 @@ def test_mask_class_applies_only_the_pair_mask_and_skips_the_seqlen_mask(monkeyp
 
     cls = paired().mask_class()
     calls = []
-    monkeypatch.setattr(cls, "keep_pair_columns", lambda self, *args: calls.append(args[-1]))
+    monkeypatch.setattr(cls, "keep_columns", lambda self, *args: calls.append(args[-1]))
     monkeypatch.setattr(AttentionMask, "apply_mask", lambda *args: calls.append("upstream"))
     mask = cls(128, 128, None)
     aux = AuxData(tensors=["valid sizes"])

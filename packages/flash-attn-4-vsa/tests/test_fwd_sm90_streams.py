@@ -114,7 +114,7 @@ def test_mask_class_applies_only_the_stream_mask_and_skips_the_seqlen_mask(monke
 
     cls = streams().mask_class()
     calls = []
-    monkeypatch.setattr(cls, "keep_stream_columns", lambda self, *args: calls.append(args[-1]))
+    monkeypatch.setattr(cls, "keep_columns", lambda self, *args: calls.append(args[-1]))
     monkeypatch.setattr(AttentionMask, "apply_mask", lambda *args: calls.append("upstream"))
     mask = cls(128, 64, None)
     aux = AuxData(tensors=["valid sizes"])

@@ -159,10 +159,8 @@ def pair_mask_mod() -> Any:
 
 @functools.cache
 def mask_class() -> type:
-    """The ``AttentionMask`` of paired kernels: list entries are packed pairs, not tile indices,
-    so upstream's sequence-length mask (which it applies to a row's first tile) must not run;
-    `pair_mask_mod` keeps ``c < valid[a]`` and ``64 <= c < 64 + valid[b]``; nothing else is
-    supported (a ValueError while tracing)."""
+    """The ``AttentionMask`` of paired kernels (`packed_entry_mask_base`): `pair_mask_mod`
+    keeps ``c < valid[a]`` and ``64 <= c < 64 + valid[b]``."""
     import cutlass
     import cutlass.cute as cute
     from flash_attn.cute.mask import (
@@ -171,37 +169,24 @@ def mask_class() -> type:
         r2p_bitmask_below,
         sm90_col_to_r2p_idx,
     )
-    from quack import layout_utils
 
-    from flash_attn_vsa import mask_sm90
-
-    class PairedKeyMask(mask_sm90.mask_class()):
-        def own_mask(self, acc_S, n_block, thr_mma, mask_causal, mask_local, mask_mod, aux_data):
-            what = ("paired keys", PAIR_MASK_ATTR, "pair_mask_mod()")
-            if packed_entry_mask_applies(self, mask_causal, mask_local, mask_mod, *what):
-                self.keep_pair_columns(acc_S, n_block, thr_mma, aux_data.tensors[0])
-            return True
+    class PairedKeyMask(packed_entry_mask_base()):
+        what, marker, mask_mod_name = "paired keys", PAIR_MASK_ATTR, "pair_mask_mod()"
 
         @cute.jit
-        def keep_pair_columns(
-            self,
-            acc_S: cute.Tensor,
-            n_block: cutlass.Int32,
-            thr_mma: cute.TiledMma,
-            valid_sizes: cute.Tensor,
+        def limit_columns(
+            self, acc_mn: cute.Tensor, n_block: cutlass.Int32, mine: Any, valid: cute.Tensor
         ) -> None:
-            acc_mn = layout_utils.reshape_acc_to_mn(acc_S)
-            coords = cute.make_identity_tensor((self.tile_m, self.tile_n))
-            offset = layout_utils.reshape_acc_to_mn(thr_mma.partition_C(coords))[0][1]
+            offset = mine[1]
             first = n_block & 0xFFFF
             second = n_block >> 16
             lookup = second
             if second == NO_BLOCK:
                 lookup = first  # any in-range id: its size is not used
-            second_end = KEY_BLOCK + valid_sizes[lookup]
+            second_end = KEY_BLOCK + valid[lookup]
             if second == NO_BLOCK:
                 second_end = KEY_BLOCK
-            below_first = sm90_col_to_r2p_idx(valid_sizes[first] - offset)
+            below_first = sm90_col_to_r2p_idx(valid[first] - offset)
             from_second = sm90_col_to_r2p_idx(KEY_BLOCK - offset)
             below_second = sm90_col_to_r2p_idx(second_end - offset)
             mask_r2p_lambda(
@@ -215,22 +200,48 @@ def mask_class() -> type:
     return PairedKeyMask
 
 
-def packed_entry_mask_applies(
-    mask: Any, causal: bool, local: bool, mask_mod: Any, what: str, attr: str, expected: str
-) -> bool:
-    """For an ``AttentionMask`` of a kernel whose list entries are packed block ids (every call
-    is its own, decided while tracing): True when ``mask_mod`` is its marked one (``attr``) and
-    must be applied, False for a full entry (no mask_mod: every column is a real key, and
-    upstream's sequence-length mask, which would read the entry as a tile index, must not
-    run); ValueError for anything else (``what`` and ``expected`` name the kernel and its
-    mask_mod)."""
-    if causal or local or mask.swap_AB or mask.qhead_per_kvhead_packgqa != 1:
-        raise ValueError(f"{what} support no causal, local, swapped or GQA masks")
-    if mask_mod is None:
-        return False
-    if getattr(mask_mod, attr, None) != KEY_BLOCK:
-        raise ValueError(f"{what} take {expected} as their only mask_mod")
-    return True
+@functools.cache
+def packed_entry_mask_base() -> type:
+    """Base ``AttentionMask`` of kernels whose list entries are packed block ids (this delta's
+    and the two-stream one's; every call is theirs, decided while tracing). A full entry (no
+    mask_mod) is left alone: every column is a real key, and upstream's sequence-length mask,
+    which would read the entry as a tile index, must not run. The kernel's marked mask_mod
+    (``marker``) runs the subclass's ``limit_columns(acc_mn, n_block, mine, valid)`` on this
+    thread's scores as rows x columns, ``mine`` being its first score's (row, column) in the
+    tile. Anything else is a ValueError naming the kernel (``what``) and its mask_mod."""
+    import cutlass
+    import cutlass.cute as cute
+    from quack import layout_utils
+
+    from flash_attn_vsa import mask_sm90
+
+    class PackedEntryMask(mask_sm90.mask_class()):
+        what = marker = mask_mod_name = ""
+
+        def own_mask(self, acc_S, n_block, thr_mma, mask_causal, mask_local, mask_mod, aux_data):
+            if mask_causal or mask_local or self.swap_AB or self.qhead_per_kvhead_packgqa != 1:
+                raise ValueError(f"{self.what} support no causal, local, swapped or GQA masks")
+            if mask_mod is None:
+                return True
+            if getattr(mask_mod, self.marker, None) != KEY_BLOCK:
+                raise ValueError(f"{self.what} take {self.mask_mod_name} as their only mask_mod")
+            self.keep_columns(acc_S, n_block, thr_mma, aux_data.tensors[0])
+            return True
+
+        @cute.jit
+        def keep_columns(
+            self,
+            acc_S: cute.Tensor,
+            n_block: cutlass.Int32,
+            thr_mma: cute.TiledMma,
+            valid_sizes: cute.Tensor,
+        ) -> None:
+            acc_mn = layout_utils.reshape_acc_to_mn(acc_S)
+            coords = cute.make_identity_tensor((self.tile_m, self.tile_n))
+            mine = layout_utils.reshape_acc_to_mn(thr_mma.partition_C(coords))[0]
+            self.limit_columns(acc_mn, n_block, mine, valid_sizes)
+
+    return PackedEntryMask
 
 
 # ---- the kernel -----------------------------------------------------------------------------

@@ -141,41 +141,28 @@ def stream_mask_mod() -> Any:
 
 @functools.cache
 def mask_class() -> type:
-    """The ``AttentionMask`` of the streams kernel: list entries are packed pairs, so no
-    sequence-length mask; `stream_mask_mod` keeps, per row, the columns below the valid size
-    of the row's own block (the low id for the tile's rows 0-63, the high id for 64-127)."""
+    """The ``AttentionMask`` of the streams kernel (`fwd_sm90_paired.packed_entry_mask_base`):
+    `stream_mask_mod` keeps, per row, the columns below the valid size of the row's own block
+    (the low id for the tile's rows 0-63, the high id for 64-127)."""
     import cutlass
     import cutlass.cute as cute
     from flash_attn.cute.mask import mask_r2p_lambda, r2p_bitmask_below, sm90_col_to_r2p_idx
-    from quack import layout_utils
 
-    from flash_attn_vsa import mask_sm90
-    from flash_attn_vsa.fwd_sm90_paired import packed_entry_mask_applies
+    from flash_attn_vsa.fwd_sm90_paired import packed_entry_mask_base
 
-    class TwoStreamMask(mask_sm90.mask_class()):
-        def own_mask(self, acc_S, n_block, thr_mma, mask_causal, mask_local, mask_mod, aux_data):
-            what = ("two streams", STREAM_MASK_ATTR, "stream_mask_mod()")
-            if packed_entry_mask_applies(self, mask_causal, mask_local, mask_mod, *what):
-                self.keep_stream_columns(acc_S, n_block, thr_mma, aux_data.tensors[0])
-            return True
+    class TwoStreamMask(packed_entry_mask_base()):
+        what, marker, mask_mod_name = "two streams", STREAM_MASK_ATTR, "stream_mask_mod()"
 
         @cute.jit
-        def keep_stream_columns(
-            self,
-            acc_S: cute.Tensor,
-            n_block: cutlass.Int32,
-            thr_mma: cute.TiledMma,
-            valid_sizes: cute.Tensor,
+        def limit_columns(
+            self, acc_mn: cute.Tensor, n_block: cutlass.Int32, mine: Any, valid: cute.Tensor
         ) -> None:
-            acc_mn = layout_utils.reshape_acc_to_mn(acc_S)
-            coords = cute.make_identity_tensor((self.tile_m, self.tile_n))
-            mine = layout_utils.reshape_acc_to_mn(thr_mma.partition_C(coords))[0]
             block = n_block & 0xFFFF
             if mine[0] >= KEY_BLOCK:  # the tile's second 64 rows: the high id
                 block = n_block >> 16
             limit = cutlass.Int32(0)
             if block != NO_BLOCK:
-                limit = valid_sizes[block]
+                limit = valid[block]
             below = sm90_col_to_r2p_idx(limit - mine[1])
             mask_r2p_lambda(acc_mn, lambda s: r2p_bitmask_below(below, s))
 
