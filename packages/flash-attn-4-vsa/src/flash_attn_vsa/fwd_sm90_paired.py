@@ -143,18 +143,23 @@ def pair_mask_mod() -> Any:
     """The mask_mod of paired tiles (valid sizes as ``aux_tensors[0]``). Only `mask_class`
     applies it (it needs the tile's packed pair, which a per-score mask_mod does not see);
     tracing its body anywhere else raises."""
+    return marked_mask_mod("flash_attn_vsa.fwd_sm90_paired", "pair_mask_mod", PAIR_MASK_ATTR)
+
+
+def marked_mask_mod(module: str, name: str, marker: str) -> Any:
+    """A mask_mod that only a `packed_entry_mask_base` mask applies: it carries ``marker``
+    (and a compile-cache hash naming ``module.name``), and tracing its body raises."""
     import cutlass.cute as cute
 
     @cute.jit
-    def keep_paired_keys(batch, head, q_idx, kv_idx, seqlen_info, aux_tensors):
+    def applied_by_the_kernels_mask(batch, head, q_idx, kv_idx, seqlen_info, aux_tensors):
         raise RuntimeError(
-            "pair_mask_mod is applied by flash_attn_vsa.fwd_sm90_paired.mask_class(); it "
-            "cannot run as a per-score mask_mod"
+            f"{name} is applied by {module}.mask_class(); it cannot run as a per-score mask_mod"
         )
 
-    setattr(keep_paired_keys, PAIR_MASK_ATTR, KEY_BLOCK)
-    keep_paired_keys.__cute_hash__ = "flash_attn_vsa.fwd_sm90_paired.pair_mask_mod/v1"
-    return keep_paired_keys
+    setattr(applied_by_the_kernels_mask, marker, KEY_BLOCK)
+    applied_by_the_kernels_mask.__cute_hash__ = f"{module}.{name}/v1"
+    return applied_by_the_kernels_mask
 
 
 @functools.cache

@@ -125,18 +125,9 @@ def stream_mask_mod() -> Any:
     """The mask_mod of the partial list (valid sizes as ``aux_tensors[0]``). Only `mask_class`
     applies it (it needs the packed entry and the warpgroup, which a per-score mask_mod does
     not see); tracing its body anywhere else raises."""
-    import cutlass.cute as cute
+    from flash_attn_vsa.fwd_sm90_paired import marked_mask_mod
 
-    @cute.jit
-    def keep_stream_keys(batch, head, q_idx, kv_idx, seqlen_info, aux_tensors):
-        raise RuntimeError(
-            "stream_mask_mod is applied by flash_attn_vsa.fwd_sm90_streams.mask_class(); it "
-            "cannot run as a per-score mask_mod"
-        )
-
-    setattr(keep_stream_keys, STREAM_MASK_ATTR, KEY_BLOCK)
-    keep_stream_keys.__cute_hash__ = "flash_attn_vsa.fwd_sm90_streams.stream_mask_mod/v1"
-    return keep_stream_keys
+    return marked_mask_mod("flash_attn_vsa.fwd_sm90_streams", "stream_mask_mod", STREAM_MASK_ATTR)
 
 
 @functools.cache
