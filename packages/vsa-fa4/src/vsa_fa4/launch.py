@@ -142,15 +142,30 @@ def run_forward(
 
     64x64 blocks (only sm_90 runs them) go to the fork's two-CTA-per-SM launch of upstream's
     kernel (`flash_attn_vsa.fwd_sm90`: 0.78 of dense instead of 0.55 on an H200); 128x64
-    blocks at head dim 128 on sm_90 to the fork's paired-key kernel (`run_forward_paired`);
+    blocks at head dim 128 on sm_90 to the fork's paired-key kernel (`fwd_sm90_paired`);
     everything else to upstream's ``_flash_attn_fwd``. `forward_variant` picks the fork's
     experimental kernels where they fit."""
     variant = current_forward_variant()
+    split = (lists.full_block_idx, lists.full_block_cnt, lists.mask_block_idx, lists.mask_block_cnt)
     if _pairs_keys(q, lists, kv_valid_sizes, block_size):
-        run_forward_paired(q, k, v, out, lse, lists, kv_valid_sizes, scale)
+        # 128-key tiles of packed pairs; the pair mask handles partial blocks and odd tails,
+        # so ``masked`` does not matter here
+        from flash_attn_vsa import fwd_sm90_paired as paired
+
+        packed = paired.pair_lists(*split, kv_valid_sizes.shape[0])
+        run = (paired.block_sparse_forward_paired, paired.BLOCK_SIZE, packed)
+        _run_packed(*run, q, k, v, out, lse, kv_valid_sizes, scale, variant)
         return
     if variant.two_streams and _runs_two_streams(q, kv_valid_sizes, block_size):
-        run_forward_streams(q, k, v, out, lse, lists, kv_valid_sizes, scale)
+        # query blocks 2t and 2t + 1 side by side in 128-row tile t
+        from flash_attn_vsa import fwd_sm90_streams as streams
+
+        run = (
+            streams.block_sparse_forward_streams,
+            streams.BLOCK_SIZE,
+            streams.stream_lists(*split),
+        )
+        _run_packed(*run, q, k, v, out, lse, kv_valid_sizes, scale, variant)
         return
     tensors_cls, fwd, _, mask_mod = _upstream()
     kwargs: dict[str, Any] = {"return_lse": True}
@@ -178,42 +193,24 @@ def _pairs_keys(
     """Whether this forward runs on the fork's paired-key kernel: 128x64 blocks, head dim 128,
     sm_90 (the arch FA4 compiles for: the device's, or ``FLASH_ATTENTION_ARCH``), lists
     narrower than the number of key blocks (`pair_lists`' bound)."""
-    from flash_attn.cute.interface import _get_device_arch
-
     from flash_attn_vsa import fwd_sm90_paired as paired
 
     return (
         tuple(block_size) == (paired.BLOCK_SIZE[0], paired.KEY_BLOCK)
-        and q.shape[-1] == paired.HEAD_DIM
         and lists.full_block_idx.shape[-1] < kv_valid_sizes.shape[0] < paired.MAX_KEY_BLOCKS
-        and _get_device_arch() // 10 == 9
+        and _two_block_stages_fit(q)
     )
 
 
-def run_forward_paired(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    lists: SparseLists,
-    kv_valid_sizes: torch.Tensor,
-    scale: float,
-) -> None:
-    """The 128x64 forward on `flash_attn_vsa.fwd_sm90_paired`: the full and partial 64-token
-    lists become packed pairs of key blocks (128-key tiles; the pair mask handles partial
-    blocks and odd tails, so ``masked`` does not matter here)."""
-    from flash_attn_vsa import fwd_sm90_paired as paired
+def _two_block_stages_fit(q: torch.Tensor) -> bool:
+    """What the fork's kernels with two 64-token key blocks per stage (paired keys, two
+    streams) need of every call: head dim 128 and sm_90 (the arch FA4 compiles for: the
+    device's, or ``FLASH_ATTENTION_ARCH``)."""
+    from flash_attn.cute.interface import _get_device_arch
 
-    pairs = paired.pair_lists(
-        lists.full_block_idx,
-        lists.full_block_cnt,
-        lists.mask_block_idx,
-        lists.mask_block_cnt,
-        kv_valid_sizes.shape[0],
-    )
-    _run_packed(paired.block_sparse_forward_paired, paired.BLOCK_SIZE, pairs,
-                q, k, v, out, lse, kv_valid_sizes, scale)  # fmt: skip
+    from flash_attn_vsa.fwd_sm90_paired import HEAD_DIM
+
+    return q.shape[-1] == HEAD_DIM and _get_device_arch() // 10 == 9
 
 
 def _run_packed(
@@ -227,14 +224,15 @@ def _run_packed(
     lse: torch.Tensor,
     kv_valid_sizes: torch.Tensor,
     scale: float,
+    variant: ForwardVariant,
 ) -> None:
     """Run a fork forward whose lists hold packed entries (``packed``: FA4's four list tensors
-    in `SparseLists` order) into ``out`` and ``lse``."""
+    in `SparseLists` order) into ``out`` and ``lse``, with ``variant``'s kernel options."""
     tensors = _block_sparse(_upstream()[0], SparseLists(*packed), block_size)
     with _on_device(q.device):
         kernel(
             q, k, v, tensors, kv_valid_sizes, softmax_scale=scale, out=out, lse=lse,
-            **current_forward_variant().kernel_options(),
+            **variant.kernel_options(),
         )  # fmt: skip
 
 
@@ -243,38 +241,14 @@ def _runs_two_streams(
 ) -> bool:
     """Whether a forward fits the two-stream kernel: 64x64 blocks, head dim 128, an even
     number of 64-row query blocks, key block ids that pack in 16 bits, sm_90."""
-    from flash_attn.cute.interface import _get_device_arch
-
     from flash_attn_vsa import fwd_sm90_streams as streams
 
     return (
         tuple(block_size) == (streams.KEY_BLOCK, streams.KEY_BLOCK)
-        and q.shape[-1] == streams.HEAD_DIM
         and (q.shape[1] // streams.KEY_BLOCK) % 2 == 0
         and kv_valid_sizes.shape[0] < streams.NO_BLOCK
-        and _get_device_arch() // 10 == 9
+        and _two_block_stages_fit(q)
     )
-
-
-def run_forward_streams(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    lists: SparseLists,
-    kv_valid_sizes: torch.Tensor,
-    scale: float,
-) -> None:
-    """The 64x64 forward on `flash_attn_vsa.fwd_sm90_streams`: the full and partial lists of
-    query blocks ``2t`` and ``2t + 1`` packed side by side for 128-row tile ``t``."""
-    from flash_attn_vsa import fwd_sm90_streams as streams
-
-    packed = streams.stream_lists(
-        lists.full_block_idx, lists.full_block_cnt, lists.mask_block_idx, lists.mask_block_cnt
-    )
-    _run_packed(streams.block_sparse_forward_streams, streams.BLOCK_SIZE, packed,
-                q, k, v, out, lse, kv_valid_sizes, scale)  # fmt: skip
 
 
 def run_backward(
