@@ -98,6 +98,23 @@ def inputs(head_dim: int, dtype: torch.dtype, valid: torch.Tensor):
     return q, k, v, dout
 
 
+def packed_forward_case(seed: int, q_block: int, dtype: torch.dtype, pack, block_size):
+    """A forward case at head dim 128 for a fork kernel whose lists hold packed entries:
+    ``pack(split)`` turns the case's full/partial forward lists into the kernel's four list
+    tensors. A namespace of q, k, v, valid (on the CPU), scale, the split lists, the kernel's
+    ``tensors`` and the float32 reference ``ref_out`` and ``ref_lse``."""
+    from types import SimpleNamespace
+
+    valid, selected = case(seed=seed, q_block=q_block)
+    q, k, v, dout = inputs(128, dtype, valid)
+    scale = 128**-0.5
+    ref_out, ref_lse, _ = reference(q, k, v, dout, valid, selected, scale)
+    split = sparse_tensors(valid, selected, backward=False)
+    tensors = with_lists(split, pack(split), block_size)
+    return SimpleNamespace(q=q, k=k, v=v, valid=valid, scale=scale, split=split,
+                           tensors=tensors, ref_out=ref_out, ref_lse=ref_lse)  # fmt: skip
+
+
 def with_lists(split, packed, block_size: tuple[int, int]):
     """``split``'s FA4 tensors with ``packed`` (a fork's four list tensors, in
     ``(mask_cnt, mask_idx, full_cnt, full_idx)`` order) and the block size FA4 is to see."""

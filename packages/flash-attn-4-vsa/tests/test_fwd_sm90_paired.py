@@ -166,24 +166,21 @@ def test_q_in_registers_scope_is_a_paired_scope_with_its_own_class():
 @pytest.mark.skipif(not cases.sm90(), reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("dtype,variant", cases.VARIANT_CASES)
 def test_paired_forward_matches_the_reference(dtype, variant):
-    head_dim, q_block = 128, 128
-    valid, selected = cases.case(seed=11, q_block=q_block)
-    q, k, v, dout = cases.inputs(head_dim, dtype, valid)
-    scale = head_dim**-0.5
-    ref_out, ref_lse, _ = cases.reference(q, k, v, dout, valid, selected, scale)
-    split = cases.sparse_tensors(valid, selected, backward=False)
-    packed = paired().pair_lists(
-        split.full_block_idx[..., : valid.shape[0] - 1], split.full_block_cnt,
-        split.mask_block_idx[..., : valid.shape[0] - 1], split.mask_block_cnt, valid.shape[0],
-    )  # fmt: skip
-    assert (split.mask_block_cnt % 2).any() and (split.full_block_cnt % 2).any()  # odd tails
-    tensors = cases.with_lists(split, packed, paired().BLOCK_SIZE)
-    out, lse = cases.nan_outputs(q)
+    def pack(split):
+        num_kv = split.full_block_idx.shape[-1]
+        return paired().pair_lists(
+            split.full_block_idx[..., : num_kv - 1], split.full_block_cnt,
+            split.mask_block_idx[..., : num_kv - 1], split.mask_block_cnt, num_kv,
+        )  # fmt: skip
+
+    c = cases.packed_forward_case(11, 128, dtype, pack, paired().BLOCK_SIZE)
+    assert (c.split.mask_block_cnt % 2).any() and (c.split.full_block_cnt % 2).any()  # odd tails
+    out, lse = cases.nan_outputs(c.q)
     got = paired().block_sparse_forward_paired(
-        q, k, v, tensors, valid.cuda(), softmax_scale=scale, out=out, lse=lse,
+        c.q, c.k, c.v, c.tensors, c.valid.cuda(), softmax_scale=c.scale, out=out, lse=lse,
         **variant,
     )  # fmt: skip
-    cases.assert_forward_matches(got, (out, lse), ref_out, ref_lse)
+    cases.assert_forward_matches(got, (out, lse), c.ref_out, c.ref_lse)
 
 
 @pytest.mark.gpu

@@ -155,22 +155,19 @@ def test_scope_picks_the_streams_class_mask_and_two_block_stages():
 @pytest.mark.skipif(not cases.sm90(), reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("dtype,variant", cases.VARIANT_CASES)
 def test_two_stream_forward_matches_the_reference(dtype, variant):
-    head_dim = 128
-    valid, selected = cases.case(seed=13)  # 64-row query blocks: i selects i % 6 key blocks
-    q, k, v, dout = cases.inputs(head_dim, dtype, valid)
-    scale = head_dim**-0.5
-    ref_out, ref_lse, _ = cases.reference(q, k, v, dout, valid, selected, scale)
-    split = cases.sparse_tensors(valid, selected, backward=False)
-    packed = streams().stream_lists(
-        split.full_block_idx, split.full_block_cnt, split.mask_block_idx, split.mask_block_cnt
-    )
-    tensors = cases.with_lists(split, packed, streams().BLOCK_SIZE)
-    out, lse = cases.nan_outputs(q)
+    def pack(split):
+        return streams().stream_lists(
+            split.full_block_idx, split.full_block_cnt, split.mask_block_idx, split.mask_block_cnt
+        )
+
+    # 64-row query blocks: block i selects i % 6 key blocks, so a tile's two lists differ
+    c = cases.packed_forward_case(13, 64, dtype, pack, streams().BLOCK_SIZE)
+    out, lse = cases.nan_outputs(c.q)
     got = streams().block_sparse_forward_streams(
-        q, k, v, tensors, valid.cuda(), softmax_scale=scale, out=out, lse=lse,
+        c.q, c.k, c.v, c.tensors, c.valid.cuda(), softmax_scale=c.scale, out=out, lse=lse,
         **variant,
     )  # fmt: skip
-    cases.assert_forward_matches(got, (out, lse), ref_out, ref_lse)
+    cases.assert_forward_matches(got, (out, lse), c.ref_out, c.ref_lse)
 
 
 @pytest.mark.gpu
