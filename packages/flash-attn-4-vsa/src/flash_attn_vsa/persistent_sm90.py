@@ -33,12 +33,16 @@ module global read by ``__call__`` and handed to the kernel), ``StaticPersistent
 from __future__ import annotations
 
 import functools
-import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from flash_attn_vsa.sm90_operands import pushed, thread_stack
+from flash_attn_vsa.sm90_operands import (
+    PipelineStandIn,
+    pushed,
+    thread_stack,
+    upstream_mma_arguments,
+)
 
 __all__ = ["install", "persistent_tiles", "scheduler_class", "with_persistent_tiles"]
 
@@ -93,51 +97,29 @@ def install() -> None:
     fwd_module.SingleTileScheduler = _SchedulerChoice(fwd_module.SingleTileScheduler)
 
 
-class _QReleasedAfterEpilogue:
+class _QReleasedAfterEpilogue(PipelineStandIn):
     """Upstream's Q pipeline, except that the consumer's release of Q (which upstream issues
-    before its epilogue) is held back until `release_now`, called after the epilogue."""
-
-    def __init__(self, inner: Any, held: list[Any]) -> None:
-        self._inner = inner
-        self._held = held  # the held release's arguments, shared by every rebuilt copy
+    before its epilogue) is held back until `release_now`, called after the epilogue (extra
+    state: the list of held releases, shared by every rebuilt copy)."""
 
     def consumer_release_w_index(self, *args: Any, **kwargs: Any) -> None:
-        self._held.append((args, kwargs))
+        self._extra[0].append((args, kwargs))
 
     def release_now(self) -> None:
-        if len(self._held) != 1:
+        (held,) = self._extra
+        if len(held) != 1:
             raise RuntimeError(
                 "persistent tiles expect upstream's consumer to release Q once per tile, saw "
-                f"{len(self._held)} releases before its epilogue; review persistent_sm90"
+                f"{len(held)} releases before its epilogue; review persistent_sm90"
             )
-        args, kwargs = self._held.pop()
+        args, kwargs = held.pop()
         self._inner.consumer_release_w_index(*args, **kwargs)
-
-    # Live across upstream's work-tile loop: the DSL carries it as a runtime value.
-    def __extract_mlir_values__(self) -> Any:
-        import cutlass
-
-        return cutlass.extract_mlir_values(self._inner)
-
-    def __new_from_mlir_values__(self, values: Any) -> _QReleasedAfterEpilogue:
-        import cutlass
-
-        return _QReleasedAfterEpilogue(
-            cutlass.new_from_mlir_values(self._inner, values), self._held
-        )
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
 
 
 @functools.cache
 def with_persistent_tiles(base: type) -> type:
     """A subclass of the sm_90 forward kernel class ``base`` whose consumer hands Q back to
     the producer only after the tile's epilogue (safe under `persistent_tiles`)."""
-    from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90
-
-    # Upstream's parameter names (``base`` may wrap ``mma`` as ``*args, **kwargs`` itself).
-    mma_signature = inspect.signature(FlashAttentionForwardSm90.mma)
 
     class PersistentTilesForward(base):  # type: ignore[misc, valid-type]
         """``base`` with Q released after the epilogue (and, where the producer is ours, Q
@@ -146,7 +128,7 @@ def with_persistent_tiles(base: type) -> type:
         q_after_first_key = True
 
         def mma(self, *args: Any, **kwargs: Any) -> Any:
-            bound = mma_signature.bind(self, *args, **kwargs)
+            bound = upstream_mma_arguments(self, args, kwargs)
             pipeline_q = _QReleasedAfterEpilogue(bound.arguments["pipeline_q"], [])
             bound.arguments["pipeline_q"] = pipeline_q
             with pushed("pipeline_q", pipeline_q):

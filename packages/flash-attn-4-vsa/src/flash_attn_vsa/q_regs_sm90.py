@@ -32,7 +32,6 @@ and partitioning QK^T's operands with ``sm90_utils.partition_fragment_ABC`` (see
 from __future__ import annotations
 
 import functools
-import inspect
 from typing import Any
 
 from flash_attn_vsa import sm90_operands
@@ -65,40 +64,20 @@ def _copy_q_to_registers(tiled_mma_qk: Any, sQ: Any, tidx: Any, fragment: Any) -
     cute.copy(tiled_copy, thr_copy.partition_S(sQ), thr_copy.retile(fragment))
 
 
-class _PipelineQToRegisters:
+class _PipelineQToRegisters(sm90_operands.PipelineStandIn):
     """Upstream's Q pipeline, except that the consumer's wait for a tile's Q also copies it
-    into the register fragment."""
-
-    def __init__(self, inner: Any, tiled_mma_qk: Any, sQ: Any, tidx: Any, q: _QFragment) -> None:
-        self._inner = inner
-        self._copy_args = (tiled_mma_qk, sQ, tidx)
-        self._q = q
+    into the register fragment (extra state: the QK^T tiled MMA, sQ, tidx, the `_QFragment`)."""
 
     def consumer_wait_w_index_phase(self, *args: Any, **kwargs: Any) -> Any:
         result = self._inner.consumer_wait_w_index_phase(*args, **kwargs)
-        if self._q.fragment is None:
+        tiled_mma_qk, sQ, tidx, q = self._extra
+        if q.fragment is None:
             raise RuntimeError(
                 "upstream's sm_90 forward waited for Q before partitioning QK^T's operands; "
                 "q_regs_sm90 needs a review against this upstream version"
             )
-        _copy_q_to_registers(*self._copy_args, self._q.fragment)
+        _copy_q_to_registers(tiled_mma_qk, sQ, tidx, q.fragment)
         return result
-
-    # The pipeline is live across upstream's work-tile loop, so the DSL carries it as a runtime
-    # value: hand over the wrapped pipeline's values, and rebuild the stand-in around them.
-    def __extract_mlir_values__(self) -> Any:
-        import cutlass
-
-        return cutlass.extract_mlir_values(self._inner)
-
-    def __new_from_mlir_values__(self, values: Any) -> _PipelineQToRegisters:
-        import cutlass
-
-        inner = cutlass.new_from_mlir_values(self._inner, values)
-        return _PipelineQToRegisters(inner, *self._copy_args, self._q)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
 
 
 @functools.cache
@@ -109,10 +88,6 @@ def with_q_in_registers(base: type) -> type:
     import cutlass.utils.hopper_helpers as sm90_helpers
     from cutlass import Float32
     from cutlass.cute.nvgpu import warpgroup
-    from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90
-
-    # Upstream's parameter names (``base`` may wrap ``mma`` as ``*args, **kwargs`` itself).
-    mma_signature = inspect.signature(FlashAttentionForwardSm90.mma)
 
     class QInRegisters(base):  # type: ignore[misc, valid-type]
         """``base`` with QK^T's A operand (Q) in registers."""
@@ -132,7 +107,7 @@ def with_q_in_registers(base: type) -> type:
             return tiled_mma_qk, tiled_mma_pv
 
         def mma(self, *args: Any, **kwargs: Any) -> Any:
-            bound = mma_signature.bind(self, *args, **kwargs)
+            bound = sm90_operands.upstream_mma_arguments(self, args, kwargs)
             given = bound.arguments
             q = _QFragment()
             given["pipeline_q"] = _PipelineQToRegisters(

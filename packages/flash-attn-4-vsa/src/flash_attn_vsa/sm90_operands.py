@@ -25,13 +25,22 @@ and quack's ``sm90_utils.partition_fragment_ABC`` and ``sm90_utils.make_smem_lay
 from __future__ import annotations
 
 import functools
+import inspect
 import threading
 import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-__all__ = ["install", "partition_hooks", "pushed", "staged_rows_hook", "thread_stack"]
+__all__ = [
+    "PipelineStandIn",
+    "install",
+    "partition_hooks",
+    "pushed",
+    "staged_rows_hook",
+    "thread_stack",
+    "upstream_mma_arguments",
+]
 
 _hooks = threading.local()
 
@@ -51,6 +60,44 @@ def pushed(name: str, value: Any) -> Iterator[None]:
         yield
     finally:
         setattr(_hooks, name, saved)
+
+
+class PipelineStandIn:
+    """A stand-in for one of upstream's pipelines handed to its consumer (``mma``): the wrapped
+    pipeline for every method a subclass does not override. The pipeline is live across
+    upstream's work-tile loop, so the DSL carries it as a runtime value: the stand-in hands
+    over the wrapped pipeline's values and is rebuilt around them with the same ``extra``
+    (trace-time state)."""
+
+    def __init__(self, inner: Any, *extra: Any) -> None:
+        self._inner = inner
+        self._extra = extra
+
+    def __extract_mlir_values__(self) -> Any:
+        import cutlass
+
+        return cutlass.extract_mlir_values(self._inner)
+
+    def __new_from_mlir_values__(self, values: Any) -> PipelineStandIn:
+        import cutlass
+
+        return type(self)(cutlass.new_from_mlir_values(self._inner, values), *self._extra)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def upstream_mma_arguments(kernel: Any, args: Any, kwargs: Any) -> inspect.BoundArguments:
+    """A call of upstream's sm_90 forward ``mma`` bound by upstream's parameter names (a
+    subclass's ``mma`` may itself take ``*args, **kwargs``)."""
+    from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90
+
+    return _mma_signature(FlashAttentionForwardSm90).bind(kernel, *args, **kwargs)
+
+
+@functools.cache
+def _mma_signature(cls: type) -> inspect.Signature:
+    return inspect.signature(cls.mma)
 
 
 @contextmanager
