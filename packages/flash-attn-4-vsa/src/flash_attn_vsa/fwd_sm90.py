@@ -175,6 +175,19 @@ class ForwardKernel:
             cls = with_persistent_tiles(cls)
         return cls
 
+    def mask_class(self) -> type | None:
+        """The ``AttentionMask`` this kernel's lists need (packed entries: the paired and
+        two-stream kernels'), or None for the one every other kernel builds."""
+        if self.kind == PAIRED_KEYS:
+            from flash_attn_vsa import fwd_sm90_paired
+
+            return fwd_sm90_paired.mask_class()
+        if self.kind == TWO_STREAMS:
+            from flash_attn_vsa import fwd_sm90_streams
+
+            return fwd_sm90_streams.mask_class()
+        return None
+
 
 def current_scope() -> ForwardKernel | None:
     """The innermost `forward_scope` kernel active on this thread, or None."""
@@ -219,9 +232,9 @@ class _ScopedCompileCache:
 
 @functools.cache
 def _install() -> None:
-    """Once per process: upstream's forward builds `kernel_class()` and uses our compile cache
-    inside `two_cta_scope` on the calling thread, and exactly what it did before everywhere
-    else (other threads included)."""
+    """Once per process: upstream's forward builds the kernel class of the innermost
+    `forward_scope` and uses that scope's compile cache on the calling thread, and exactly what
+    it did before everywhere else (other threads included)."""
     import flash_attn.cute.interface as interface
 
     upstream_class = interface.FlashAttentionForwardSm90

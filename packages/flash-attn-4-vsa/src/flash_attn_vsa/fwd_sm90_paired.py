@@ -1,6 +1,6 @@
 """Key pairing in the block-sparse forward on Hopper (sm_90): 128-row query blocks over two
-64-token key blocks per 128-key tile. The fork's fourth delta (measured in an experiment;
-GPU tests of this module pending, see NOTES.md).
+64-token key blocks per 128-key tile. The fork's fourth delta (GPU tests pass on an H200;
+vsa-fa4 routes 128x64 forwards at head dim 128 here).
 
 Upstream FA4 (4.0.0b36) runs 128x64 sparse blocks on 128x64 tiles: QK^T at N = 64 issues
 ~140 instructions per MFLOP against ~110 at N = 128 and each tile step pays a full pipeline
@@ -8,8 +8,9 @@ round trip for half the work. Here the producer fills each 128-row key/value sta
 **two** selected 64-token blocks, four TMA copies of 64 x 64 per tensor (two blocks x two
 halves of head dim 128, into the four 8 KB sub-tiles of the stage's swizzled layout), so
 upstream's consumer runs dense's 128x128 tile whatever the 64-token list is. Measured on an
-H200 (``experiments/paired_kv_fwd.py``, NOTES.md experiment 5): 0.78 -> 0.89 of dense forward
-against upstream's 64-key tiles, same error.
+H200 (``experiments/paired_kv_fwd.py``, NOTES.md experiment 5 and session 6): 0.78 -> 0.89 of
+dense forward against upstream's 64-key tiles in the interleaved harness; in ``bench_vsa``
+0.95 / 0.89-0.91 at 87.5 / 90% against 0.90-0.92, same error.
 
 How the lists reach the kernel (`pair_lists` builds them from 64-token lists split into full
 and partial blocks):
@@ -21,7 +22,8 @@ and partial blocks):
   its partial ("mask") list with `pair_mask_mod()`, which keeps columns ``c < valid[a]`` and
   ``64 <= c < 64 + valid[b]`` (two R2P ranges; valid sizes [NKV] int32 as
   ``aux_tensors[0]``);
-- inside `paired_scope` upstream's forward builds its mask from `mask_class()`, which applies
+- inside `paired_scope` upstream's forward builds its mask from `mask_class()` (the scope's
+  `ForwardKernel.mask_class`), which applies
   that mask_mod and skips upstream's sequence-length mask of a row's first tile (list entries
   are packed pairs, not tile indices; every key a pair names lies inside K).
 
@@ -45,7 +47,6 @@ from typing import Any
 
 from flash_attn_vsa.fwd_sm90 import (
     PAIRED_KEYS,
-    TWO_STREAMS,
     ForwardKernel,
     current_scope,
     forward_scope,
@@ -424,14 +425,9 @@ def _install() -> None:
     class ScopedMask(outside):  # a subclass, so issubclass/isinstance still hold
         def __new__(cls, *args: Any, **kwargs: Any) -> Any:
             # Returns an instance of another class, so Python does not call __init__ again.
-            kind = getattr(current_scope(), "kind", None)
-            if kind == PAIRED_KEYS:
-                return mask_class()(*args, **kwargs)
-            if kind == TWO_STREAMS:
-                from flash_attn_vsa import fwd_sm90_streams
-
-                return fwd_sm90_streams.mask_class()(*args, **kwargs)
-            return outside(*args, **kwargs)
+            scope = current_scope()
+            own = scope.mask_class() if scope is not None else None
+            return (own or outside)(*args, **kwargs)
 
     fwd_module.AttentionMask = ScopedMask
     fwd_module.cpasync = _ScopedCpasync(fwd_module.cpasync)
