@@ -23,9 +23,9 @@ and partial blocks):
   ``64 <= c < 64 + valid[b]`` (two R2P ranges; valid sizes [NKV] int32 as
   ``aux_tensors[0]``);
 - inside `paired_scope` upstream's forward builds its mask from `mask_class()` (the scope's
-  `ForwardKernel.mask_class`), which applies
-  that mask_mod and skips upstream's sequence-length mask of a row's first tile (list entries
-  are packed pairs, not tile indices; every key a pair names lies inside K).
+  `ForwardKernel.mask_class`), which applies that mask_mod and skips upstream's
+  sequence-length mask of a row's first tile (list entries are packed pairs, not tile
+  indices; every key a pair names lies inside K).
 
 The K/V TMA atoms are built inside upstream's ``__call__`` with the whole key tile as their
 box; inside `paired_scope` the ``cpasync`` module upstream's forward module sees builds them
