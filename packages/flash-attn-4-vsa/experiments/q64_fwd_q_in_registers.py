@@ -36,7 +36,9 @@ two short MMA chains per softmax). The paired kernel needs less shared memory pe
 (~112 B per clock at peak by the same count): a few percent at most. ::
 
     python3 packages/flash-attn-4-vsa/experiments/q64_fwd_q_in_registers.py --out DIR  # H200
-    python3 packages/flash-attn-4-vsa/experiments/q64_fwd_q_in_registers.py --sass DIR # CPU
+
+Every arm's kernel is a compile gate configuration, so ``python -m flash_attn_vsa.compile_gate
+--dump-dir DIR`` keeps their PTX and cubins on the CPU.
 
 Compiled on the CPU (session 7, sm_90a, cuobjdump): two-CTA both 128 registers at launch, no
 stack; the variant's 40 ``HGMMA.64x64x16`` (QK^T) read A from registers (``HGMMA ... R24,
@@ -167,39 +169,13 @@ def run(args) -> int:
     return 0
 
 
-def compile_for_sass(dump_dir: str, arm: str | None) -> int:
-    """Compile each arm for sm_90a on fake tensors (no GPU), keeping its PTX and cubins under
-    ``dump_dir/<arm>/`` (one process per arm)."""
-    from kv64_bwd_configs import sass_in_processes
-
-    from flash_attn_vsa import compile_gate as gate
-
-    if arm is None:
-        return sass_in_processes(__file__, dump_dir, ARMS)
-    import torch
-
-    with gate.fake_cuda_qkv() as (q, k, v):
-        valid = torch.empty(gate.SEQLEN // 64, dtype=torch.int32, device="cuda")
-        block = {"two_cta": (64, 64), "streams": (128, 64), "paired": (128, 128)}[ARMS[arm][1]]
-        prepared = gate._sparse_tensors(torch, block, "fwd")
-        if ARMS[arm][1] != "two_cta":
-            prepared = (prepared, valid)
-        forward(arm, q, k, v, prepared, gate.HEAD_DIM**-0.5)
-    return 0
-
-
 def main() -> int:
-    from kv64_bwd_configs import add_sass_args
-
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    add_sass_args(ap)
     ap.add_argument("--seq", type=int, default=32768)
     ap.add_argument("--heads", type=int, default=12)
     ap.add_argument("--reps", type=int, default=20)
     args = ap.parse_args()
-    if args.sass:
-        return compile_for_sass(args.sass, args.sass_arm)
     return run(args)
 
 
