@@ -274,12 +274,10 @@ def make_config(args: argparse.Namespace, device: torch.device) -> Config:
     unknown = [a for a in arms if a not in KNOWN_ARMS and not a.startswith("vsa:")]
     if unknown:
         raise SystemExit(f"unknown arms {unknown}; known: {', '.join(KNOWN_ARMS)}, vsa:NAME")
-    for arm in arms:
-        if arm.startswith("vsa:") and "+" in arm:
-            try:
-                Fa4VariantArm(arm)
-            except ValueError as exc:
-                raise SystemExit(str(exc)) from None
+    try:
+        build_arms(arms)  # refuses malformed variant arms now rather than in the first cell
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     cfg = Config(
         seq_lens=list(pick("seq_lens")),
         sparsities=list(dict.fromkeys(args.sparsities)),
