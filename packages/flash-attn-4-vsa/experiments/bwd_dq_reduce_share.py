@@ -149,19 +149,12 @@ def compile_for_sass(dump_dir: str, arm: str | None = None) -> int:
 
 
 def main() -> int:
-    from bwd_list_rotation import length_args
+    from bwd_list_rotation import length_args, run_lengths
 
     args = length_args(sass=True)
     if args.sass:
         return compile_for_sass(args.sass, args.sass_arm)
-    import torch
-    from kv64_bwd_configs import start_log
-
-    emit = start_log(args.out, "bwd_dq_reduce_share")
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for seq in args.seqs:
-        run_length(emit, seq, args.heads, args.keep, args.reps, sms)
-    return 0
+    return run_lengths("bwd_dq_reduce_share", run_length, args)
 
 
 if __name__ == "__main__":

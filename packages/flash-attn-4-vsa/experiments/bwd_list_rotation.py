@@ -114,13 +114,18 @@ def length_args(sass: bool = False) -> argparse.Namespace:
     return ap.parse_args()
 
 
-def main() -> int:
-    args = length_args()
-    emit = start_log(args.out, "bwd_list_rotation")
+def run_lengths(name: str, run_one, args: argparse.Namespace) -> int:
+    """``run_one(emit, seq, heads, keep, reps, sms)`` at each of ``args.seqs``, logged to
+    ``args.out/name.jsonl`` (this experiment and experiment 9)."""
+    emit = start_log(args.out, name)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for seq in args.seqs:
-        run_length(emit, seq, args.heads, args.keep, args.reps, sms)
+        run_one(emit, seq, args.heads, args.keep, args.reps, sms)
     return 0
+
+
+def main() -> int:
+    return run_lengths("bwd_list_rotation", run_length, length_args())
 
 
 if __name__ == "__main__":
