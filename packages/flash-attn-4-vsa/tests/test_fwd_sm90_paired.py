@@ -93,27 +93,37 @@ def test_pair_lists_refuse_what_cannot_pair():
 
 
 @needs_upstream
-def test_mask_class_applies_only_the_pair_mask_and_skips_the_seqlen_mask(monkeypatch):
+@pytest.mark.parametrize(
+    "module,mask_mod,tile_n",
+    [("fwd_sm90_paired", "pair_mask_mod", 128), ("fwd_sm90_streams", "stream_mask_mod", 64)],
+)
+def test_packed_entry_masks_apply_only_their_mask_and_skip_the_seqlen_mask(
+    monkeypatch, module, mask_mod, tile_n
+):
+    import importlib
+
     from flash_attn.cute.mask import AttentionMask
     from flash_attn.cute.utils import AuxData
 
-    cls = paired().mask_class()
+    kernel = importlib.import_module(f"flash_attn_vsa.{module}")
+    own_mask_mod = getattr(kernel, mask_mod)()
+    cls = kernel.mask_class()
     calls = []
     monkeypatch.setattr(cls, "keep_columns", lambda self, *args: calls.append(args[-1]))
     monkeypatch.setattr(AttentionMask, "apply_mask", lambda *args: calls.append("upstream"))
-    mask = cls(128, 128, None)
+    mask = cls(128, tile_n, None)
     aux = AuxData(tensors=["valid sizes"])
 
     def apply(mask_mod, causal=False):
         return mask.apply_mask("acc", 0, 0, 0, 5, "thr", True, causal, False, mask_mod, aux)
 
-    assert apply(None) is None and calls == []  # full pairs: no sequence-length mask either
-    apply(paired().pair_mask_mod())
+    assert apply(None) is None and calls == []  # full entries: no sequence-length mask either
+    apply(own_mask_mod)
     assert calls == ["valid sizes"]
-    with pytest.raises(ValueError, match="pair_mask_mod"):
+    with pytest.raises(ValueError, match=mask_mod):
         apply(lambda *args: True)
     with pytest.raises(ValueError, match="no causal"):
-        apply(paired().pair_mask_mod(), causal=True)
+        apply(own_mask_mod, causal=True)
 
 
 @needs_upstream

@@ -1,10 +1,11 @@
 """The two-stream forward (`flash_attn_vsa.fwd_sm90_streams`).
 
 CPU: `stream_lists` (every block of each 64-row query block's list exactly once, on its own
-side, in the right list; zeros after; refusals), the mask class's dispatch, the scope. GPU
-(sm_90): 64-row query blocks with their own lists (0..5 blocks, different lengths within a
-tile) over full, partial and empty key blocks against the float32 reference, NaN-poisoned
-outputs fully written, with and without Q in registers.
+side, in the right list; zeros after; refusals) and the scope (the mask class's dispatch is
+tested with the paired kernel's, `test_fwd_sm90_paired`). GPU (sm_90): 64-row query blocks
+with their own lists (0..5 blocks, different lengths within a tile) over full, partial and
+empty key blocks against the float32 reference, NaN-poisoned outputs fully written, with each
+variant (Q in registers, persistent tiles).
 """
 
 from __future__ import annotations
@@ -105,30 +106,6 @@ def test_stream_lists_refuse_an_odd_number_of_query_blocks():
     full, n_full, part, n_part = random_split_lists(0, 3, 8, 4)
     with pytest.raises(ValueError, match="must be even, got 3"):
         streams().stream_lists(full, n_full, part, n_part)
-
-
-@needs_upstream
-def test_mask_class_applies_only_the_stream_mask_and_skips_the_seqlen_mask(monkeypatch):
-    from flash_attn.cute.mask import AttentionMask
-    from flash_attn.cute.utils import AuxData
-
-    cls = streams().mask_class()
-    calls = []
-    monkeypatch.setattr(cls, "keep_columns", lambda self, *args: calls.append(args[-1]))
-    monkeypatch.setattr(AttentionMask, "apply_mask", lambda *args: calls.append("upstream"))
-    mask = cls(128, 64, None)
-    aux = AuxData(tensors=["valid sizes"])
-
-    def apply(mask_mod, causal=False):
-        return mask.apply_mask("acc", 0, 0, 0, 5, "thr", True, causal, False, mask_mod, aux)
-
-    assert apply(None) is None and calls == []  # both blocks full: no seqlen mask either
-    apply(streams().stream_mask_mod())
-    assert calls == ["valid sizes"]
-    with pytest.raises(ValueError, match="stream_mask_mod"):
-        apply(lambda *args: True)
-    with pytest.raises(ValueError, match="no causal"):
-        apply(streams().stream_mask_mod(), causal=True)
 
 
 @needs_upstream
