@@ -100,7 +100,9 @@ def fa4_tensors(layout, backward):
     )
 
 
-def random_layout(seq, heads, shape, keep_frac, seed, empty_kv=(3,)):
+def random_layout(seq, heads, shape, keep_frac, seed, empty_kv=(3,), narrow=False):
+    """Each (query, key) block kept with probability ``keep_frac``; ``narrow`` keeps the lists
+    only as wide as the longest row (the paired kernel needs lists narrower than num_kv)."""
     gen = torch.Generator().manual_seed(seed)
     nq, nkv = seq // shape[0], seq // shape[1]
     mask = torch.rand(1, heads, nq, nkv, generator=gen) < keep_frac
@@ -108,7 +110,8 @@ def random_layout(seq, heads, shape, keep_frac, seed, empty_kv=(3,)):
         mask[..., col] = False  # key blocks no query selects: dk/dv must come out zero
     mask[..., 0, :] = False  # a query block with nothing selected (its dq must be zero)
     valid = torch.full((nkv,), shape[1], dtype=torch.int32)
-    return BlockSparseLayout.from_block_mask(mask, valid, shape).to("cuda")
+    width = int(mask.sum(-1).max()) if narrow else None
+    return BlockSparseLayout.from_block_mask(mask, valid, shape, width=width).to("cuda")
 
 
 def exact256_layout(seq, heads, sparsity, seed):

@@ -139,7 +139,7 @@ def run(args) -> int:
     )
     good = []
     for q_block in (64, 128):
-        lay = random_layout(2048, 4, (q_block, 64), 0.3, seed=1)
+        lay = random_layout(2048, 4, (q_block, 64), 0.3, seed=1, narrow=True)
         ref_out = reference(q, k, v, dout, lay, scale)[0]
         for arm in [a for a, (qb, _, _) in ARMS.items() if qb == q_block]:
             prepared = prepare(arm, lay)

@@ -101,16 +101,18 @@ def stream_lists(
 
 def _rest(full_idx: Any, full_cnt: Any, part_idx: Any, part_cnt: Any, skip: Any) -> Any:
     """One side's list past its first ``skip`` full blocks: the remaining full blocks, then
-    the partial ones, then `NO_BLOCK` ([..., W]), and its length. A list holds at most W
-    blocks in all, so W slots hold the rest."""
+    the partial ones, then `NO_BLOCK` ([..., W], W the full list's width), and its length. A
+    list holds at most W blocks in all, so W slots hold the rest."""
     import torch
 
-    width = full_idx.shape[-1]
+    # the partial list may be narrower than the full one (vsa-fa4's lists of a layout without
+    # partial blocks keep one unused partial slot), so each is read within its own width
+    width, part_width = full_idx.shape[-1], part_idx.shape[-1]
     slot = torch.arange(width, device=full_idx.device, dtype=torch.int32)
     left = (full_cnt - skip).unsqueeze(-1)
     from_full = torch.gather(full_idx, -1, (slot + skip.unsqueeze(-1)).clamp(max=width - 1).long())
     part_slot = slot - left
-    from_part = torch.gather(part_idx, -1, part_slot.clamp(0, width - 1).long())
+    from_part = torch.gather(part_idx, -1, part_slot.clamp(0, part_width - 1).long())
     rest = torch.where(
         slot < left,
         from_full,
