@@ -23,27 +23,38 @@ import torch
 
 from vsa_fa4.metadata import SparseLists
 
+Q_IN_REGISTERS_WHERE_FASTER = frozenset({"two_ctas", "streams"})
+"""The fork's forwards whose QK^T is faster with Q in registers (delta 5) on an H200: the
+two-CTA 64x64 forward (+1.3-2.5% of dense, 6 of 6 interleaved measurements) and the two-stream
+one (+1-1.7%); not the paired 128x64 forward (-2%). The fork's NOTES.md, experiment 10
+(2026-11-30)."""
+
 
 @dataclass(frozen=True)
 class ForwardVariant:
     """Which of the fork's experimental forward kernels the fa4 forwards use where they fit.
 
     ``q_in_registers``: QK^T reads Q from registers (`flash_attn_vsa.q_regs_sm90`, delta 5) in
-    the 64x64, 128x64 and two-stream forwards. ``two_streams``: 64x64 forwards run two 64-row
-    query blocks per 128-row tile, one per warpgroup, each with its own list
-    (`flash_attn_vsa.fwd_sm90_streams`, delta 6; head dim 128, an even number of query blocks,
-    sm_90). ``persistent``: the fork's forwards walk their tiles on persistent CTAs
-    (`flash_attn_vsa.persistent_sm90`, delta 7). All off in `SHIPPED_FORWARD` until an H200
-    measures them faster (the fork's NOTES.md, experiment 10); benchmarks compare them with
+    the 64x64, 128x64 and two-stream forwards; ``None`` (the default): only in the kernels an
+    H200 measured faster that way (`Q_IN_REGISTERS_WHERE_FASTER`). ``two_streams``: 64x64
+    forwards run two 64-row query blocks per 128-row tile, one per warpgroup, each with its own
+    list (`flash_attn_vsa.fwd_sm90_streams`, delta 6; head dim 128, an even number of query
+    blocks, sm_90). ``persistent``: the fork's forwards walk their tiles on persistent CTAs
+    (`flash_attn_vsa.persistent_sm90`, delta 7). The last two are off in `SHIPPED_FORWARD`:
+    the H200 measured them slower (experiment 10); benchmarks compare them with
     `forward_variant`."""
 
-    q_in_registers: bool = False
+    q_in_registers: bool | None = None
     two_streams: bool = False
     persistent: bool = False
 
-    def kernel_options(self) -> dict[str, bool]:
-        """The keyword arguments the fork's forward entry points take for this variant."""
-        return {"q_in_registers": self.q_in_registers, "persistent": self.persistent}
+    def kernel_options(self, kernel: str) -> dict[str, bool]:
+        """The keyword arguments the fork's forward entry point ``kernel`` (``"two_ctas"``,
+        ``"paired"`` or ``"streams"``) takes for this variant."""
+        q_in_registers = self.q_in_registers
+        if q_in_registers is None:
+            q_in_registers = kernel in Q_IN_REGISTERS_WHERE_FASTER
+        return {"q_in_registers": q_in_registers, "persistent": self.persistent}
 
     @classmethod
     def from_names(cls, names: Sequence[str]) -> ForwardVariant:
@@ -141,10 +152,10 @@ def run_forward(
     """FA4 block-sparse forward into ``out`` [B, Sq, H, D] and ``lse`` [B, H, Sq] (float32).
 
     64x64 blocks (only sm_90 runs them) go to the fork's two-CTA-per-SM launch of upstream's
-    kernel (`flash_attn_vsa.fwd_sm90`: 0.78 of dense instead of 0.55 on an H200); 128x64
-    blocks at head dim 128 on sm_90 to the fork's paired-key kernel (`fwd_sm90_paired`);
-    everything else to upstream's ``_flash_attn_fwd``. `forward_variant` picks the fork's
-    experimental kernels where they fit."""
+    kernel with Q in registers (`flash_attn_vsa.fwd_sm90`: 0.79 of dense instead of 0.55 on
+    an H200); 128x64 blocks at head dim 128 on sm_90 to the fork's paired-key kernel
+    (`fwd_sm90_paired`); everything else to upstream's ``_flash_attn_fwd``. `forward_variant`
+    picks the fork's experimental kernels where they fit."""
     variant = current_forward_variant()
     split = (lists.full_block_idx, lists.full_block_cnt, lists.mask_block_idx, lists.mask_block_cnt)
     if _pairs_keys(q, lists, kv_valid_sizes, block_size):
@@ -154,7 +165,9 @@ def run_forward(
 
         packed = paired.pair_lists(*split, kv_valid_sizes.shape[0])
         run = (paired.block_sparse_forward_paired, paired.BLOCK_SIZE, packed)
-        _run_packed(*run, q, k, v, out, lse, kv_valid_sizes, scale, variant)
+        _run_packed(
+            *run, q, k, v, out, lse, kv_valid_sizes, scale, variant.kernel_options("paired")
+        )
         return
     if variant.two_streams and _runs_two_streams(q, kv_valid_sizes, block_size):
         # query blocks 2t and 2t + 1 side by side in 128-row tile t
@@ -165,14 +178,16 @@ def run_forward(
             streams.BLOCK_SIZE,
             streams.stream_lists(*split),
         )
-        _run_packed(*run, q, k, v, out, lse, kv_valid_sizes, scale, variant)
+        _run_packed(
+            *run, q, k, v, out, lse, kv_valid_sizes, scale, variant.kernel_options("streams")
+        )
         return
     tensors_cls, fwd, _, mask_mod = _upstream()
     kwargs: dict[str, Any] = {"return_lse": True}
     if tuple(block_size) == (64, 64):
         from flash_attn_vsa.fwd_sm90 import block_sparse_forward_q64 as fwd
 
-        kwargs = variant.kernel_options()
+        kwargs = variant.kernel_options("two_ctas")
     with _on_device(q.device):
         fwd(
             q,
@@ -224,15 +239,16 @@ def _run_packed(
     lse: torch.Tensor,
     kv_valid_sizes: torch.Tensor,
     scale: float,
-    variant: ForwardVariant,
+    options: dict[str, bool],
 ) -> None:
     """Run a fork forward whose lists hold packed entries (``packed``: FA4's four list tensors
-    in `SparseLists` order) into ``out`` and ``lse``, with ``variant``'s kernel options."""
+    in `SparseLists` order) into ``out`` and ``lse``, with the kernel ``options``
+    (`ForwardVariant.kernel_options`)."""
     tensors = _block_sparse(_upstream()[0], SparseLists(*packed), block_size)
     with _on_device(q.device):
         kernel(
             q, k, v, tensors, kv_valid_sizes, softmax_scale=scale, out=out, lse=lse,
-            **variant.kernel_options(),
+            **options,
         )  # fmt: skip
 
 
