@@ -38,10 +38,12 @@ TARGETS = (
     "dense_fwd",
     "fa4_fwd64",
     "fa4_fwd64_q_regs",
+    "fa4_fwd64_exact256",
     "fa4_streams",
     "fa4_paired",
     "dense_bwd",
     "fa4_bwd64",
+    "fa4_bwd64_reduce0",
     "fa4_bwd128x64",
     "triton_bwd",
 )
@@ -65,8 +67,10 @@ def topk_128x64(seq: int, heads: int, keep: float):
 
 def build(seq: int, heads: int, keep: float):
     """name -> callable for the targets at one sequence length (inputs and lists prebuilt)."""
+    from bwd_dq_reduce_share import reduce_scope
     from bwd_list_rotation import length_case
     from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd
+    from kv64_bwd_configs import exact256_layout
     from paired_kv_fwd import paired_tensors
     from q64_fwd_q_in_registers import stream_tensors
 
@@ -89,6 +93,14 @@ def build(seq: int, heads: int, keep: float):
     d_out, d_lse = _flash_attn_fwd(q, k, v, softmax_scale=scale, return_lse=True)[:2]
     tensors_cls = launch._upstream()[0]
     fwd64 = launch._block_sparse(tensors_cls, forward_lists(idx, cnt, valid, BLOCK), (64, 64))
+    # the same number of key blocks per query block, but four neighbouring query blocks share
+    # each list (256-token selections refined): what K/V reuse between CTAs does for L2
+    lay256 = exact256_layout(seq, heads, 1 - keep, seed=seq).refine((BLOCK, BLOCK)).to("cuda")
+    fwd256 = launch._block_sparse(
+        tensors_cls,
+        forward_lists(lay256.kv_indices, lay256.kv_counts, lay256.kv_valid_sizes, BLOCK),
+        (64, 64),
+    )
     paired = paired_tensors(lay128)
     streams = stream_tensors(lay)
     sms = rotation_width(q.device)
@@ -99,15 +111,20 @@ def build(seq: int, heads: int, keep: float):
     def fa4_bwd(lists, o, s, block):
         launch.run_backward(dout, q, k, v, o, s, *grads, lists, valid, scale, block, False)
 
-    def fwd64_call(q_in_registers):
+    def fwd64_call(q_in_registers, tensors=fwd64):
         return block_sparse_forward_q64(
-            q, k, v, fwd64, softmax_scale=scale, q_in_registers=q_in_registers
+            q, k, v, tensors, softmax_scale=scale, q_in_registers=q_in_registers
         )
+
+    def bwd64_reduce0():  # experiment 9's arm without the dQ reduce-adds (dQ comes out wrong)
+        with reduce_scope("reduce_0"):
+            fa4_bwd(bwd64, out, lse, (64, 64))
 
     return {
         "dense_fwd": lambda: _flash_attn_fwd(q, k, v, softmax_scale=scale),
         "fa4_fwd64": lambda: fwd64_call(False),
         "fa4_fwd64_q_regs": lambda: fwd64_call(True),
+        "fa4_fwd64_exact256": lambda: fwd64_call(True, fwd256),
         "fa4_streams": lambda: block_sparse_forward_streams(
             q, k, v, streams, valid, softmax_scale=scale
         ),
@@ -116,6 +133,7 @@ def build(seq: int, heads: int, keep: float):
         ),
         "dense_bwd": lambda: _flash_attn_bwd(q, k, v, d_out, dout, d_lse, softmax_scale=scale),
         "fa4_bwd64": lambda: fa4_bwd(bwd64, out, lse, (64, 64)),
+        "fa4_bwd64_reduce0": bwd64_reduce0,
         "fa4_bwd128x64": lambda: fa4_bwd(bwd128, out128, lse128, (128, 64)),
         "triton_bwd": lambda: tri.block_sparse_bwd(
             dout, q, k, v, out, lse, idx, cnt, valid, scale, BLOCK, BLOCK
