@@ -354,6 +354,28 @@ def time_runner(runner: Runner, device: torch.device, settings: TimingSettings) 
     )
 
 
+def time_paced(
+    runner: Runner, pacer: Runner, device: torch.device, settings: TimingSettings
+) -> tuple[Timing, Timing]:
+    """``runner`` and ``pacer`` (a baseline) timed call by call in alternation
+    (`time_interleaved`), so that both run at the same clock and power state: returns
+    (runner's timing, pacer's timing in the same rounds). Repetitions: the config's, capped at
+    about ``settings.budget_s`` for the pair, estimated from one call of each after the
+    warm-up rounds (never fewer than 3)."""
+    arms = {"run": (runner.run, runner.setup), "pace": (pacer.run, pacer.setup)}
+    warmup = max(1, settings.warmup)
+    one = time_interleaved(arms, device, warmup=warmup, reps=1)
+    pair_ms = max(one["run"][0] + one["pace"][0], 1e-6)
+    reps = max(3, min(settings.reps, int(settings.budget_s * 1000 / pair_ms)))
+    times = time_interleaved(arms, device, warmup=1, reps=reps)
+    warmed = warmup + 2  # the estimate's round and one more to refill the queue
+
+    def timing(t: list[float]) -> Timing:
+        return Timing(statistics.median(t), min(t), max(t), reps, warmed, t)
+
+    return timing(times["run"]), timing(times["pace"])
+
+
 def make_leaves(
     tensors: Sequence[torch.Tensor], mode: str, transform: Callable[[torch.Tensor], torch.Tensor]
 ) -> list[torch.Tensor]:

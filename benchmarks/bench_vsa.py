@@ -22,8 +22,12 @@ masked reference per cell: finite and max abs error <= max(1e-2, 8 x the dtype's
 floor). An arm that fails is reported and not timed. Metrics: median time (CUDA events,
 warm-up excluded), sparse-aware TFLOP/s = 4*B*H*D*(selected token pairs per head) / time
 (x2.5 for bwd, x3.5 for fwd+bwd), MFU against the device's dense bf16 peak, and efficiency
-relative to dense FA4 measured in the same run. Output: JSON (with metadata), a markdown table
-on stdout (progress goes to stderr) and PNG plots of TFLOP/s vs sparsity.
+relative to dense FA4 measured in the same run: with ``--pacing dense`` (the default) each
+sparse arm is timed call by call alternating with dense FA4 of its length and mode and compared
+with dense's times from those rounds, so both run at the same clock (a GPU at its power cap
+runs a short kernel timed on its own at a higher clock than dense). Output: JSON (with
+metadata), a markdown table on stdout (progress goes to stderr) and PNG plots of TFLOP/s vs
+sparsity.
 
     python benchmarks/bench_vsa.py --out results/bench_vsa.json
     torchrun --nproc-per-node=8 benchmarks/bench_vsa.py --out results/bench_vsa.json
@@ -79,7 +83,7 @@ DEFAULT_MODES = ["fwd", "bwd", "fwd+bwd"]
 EXACT_BLOCK = 256
 
 KEY_FIELDS = ("seq_len", "mode", "sparsity", "block_shape", "arm")
-VALUE_FIELDS = ("median_ms", "min_ms", "max_ms", "peak_mem_mib")
+VALUE_FIELDS = ("median_ms", "min_ms", "max_ms", "peak_mem_mib", "paced_dense_median_ms")
 
 
 # ---- configuration --------------------------------------------------------------------------
@@ -141,6 +145,7 @@ class Config:
     time_budget_min: float | None
     replica_timeout_s: float
     partial_blocks: float = 0.0
+    pacing: str = "dense"
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -155,6 +160,7 @@ class Config:
             "dtype": bc.DTYPE_NAMES[self.dtype],
             "masks": self.masks,
             "partial_blocks": self.partial_blocks,
+            "pacing": self.pacing,
             "seed": self.seed,
             "warmup": self.warmup,
             "reps": self.reps,
@@ -232,6 +238,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="cap one arm's timed calls at about this many seconds (default 3; CPU: 1)",
     )
     t.add_argument(
+        "--pacing",
+        choices=("dense", "none"),
+        default="dense",
+        help="dense (default): time each sparse arm call by call alternating with fa4_dense of "
+        "the same length and mode (when that arm is in the run), so both run at the same clock "
+        "and power state, and compare them in those rounds (an H200 under sustained load caps "
+        "its power and clocks ~1.5-1.65 GHz instead of 1.98: a short kernel timed on its own "
+        "runs faster than beside dense, by up to ~15%%); none: every arm timed on its own",
+    )
+    t.add_argument(
         "--reference-max-seq",
         type=int,
         default=4096,
@@ -298,6 +314,7 @@ def make_config(args: argparse.Namespace, device: torch.device) -> Config:
         gate_max_seq=args.gate_max_seq,
         out=args.out,
         plots=not args.no_plots,
+        pacing=args.pacing,
         time_budget_min=args.time_budget_min,
         replica_timeout_s=args.replica_timeout_s,
         partial_blocks=args.partial_blocks,
@@ -901,8 +918,12 @@ def run_cell(
     reference: Callable[[], dict[str, torch.Tensor]],
     arm_unavailable: str | None,
     announce: Callable[[], None] | None = None,
+    pacer: bc.Runner | None = None,
 ) -> dict[str, Any]:
-    """Gate, then time, one arm on one cell; every failure is caught and reported."""
+    """Gate, then time, one arm on one cell; every failure is caught and reported. With a
+    ``pacer`` (fa4_dense's runner of the same length and mode, `--pacing dense`) the arm is
+    timed alternating with it, and the pacer's times from those rounds are recorded as
+    ``paced_dense_*``."""
     rec = base_record(cfg, cell, arm)
     device = inputs.device
     reason = arm_unavailable
@@ -941,7 +962,15 @@ def run_cell(
             if not gate.passed:
                 rec.update(status="failed", reason=f"correctness gate: {gate.reason}")
                 return rec
-        timing = bc.time_runner(runner, device, cfg)
+        if pacer is None:
+            timing = bc.time_runner(runner, device, cfg)
+        else:
+            timing, dense = bc.time_paced(runner, pacer, device, cfg)
+            rec.update(
+                paced_dense_median_ms=dense.median_ms,
+                paced_dense_times_ms=dense.times_ms,
+                paced_dense_pairs=cfg.batch * cfg.heads * cell.seq_len**2,
+            )
         rec.update(timing.as_dict())
         rec["peak_mem_mib"] = bc.peak_extra_mib(runner.once, device)
         rec["status"] = "ok"
@@ -960,7 +989,9 @@ def run_cell(
 
 
 def derive_metrics(results: list[dict[str, Any]], peak: float | None) -> None:
-    """TFLOP/s, MFU and efficiency vs dense FA4 (same sequence length and mode), in place."""
+    """TFLOP/s, MFU and efficiency vs dense FA4 (same sequence length and mode), in place. A
+    paced arm is compared with dense FA4's times from its own rounds (``paced_dense_median_ms``),
+    others with dense FA4's own cell."""
     dense: dict[tuple[int, str], dict[str, Any]] = {}
     for r in results:
         if r.get("status") == "ok" and isinstance(r.get("median_ms"), (int, float)):
@@ -970,9 +1001,18 @@ def derive_metrics(results: list[dict[str, Any]], peak: float | None) -> None:
                 dense[(r["seq_len"], r["mode"])] = r
     for r in results:
         base = dense.get((r["seq_len"], r["mode"]))
-        if r.get("status") == "ok" and "tflops" in r and base is not None:
-            r["efficiency_vs_fa4_dense"] = r["tflops"] / base["tflops"]
-            r["speedup_vs_fa4_dense"] = base["median_ms"] / r["median_ms"]
+        if r.get("status") != "ok" or "tflops" not in r:
+            continue
+        if "paced_dense_median_ms" in r:
+            dense_ms = r["paced_dense_median_ms"]
+            dense_pairs = r["paced_dense_pairs"]
+        elif base is not None:
+            dense_ms, dense_pairs = base["median_ms"], base["total_pairs"]
+        else:
+            continue
+        dense_tflops = bc.tflops(r["head_dim"], dense_pairs, r["mode"], dense_ms)
+        r["efficiency_vs_fa4_dense"] = r["tflops"] / dense_tflops
+        r["speedup_vs_fa4_dense"] = dense_ms / r["median_ms"]
 
 
 def plan_cells(cfg: Config, arms: Sequence[Arm]) -> int:
@@ -1021,7 +1061,9 @@ def run_benchmark(
         if on_result is not None:
             on_result(results)
 
-    def run_one(arm: Arm, cell: Cell, inputs: Inputs, ref: Callable[[], Any]) -> None:
+    def run_one(
+        arm: Arm, cell: Cell, inputs: Inputs, ref: Callable[[], Any], pacer: Any = None
+    ) -> None:
         label = (
             f"S={cell.seq_len} {cell.mode} {sparsity_label(cell.sparsity)} "
             f"{block_label(cell.block_shape) or '-'} {arm.name}"
@@ -1034,18 +1076,22 @@ def run_benchmark(
             def announce() -> None:
                 bc.log(f"[{done + 1}/{total}] {label} ...", replica=replica)
 
-            rec = run_cell(cfg, arm, cell, inputs, ref, unavailable[arm.name], announce)
+            rec = run_cell(cfg, arm, cell, inputs, ref, unavailable[arm.name], announce, pacer)
         record(rec, label)
 
     for seq_len in cfg.seq_lens:
         inputs = make_inputs(cfg, seq_len, device)
         refs = References(inputs, need_grads, replica)
         dense_pairs = cfg.batch * cfg.heads * seq_len * seq_len
+        pacers: dict[str, bc.Runner] = {}  # mode -> fa4_dense's runner (--pacing dense)
         for mode in cfg.modes:
             for arm in arms:
                 if arm.dense:
                     cell = Cell(seq_len, mode, None, None, None, dense_pairs)
                     run_one(arm, cell, inputs, refs.getter("dense", None))
+                    paces = arm.name == "fa4_dense" and cfg.pacing == "dense"
+                    if paces and results[-1]["status"] == "ok":
+                        pacers[mode] = arm.prepare(inputs, cell)
         for sparsity in cfg.sparsities:
             layouts, ref_specs = cell_layouts(cfg, seq_len, sparsity)
             layouts = {shape: lay.to(device) for shape, lay in layouts.items()}
@@ -1056,10 +1102,10 @@ def run_benchmark(
                     cell = Cell(seq_len, mode, sparsity, shape, layouts[shape], pairs[shape])
                     for arm in arms:
                         if not arm.dense:
-                            run_one(arm, cell, inputs, ref)
+                            run_one(arm, cell, inputs, ref, pacers.get(mode))
             refs.keep_only("dense")
         refs.keep_only(None)
-        del inputs
+        del inputs, pacers
         bc.recover_after_error(device)
     return results
 
@@ -1168,9 +1214,11 @@ def render_markdown(doc: dict[str, Any]) -> str:
 
     lines += ["", "## TFLOP/s (sparse-aware)", "", table("tflops")]
     if any("efficiency_vs_fa4_dense" in r for r in results):
+        paced = any("paced_dense_median_ms" in r for r in results)
+        how = ", dense timed alternating with each arm (--pacing dense)" if paced else ""
         lines += [
             "",
-            "## Efficiency vs dense FA4 (TFLOP/s ratio, same S and mode)",
+            f"## Efficiency vs dense FA4 (TFLOP/s ratio, same S and mode{how})",
             "",
             table("efficiency_vs_fa4_dense"),
         ]

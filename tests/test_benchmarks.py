@@ -18,6 +18,7 @@ import sys
 import time
 from collections import namedtuple
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -599,6 +600,50 @@ def test_time_interleaved_rotates_arms_and_keeps_setup_untimed():
     assert min(times["b"]) >= 4.0 and max(times["a"]) < 4.0  # the 10 ms setup is not timed
     order = [c for c in calls if "-" not in c]
     assert order == ["a", "b", "c", "a", "b", "c", "b", "c", "a", "c", "a", "b"]  # rotated
+
+
+def test_time_paced_alternates_the_arm_with_its_pacer_and_caps_reps_by_the_budget():
+    calls: list[str] = []
+
+    def runner(name: str, sleep_s: float):
+        return bc.Runner(lambda _: (calls.append(name), time.sleep(sleep_s))[0])
+
+    settings = SimpleNamespace(warmup=2, reps=50, budget_s=0.1)
+    arm, dense = bc.time_paced(runner("arm", 0.001), runner("dense", 0.009), torch.device("cpu"),
+                               settings)  # fmt: skip
+    # ~10 ms per pair and a 0.1 s budget: about 10 timed rounds, not the 50 asked for
+    assert 3 <= arm.reps == dense.reps == len(arm.times_ms) == len(dense.times_ms) <= 12
+    assert min(dense.times_ms) >= 9.0 and max(arm.times_ms) < 9.0
+    rounds = [calls[i : i + 2] for i in range(0, len(calls), 2)]
+    assert all(sorted(r) == ["arm", "dense"] for r in rounds)  # each round calls both once
+
+
+class CpuDenseArm(bench_vsa.SdpaArm):
+    """SDPA (math) on the CPU under fa4_dense's name: the pacer and baseline of a CPU run."""
+
+    name = "fa4_dense"
+
+    def __init__(self):
+        super().__init__(allow_cpu=True)
+
+
+@pytest.mark.parametrize("pacing", ["dense", "none"])
+def test_pacing_times_sparse_arms_beside_dense_and_compares_them_in_those_rounds(tmp_path, pacing):
+    arms = [CpuDenseArm(), bench_vsa.VsaBackendArm("reference")]
+    results = _run_arms(arms, tmp_path, "--modes", "fwd", "--pacing", pacing)
+    dense, sparse = results[("fa4_dense", "fwd")], results[("reference", "fwd")]
+    assert dense["status"] == sparse["status"] == "ok"
+    assert "paced_dense_median_ms" not in dense  # the baseline itself is timed on its own
+    if pacing == "none":
+        assert "paced_dense_median_ms" not in sparse
+        baseline = dense["median_ms"]
+    else:
+        assert len(sparse["paced_dense_times_ms"]) == sparse["reps"] == len(sparse["times_ms"])
+        assert sparse["paced_dense_pairs"] == dense["total_pairs"]
+        baseline = sparse["paced_dense_median_ms"]
+    assert sparse["speedup_vs_fa4_dense"] == pytest.approx(baseline / sparse["median_ms"])
+    ratio = (sparse["total_pairs"] / sparse["median_ms"]) / (dense["total_pairs"] / baseline)
+    assert sparse["efficiency_vs_fa4_dense"] == pytest.approx(ratio)
 
 
 def test_sample_layout_makes_the_asked_share_of_key_blocks_partial():
