@@ -1,6 +1,8 @@
 """The Triton list builders equal the tensor-op ones: the backward's key-block-owned lists
-(`vsa_fa4.backward_lists_triton`) and the forward's full / partial split
-(`vsa_fa4.forward_lists_triton`).
+(`vsa_fa4.backward_lists_triton`), the forward's full / partial split
+(`vsa_fa4.forward_lists_triton`) and the paired-key forward's packed pairs
+(`vsa_fa4.paired_lists_triton`, against the fork's `pair_lists`; lists narrower than an even
+number of key blocks, masked and unmasked).
 
 On a GPU the kernels run compiled; on a CPU machine under Triton's interpreter in a child
 process (the interpreter must be chosen before triton is first imported). Shapes cross every
@@ -20,7 +22,12 @@ import pytest
 import torch
 
 from vsa_core import BlockSparseLayout
-from vsa_fa4.metadata import backward_lists, forward_lists
+from vsa_fa4.metadata import (
+    backward_lists,
+    forward_lists,
+    paired_forward_lists,
+    unmasked_forward_lists,
+)
 
 I32 = torch.int32
 
@@ -56,8 +63,12 @@ CASES = [  # (num_q, num_kv, width)
     (40, 65, 5),
     (5, 8, 0),
     (9, 150, 130),  # forward: list slots past two 64-slot chunks
+    (6, 10, 9),  # paired: the mask list clipped to num_kv / 2 tiles
 ]
 CHECKS_PER_CASE = 2 * (4 + 1 + 1)  # per key tile: 4 backward variants, rotated, forward split
+PAIRED_CHECKS = 2 * sum(1 for _, num_kv, width in CASES if width < num_kv and num_kv % 2 == 0)
+"""The paired lists' checks (masked and unmasked lists, 64-token key tiles): only where the
+layout can be paired."""
 
 
 def assert_same_lists(want, got, where: str) -> None:
@@ -101,13 +112,32 @@ def compare_on(device: str) -> int:
             listed = (slots < cnt.unsqueeze(-1)) & (valid[idx.long()] > 0)
             assert torch.equal(got.full_block_cnt + got.mask_block_cnt, listed.sum(-1).to(I32))
             checked += 1
+            if kv_tile == 64 and width < num_kv and num_kv % 2 == 0:
+                checked += compare_paired(idx, cnt, valid, where)
     return checked
+
+
+def compare_paired(idx, cnt, valid, where: str) -> int:
+    """The paired lists of the masked and the unmasked split: kernel against `pair_lists`."""
+    num_kv = valid.shape[0]
+    splits = {
+        "masked": forward_lists(idx, cnt, valid, 64, impl="torch"),
+        "unmasked": unmasked_forward_lists(idx, cnt, num_kv),
+    }
+    for name, lists in splits.items():
+        want = paired_forward_lists(lists, num_kv, impl="torch")
+        got = paired_forward_lists(lists, num_kv, impl="triton")
+        for field, a, b in zip(("mask_cnt", "mask_idx", "full_cnt", "full_idx"), want, got,
+                               strict=True):  # fmt: skip
+            assert a.dtype == b.dtype == I32 and a.shape == b.shape, (field, a.shape, b.shape)
+            assert torch.equal(a.cpu(), b.cpu()), f"paired {field} differs: {where} {name}"
+    return len(splits)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_kernel_lists_equal_the_torch_lists_on_the_gpu():
-    assert compare_on("cuda") == len(CASES) * CHECKS_PER_CASE
+    assert compare_on("cuda") == len(CASES) * CHECKS_PER_CASE + PAIRED_CHECKS
 
 
 def test_auto_picks_torch_off_cuda():
@@ -133,7 +163,7 @@ def test_kernel_lists_equal_the_torch_lists_under_the_interpreter():
         timeout=600,
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    assert result.stdout.strip() == f"checked {len(CASES) * CHECKS_PER_CASE}"
+    assert result.stdout.strip() == f"checked {len(CASES) * CHECKS_PER_CASE + PAIRED_CHECKS}"
 
 
 if __name__ == "__main__":

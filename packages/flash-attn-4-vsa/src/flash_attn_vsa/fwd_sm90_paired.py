@@ -59,10 +59,12 @@ __all__ = [
     "MAX_KEY_BLOCKS",
     "NO_BLOCK",
     "block_sparse_forward_paired",
+    "check_pairable",
     "kernel_class",
     "pair_lists",
     "pair_mask_mod",
     "paired_scope",
+    "paired_widths",
     "two_block_stage_forward",
 ]
 
@@ -96,13 +98,7 @@ def pair_lists(
     128-key tiles FA4 allows, which holds every entry when ``W < num_kv``."""
     import torch
 
-    width = full_idx.shape[-1]
-    if not 0 < num_kv < MAX_KEY_BLOCKS or num_kv % 2:
-        raise ValueError(
-            f"num_kv must be even and in [2, {MAX_KEY_BLOCKS - 1}] to pair key blocks, got {num_kv}"
-        )
-    if width >= num_kv:
-        raise ValueError(f"lists must be narrower than num_kv={num_kv} to pair, got {width}")
+    check_pairable(full_idx.shape[-1], num_kv)
     full_cnt, part_cnt = full_cnt.to(torch.int32), part_cnt.to(torch.int32)
     full_pairs = _packed_pairs(full_idx, full_cnt)
     part_pairs = _packed_pairs(part_idx, part_cnt)
@@ -114,13 +110,34 @@ def pair_lists(
     mask.scatter_(-1, n_part.long().unsqueeze(-1), torch.where(odd > 0, full_tail, 0))
     slots = torch.arange(full_pairs.shape[-1], device=full_pairs.device)
     full = torch.where(slots < (full_cnt // 2).unsqueeze(-1), full_pairs, 0)
-    tiles = num_kv // 2
+    full_keep, mask_keep = paired_widths(full_idx.shape[-1], part_idx.shape[-1], num_kv)
     return (
         (n_part + full_cnt % 2).contiguous(),
-        mask[..., : min(mask.shape[-1], tiles)].contiguous(),
+        mask[..., :mask_keep].contiguous(),
         (full_cnt // 2).contiguous(),
-        full[..., : max(1, min(full.shape[-1], tiles))].contiguous(),
+        full[..., :full_keep].contiguous(),
     )
+
+
+def check_pairable(width: int, num_kv: int) -> None:
+    """ValueError unless lists ``width`` wide over ``num_kv`` key blocks can be paired:
+    ``num_kv`` even and addressable in 16 bits, every list narrower than ``num_kv``."""
+    if not 0 < num_kv < MAX_KEY_BLOCKS or num_kv % 2:
+        raise ValueError(
+            f"num_kv must be even and in [2, {MAX_KEY_BLOCKS - 1}] to pair key blocks, got {num_kv}"
+        )
+    if width >= num_kv:
+        raise ValueError(f"lists must be narrower than num_kv={num_kv} to pair, got {width}")
+
+
+def paired_widths(full_width: int, part_width: int, num_kv: int) -> tuple[int, int]:
+    """The widths of `pair_lists`' full and mask index tensors for lists ``full_width`` and
+    ``part_width`` wide: ``ceil(W / 2)`` pairs (at least one slot) and one more slot for the
+    mask list (an odd full class's tail), both clipped to the ``num_kv / 2`` tiles FA4 allows
+    (the full list keeps at least one slot)."""
+    tiles = num_kv // 2
+    full_pairs, part_pairs = max(1, -(-full_width // 2)), max(1, -(-part_width // 2))
+    return max(1, min(full_pairs, tiles)), min(part_pairs + 1, tiles)
 
 
 def _packed_pairs(idx: Any, cnt: Any) -> Any:

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from vsa_fa4.metadata import SparseLists
+from vsa_fa4.metadata import SparseLists, paired_forward_lists
 
 Q_IN_REGISTERS_WHERE_FASTER = frozenset({"two_ctas", "streams"})
 """The fork's forwards whose QK^T is faster with Q in registers (delta 5) on an H200: the
@@ -163,7 +163,7 @@ def run_forward(
         # so ``masked`` does not matter here
         from flash_attn_vsa import fwd_sm90_paired as paired
 
-        packed = paired.pair_lists(*split, kv_valid_sizes.shape[0])
+        packed = paired_forward_lists(lists, kv_valid_sizes.shape[0])
         run = (paired.block_sparse_forward_paired, paired.BLOCK_SIZE, packed)
         _run_packed(
             *run, q, k, v, out, lse, kv_valid_sizes, scale, variant.kernel_options("paired")

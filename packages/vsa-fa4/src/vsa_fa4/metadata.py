@@ -152,6 +152,23 @@ def unmasked_forward_lists(
     )
 
 
+def paired_forward_lists(
+    lists: SparseLists, num_kv: int, impl: str = "auto"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The paired-key forward's four list tensors ``(mask_cnt, mask_idx, full_cnt, full_idx)``
+    of packed 64-token key-block pairs, from `forward_lists` (or `unmasked_forward_lists`):
+    `flash_attn_vsa.fwd_sm90_paired.pair_lists`. ``impl`` as for `forward_lists`:
+    ``"triton"`` is one launch (`vsa_fa4.paired_lists_triton`) where the tensor ops are ~40."""
+    split = (lists.full_block_idx, lists.full_block_cnt, lists.mask_block_idx, lists.mask_block_cnt)
+    if _use_triton(impl, lists.full_block_idx):
+        from vsa_fa4.paired_lists_triton import pair_lists_triton
+
+        return pair_lists_triton(*split, num_kv)
+    from flash_attn_vsa.fwd_sm90_paired import pair_lists
+
+    return pair_lists(*split, num_kv)
+
+
 DENSE_TRANSPOSE_MAX_ENTRIES = 1 << 24
 """Up to this many entries in the [B, H, NKV, NQ] backward index tensor the transpose is built
 densely (a dozen tensor ops); beyond it with `vsa_core.layout.transpose_kv_lists` (a sort,
