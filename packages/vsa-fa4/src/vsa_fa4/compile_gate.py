@@ -63,8 +63,9 @@ class GateConfig:
 
 
 CONFIGS: tuple[GateConfig, ...] = (
-    GateConfig(
-        "fwd-64x64", "fwd", (64, 64), "native", (64, 64), "FlashAttentionForwardSm90TwoCtas"
+    GateConfig(  # shipped with Q in registers (vsa_fa4.launch.Q_IN_REGISTERS_WHERE_FASTER)
+        "fwd-64x64", "fwd", (64, 64), "native", (64, 64),
+        "FlashAttentionForwardSm90TwoCtasQInRegisters",
     ),
     GateConfig(
         "fwd-64x64-paired", "fwd", (64, 64), "paired", (128, 64),
