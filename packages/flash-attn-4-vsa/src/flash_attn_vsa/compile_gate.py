@@ -123,7 +123,7 @@ CONFIGS: tuple[GateConfig, ...] = (
         (128, 64),
         "FlashAttentionForwardSm90TwoStreams",
         "the fork's 64x64 forward as two query streams per 128-row tile "
-        "(flash_attn_vsa.fwd_sm90_streams; not routed until measured)",
+        "(flash_attn_vsa.fwd_sm90_streams; measured slower, not routed)",
     ),
     GateConfig(
         "fwd-sparse-q64-kv64-two-streams-q-in-registers",
