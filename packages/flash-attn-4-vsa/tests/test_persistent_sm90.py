@@ -1,5 +1,5 @@
 """Persistent tiles (`flash_attn_vsa.persistent_sm90`, delta 7) on the CPU: the scheduler
-upstream's forward sees, the held-back release of Q, and the kernels' scope; their GPU
+upstream's forward sees, the O tile staged in its own buffer, and the kernels' scope; their GPU
 correctness runs in each forward's GPU test (``sm90_cases.PERSISTENT``: 5 CTAs walking many
 tiles)."""
 
@@ -43,24 +43,24 @@ def test_upstream_sees_our_scheduler_only_inside_persistent_tiles_on_its_thread(
 
 
 @needs_upstream
-def test_q_is_released_once_after_the_epilogue():
-    calls = []
+def test_the_o_tile_comes_from_its_own_buffer_and_everything_else_passes_through():
+    class Buffer:
+        def __init__(self, name):
+            self.name, self.base = name, f"{name}-base"
 
-    class Pipeline:
-        def consumer_release_w_index(self, *args, **kwargs):
-            calls.append((args, kwargs))
+        def get_tensor(self, layout, swizzle=None, dtype=None):
+            return (self.name, layout, swizzle, dtype)
 
-        def consumer_wait_w_index_phase(self, *args):
-            calls.append(("wait", args))
+    class Storage:
+        sQ, sO, sK = Buffer("sQ"), Buffer("sO"), Buffer("sK")  # upstream's field names
+        mbar_ptr_Q = "barriers"
 
-    held = persistent()._QReleasedAfterEpilogue(Pipeline(), [])
-    held.consumer_wait_w_index_phase(0, 1)  # everything else passes through
-    held.consumer_release_w_index(0)
-    assert calls == [("wait", (0, 1))]  # the release is held back...
-    held.release_now()
-    assert calls == [("wait", (0, 1)), ((0,), {})]  # ...until the epilogue is done
-    with pytest.raises(RuntimeError, match="once per tile"):
-        held.release_now()
+    view = persistent()._StorageView(Storage())
+    # upstream's kernel: Q's tile without a dtype, its O staging tile with one
+    assert view.sQ.get_tensor("LQ", swizzle="SQ") == ("sQ", "LQ", "SQ", None)
+    assert view.sQ.get_tensor("LO", swizzle="SO", dtype="bf16") == ("sO", "LO", "SO", "bf16")
+    assert view.sK.get_tensor("LK") == ("sK", "LK", None, None)
+    assert view.mbar_ptr_Q == "barriers" and view.sQ.base == "sQ-base"
 
 
 def test_forward_kernels_store_their_persistent_ctas():

@@ -209,7 +209,7 @@ SYMBOLS: tuple[Symbol, ...] = (
         "flash_attn.cute.flash_fwd",
         "FlashAttentionForwardBase",
         "base of the forward kernels: FlashAttentionForwardSm90 passes its arguments on to it; "
-        "persistent_sm90 releases Q after its epilogue (whose O store waits for its reads)",
+        "persistent_sm90 relies on its epilogue's O store waiting for its reads",
         methods=("__init__", "epilogue"),
         source=True,
     ),
@@ -219,11 +219,14 @@ SYMBOLS: tuple[Symbol, ...] = (
         "the Hopper forward kernel class fwd_sm90 subclasses (its register split is set in "
         "__call__ before _setup_attributes, which the subclass overrides, and __call__ "
         "launches through self.kernel(...).launch(min_blocks_per_mp=...)); q_regs_sm90 "
-        "overrides _get_tiled_mma and wraps mma (by its parameter names)",
+        "overrides _get_tiled_mma and wraps mma (by its parameter names); persistent_sm90 "
+        "extends _get_shared_storage_cls with an O buffer, which kernel's sO (the one tensor "
+        "it makes on storage.sQ with a dtype) is redirected to",
         methods=(
             "__init__",
             "__call__",
             "_setup_attributes",
+            "_get_shared_storage_cls",
             "kernel",
             "load",
             "mma",
