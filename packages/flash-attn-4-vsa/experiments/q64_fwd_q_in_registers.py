@@ -61,6 +61,7 @@ ARMS = {  # name -> (query rows per sparse block of the lists, kernel, variants)
     "two_cta": (64, "two_cta", {}),
     "two_cta_q_regs": (64, "two_cta", {"q_in_registers": True}),
     "two_cta_persistent": (64, "two_cta", {"persistent": True}),
+    "two_cta_q_regs_persistent": (64, "two_cta", {"q_in_registers": True, "persistent": True}),
     "streams": (64, "streams", {}),
     "streams_q_regs": (64, "streams", {"q_in_registers": True}),
     "streams_persistent": (64, "streams", {"persistent": True}),
@@ -141,7 +142,7 @@ def run(args) -> int:
     for q_block in (64, 128):
         lay = random_layout(2048, 4, (q_block, 64), 0.3, seed=1, narrow=True)
         ref_out = reference(q, k, v, dout, lay, scale)[0]
-        for arm in [a for a, (qb, _, _) in ARMS.items() if qb == q_block]:
+        for arm in [a for a, (qb, _, _) in ARMS.items() if qb == q_block and a in args.arms]:
             prepared = prepare(arm, lay)
 
             def run_arm(out, lse, arm=arm, prepared=prepared):
@@ -175,6 +176,7 @@ def main() -> int:
     ap.add_argument("--seq", type=int, default=32768)
     ap.add_argument("--heads", type=int, default=12)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     args = ap.parse_args()
     return run(args)
 
