@@ -1,5 +1,6 @@
 """Persistent tiles for the fork's sm_90 forwards: the seventh delta (experimental, not routed:
-the H200 measured its first form slower, session 8; this form is compiled, not yet measured).
+on an H200 its first form was 1-2% slower than one tile per CTA, this one +0.7% on the paired
+kernel and -3% to +1% on the two-CTA one; session 8).
 
 Why (a reading of the H200 grids and counters): upstream's sm_90 forward launches
 one CTA per tile (``SingleTileScheduler``), so every tile pays its start (the Q load and the
