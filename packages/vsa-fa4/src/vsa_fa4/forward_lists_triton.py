@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vsa_fa4.metadata import SparseLists
+from vsa_fa4.metadata import SparseLists, empty_lists
 
 BLOCK_R = 16
 BLOCK_W = 64
@@ -91,11 +91,8 @@ def forward_lists_triton(
     width of 0 is the caller's case)."""
     lead, width = kv_indices.shape[:-1], kv_indices.shape[-1]
     keep = min(width, kv_valid_sizes.shape[0])
-    device = kv_indices.device
-    full_idx = torch.empty(*lead, keep, dtype=torch.int32, device=device)
-    mask_idx = torch.empty_like(full_idx)
-    full_cnt = torch.empty(lead, dtype=torch.int32, device=device)
-    mask_cnt = torch.empty_like(full_cnt)
+    lists = empty_lists(lead, keep, keep, kv_indices.device)
+    mask_cnt, mask_idx, full_cnt, full_idx = lists
     num_rows = full_cnt.numel()
     if num_rows:
         _split_full_partial[(triton.cdiv(num_rows, BLOCK_R),)](
@@ -113,4 +110,4 @@ def forward_lists_triton(
             BLOCK_R=BLOCK_R,
             BLOCK_W=BLOCK_W,
         )
-    return SparseLists(mask_cnt, mask_idx, full_cnt, full_idx)
+    return lists

@@ -54,6 +54,17 @@ class SparseLists(NamedTuple):
     full_block_idx: torch.Tensor
 
 
+def empty_lists(
+    lead: torch.Size, full_width: int, mask_width: int, device: torch.device
+) -> SparseLists:
+    """Uninitialized int32 `SparseLists` for a kernel to fill: counts ``lead``, index tensors
+    ``lead + (full_width,)`` and ``lead + (mask_width,)``."""
+    full_idx = torch.empty(*lead, full_width, dtype=torch.int32, device=device)
+    mask_idx = torch.empty(*lead, mask_width, dtype=torch.int32, device=device)
+    full_cnt = torch.empty(lead, dtype=torch.int32, device=device)
+    return SparseLists(torch.empty_like(full_cnt), mask_idx, full_cnt, full_idx)
+
+
 def physical_lists(
     kv_indices: torch.Tensor,
     kv_counts: torch.Tensor,

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from vsa_fa4.metadata import empty_lists
+
 BLOCK_R = 16
 BLOCK_P = 32
 
@@ -96,13 +98,9 @@ def pair_lists_triton(
     from flash_attn_vsa.fwd_sm90_paired import NO_BLOCK, check_pairable, paired_widths
 
     check_pairable(full_idx.shape[-1], num_kv)
-    lead = full_cnt.shape
     full_keep, mask_keep = paired_widths(full_idx.shape[-1], part_idx.shape[-1], num_kv)
-    device = full_idx.device
-    out_full = torch.empty(*lead, full_keep, dtype=torch.int32, device=device)
-    out_mask = torch.empty(*lead, mask_keep, dtype=torch.int32, device=device)
-    out_full_cnt = torch.empty(lead, dtype=torch.int32, device=device)
-    out_mask_cnt = torch.empty_like(out_full_cnt)
+    out = empty_lists(full_cnt.shape, full_keep, mask_keep, full_idx.device)
+    out_mask_cnt, out_mask, out_full_cnt, out_full = out
     num_rows = out_full_cnt.numel()
     if num_rows:
         _pair_rows[(triton.cdiv(num_rows, BLOCK_R),)](
@@ -123,4 +121,4 @@ def pair_lists_triton(
             BLOCK_R=BLOCK_R,
             BLOCK_P=BLOCK_P,
         )
-    return out_mask_cnt, out_mask, out_full_cnt, out_full
+    return tuple(out)
