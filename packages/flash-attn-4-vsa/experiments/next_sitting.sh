@@ -1,5 +1,6 @@
 #!/bin/bash
-# The H200 sitting prepared in session 7 (NOTES.md, "The next sitting"), as three device calls
+# The H200 sitting prepared in session 7 (NOTES.md, "The next sitting") and run in session 8
+# (its bench_vsa steps predate --pacing: they time arms on their own), as three device calls
 # after `bash .gpu/a/unpack.sh`, each inside the 600 s a call may run (~24 min in all):
 #   bash packages/flash-attn-4-vsa/experiments/next_sitting.sh kernels     # ~9.5 min
 #   bash packages/flash-attn-4-vsa/experiments/next_sitting.sh backward    # ~7 min
