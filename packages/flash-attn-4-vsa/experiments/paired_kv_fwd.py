@@ -45,9 +45,8 @@ def paired_tensors(layout):
 
     split = forward_lists(layout.kv_indices, layout.kv_counts, layout.kv_valid_sizes, KEY_BLOCK)
     mask_cnt, mask_idx, full_cnt, full_idx = paired.pair_lists(
-        split.full_block_idx, split.full_block_cnt, split.mask_block_idx, split.mask_block_cnt,
-        layout.kv_valid_sizes.shape[0],
-    )  # fmt: skip
+        *split.by_class(), layout.kv_valid_sizes.shape[0]
+    )
     return BlockSparseTensorsTorch(
         mask_block_cnt=mask_cnt, mask_block_idx=mask_idx, full_block_cnt=full_cnt,
         full_block_idx=full_idx, block_size=paired.BLOCK_SIZE,

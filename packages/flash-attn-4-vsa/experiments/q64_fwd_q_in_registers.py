@@ -80,9 +80,7 @@ def stream_tensors(layout):
     from vsa_fa4.metadata import forward_lists
 
     split = forward_lists(layout.kv_indices, layout.kv_counts, layout.kv_valid_sizes, 64)
-    mask_cnt, mask_idx, full_cnt, full_idx = streams.stream_lists(
-        split.full_block_idx, split.full_block_cnt, split.mask_block_idx, split.mask_block_cnt
-    )
+    mask_cnt, mask_idx, full_cnt, full_idx = streams.stream_lists(*split.by_class())
     return BlockSparseTensorsTorch(
         mask_block_cnt=mask_cnt, mask_block_idx=mask_idx, full_block_cnt=full_cnt,
         full_block_idx=full_idx, block_size=streams.BLOCK_SIZE,

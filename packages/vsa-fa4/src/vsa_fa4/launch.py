@@ -157,7 +157,6 @@ def run_forward(
     (`fwd_sm90_paired`); everything else to upstream's ``_flash_attn_fwd``. `forward_variant`
     picks the fork's experimental kernels where they fit."""
     variant = current_forward_variant()
-    split = (lists.full_block_idx, lists.full_block_cnt, lists.mask_block_idx, lists.mask_block_cnt)
     if _pairs_keys(q, lists, kv_valid_sizes, block_size):
         # 128-key tiles of packed pairs; the pair mask handles partial blocks and odd tails,
         # so ``masked`` does not matter here
@@ -176,7 +175,7 @@ def run_forward(
         run = (
             streams.block_sparse_forward_streams,
             streams.BLOCK_SIZE,
-            streams.stream_lists(*split),
+            streams.stream_lists(*lists.by_class()),
         )
         _run_packed(
             *run, q, k, v, out, lse, kv_valid_sizes, scale, variant.kernel_options("streams")

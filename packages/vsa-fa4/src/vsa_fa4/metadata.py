@@ -53,6 +53,11 @@ class SparseLists(NamedTuple):
     full_block_cnt: torch.Tensor
     full_block_idx: torch.Tensor
 
+    def by_class(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(full_idx, full_cnt, partial_idx, partial_cnt)``: the argument order of the fork's
+        list packers (``pair_lists``, ``stream_lists``)."""
+        return self.full_block_idx, self.full_block_cnt, self.mask_block_idx, self.mask_block_cnt
+
 
 def empty_lists(
     lead: torch.Size, full_width: int, mask_width: int, device: torch.device
@@ -170,14 +175,13 @@ def paired_forward_lists(
     of packed 64-token key-block pairs, from `forward_lists` (or `unmasked_forward_lists`):
     `flash_attn_vsa.fwd_sm90_paired.pair_lists`. ``impl`` as for `forward_lists`:
     ``"triton"`` is one launch (`vsa_fa4.paired_lists_triton`) where the tensor ops are ~40."""
-    split = (lists.full_block_idx, lists.full_block_cnt, lists.mask_block_idx, lists.mask_block_cnt)
     if _use_triton(impl, lists.full_block_idx):
         from vsa_fa4.paired_lists_triton import pair_lists_triton
 
-        return pair_lists_triton(*split, num_kv)
+        return pair_lists_triton(*lists.by_class(), num_kv)
     from flash_attn_vsa.fwd_sm90_paired import pair_lists
 
-    return pair_lists(*split, num_kv)
+    return pair_lists(*lists.by_class(), num_kv)
 
 
 DENSE_TRANSPOSE_MAX_ENTRIES = 1 << 24
