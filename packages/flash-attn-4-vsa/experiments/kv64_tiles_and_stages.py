@@ -107,6 +107,7 @@ def forward_class(arm: Arm):
 def two_cta_backward_class():
     """The fork's KV64 backward class launched for two CTAs per SM, registers 232/24."""
     from flash_attn_vsa import bwd_sm90, fwd_sm90
+    from flash_attn_vsa.sm90_blocks import BoundLauncher
 
     base = bwd_sm90.kernel_class()
 
@@ -117,7 +118,7 @@ def two_cta_backward_class():
             self.num_producer_regs = 24
 
         def kernel(self, *args, **kwargs):
-            return fwd_sm90._TwoCtaLauncher(base.kernel(self, *args, **kwargs))
+            return BoundLauncher(base.kernel(self, *args, **kwargs), fwd_sm90.CTAS_PER_SM)
 
     return TwoCtaBackward
 

@@ -76,6 +76,62 @@ def test_scope_swaps_upstream_globals_only_inside_and_only_for_its_thread():
     assert issubclass(bwd_sm90.kernel_class(), original_class)
 
 
+def test_configs_scope_overrides_config_for_on_this_thread_only():
+    two_ctas = bwd_sm90.EXPERIMENTAL_CONFIGS["kv64-dq-regs-two-ctas"]
+    seen_elsewhere = []
+    with bwd_sm90.configs_scope({(64, 64): two_ctas}):
+        assert bwd_sm90.config_for((64, 64)) is two_ctas
+        assert bwd_sm90.config_for((128, 64)) is bwd_sm90.Q128_KV64_CONFIG  # not named: shipped
+        with bwd_sm90.configs_scope({(64, 64): bwd_sm90.KV64_CONFIG}):
+            assert bwd_sm90.config_for((64, 64)) is bwd_sm90.KV64_CONFIG  # innermost wins
+        assert bwd_sm90.config_for((64, 64)) is two_ctas
+        other = threading.Thread(
+            target=lambda: seen_elsewhere.append(bwd_sm90.config_for((64, 64)))
+        )
+        other.start()
+        other.join()
+    assert seen_elsewhere == [bwd_sm90.KV64_CONFIG]
+    assert bwd_sm90.config_for((64, 64)) is bwd_sm90.KV64_CONFIG
+
+
+@pytest.mark.parametrize(
+    ("configs", "match"),
+    [
+        ({(64, 128): bwd_sm90.KV64_CONFIG}, "block sizes in"),
+        ({(64, 64): "kv64-dq-regs"}, "TileConfig"),
+    ],
+)
+def test_configs_scope_refuses_what_it_cannot_run(configs, match):
+    with pytest.raises(ValueError, match=match), bwd_sm90.configs_scope(configs):
+        pass
+
+
+def test_our_fields_stay_out_of_upstreams_config():
+    pytest.importorskip("flash_attn.cute.interface")
+    config = bwd_sm90.EXPERIMENTAL_CONFIGS["kv64-dq-regs-two-ctas"]
+    upstream = config.upstream()
+    assert not hasattr(upstream, "dq_from_registers") and not hasattr(upstream, "ctas_per_sm")
+    assert (upstream.num_stages_Q, upstream.num_stages_dO, upstream.num_stages_PdS) == (2, 1, 2)
+
+
+def test_two_ctas_need_dq_from_registers():
+    with pytest.raises(ValueError, match="needs dq_from_registers"):
+        bwd_sm90.TileConfig(ctas_per_sm=2).kernel_class()
+
+
+@needs_upstream
+def test_each_config_runs_its_own_kernel_class():
+    from flash_attn_vsa import bwd_sm90_dq_regs
+
+    assert bwd_sm90.KV64_CONFIG.kernel_class() is bwd_sm90.kernel_class()
+    one, two = (bwd_sm90_dq_regs.kernel_class(n) for n in (1, 2))
+    assert bwd_sm90.EXPERIMENTAL_CONFIGS["kv64-dq-regs"].kernel_class() is one
+    assert bwd_sm90.EXPERIMENTAL_CONFIGS["kv64-dq-regs-two-ctas"].kernel_class() is two
+    assert one is not two and issubclass(two, bwd_sm90.kernel_class())
+    with pytest.raises(ValueError, match="ctas_per_sm must be 1 or 2"):
+        bwd_sm90_dq_regs.kernel_class(3)
+
+
 # ---- GPU ----------------------------------------------------------------------------------------
 @pytest.mark.gpu
 @needs_upstream
@@ -104,3 +160,17 @@ def test_kv64_backward_matches_the_reference(head_dim, dtype, q_block):
     # Key block 5 is selected by nobody: its dk, dv are exactly zero.
     unselected = slice(5 * cases.BLOCK, 6 * cases.BLOCK)
     assert bool((dk[:, unselected] == 0).all()) and bool((dv[:, unselected] == 0).all())
+
+
+@pytest.mark.gpu
+@needs_upstream
+@pytest.mark.skipif(not cases.sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("name", sorted(bwd_sm90.EXPERIMENTAL_CONFIGS))
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_experimental_configs_match_the_reference(name, head_dim):
+    """Every configuration under measurement (dQ from registers, two CTAs per SM), on the same
+    cases as the shipped one, through `configs_scope`."""
+    config = bwd_sm90.EXPERIMENTAL_CONFIGS[name]
+    q_block = config.m_block_size
+    with bwd_sm90.configs_scope({(q_block, 64): config}):
+        test_kv64_backward_matches_the_reference(head_dim, torch.bfloat16, q_block)

@@ -41,19 +41,21 @@ import functools
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from flash_attn_vsa.sm90_blocks import BWD_BLOCK_SIZES, HEAD_DIMS, check_call
 
 __all__ = [
     "BWD_BLOCK_SIZES",
+    "EXPERIMENTAL_CONFIGS",
     "HEAD_DIMS",
     "KV64_CONFIG",
     "Q128_KV64_CONFIG",
     "block_sparse_backward_kv64",
     "check_call",
     "config_for",
+    "configs_scope",
 ]
 
 MMA_REGISTERS = 240
@@ -77,11 +79,28 @@ class TileConfig:
     AtomLayoutNdKV: int = 1
     AtomLayoutMdQ: int = 1
     num_wg: int = 1
+    dq_from_registers: bool = False
+    """Ours, not upstream's: dQ reduced from the MMA threads' registers (`bwd_sm90_dq_regs`)
+    instead of staged in shared memory for a producer warp's bulk reduce-add."""
+    ctas_per_sm: int = 1
+    """Ours: CTAs per SM the kernel is sized and launched for (2 needs `dq_from_registers`)."""
 
     def upstream(self) -> Any:
         from flash_attn.cute.interface import BwdConfig
 
-        return BwdConfig(**asdict(self))
+        fields = asdict(self)
+        del fields["dq_from_registers"], fields["ctas_per_sm"]
+        return BwdConfig(**fields)
+
+    def kernel_class(self) -> type:
+        """The kernel class this configuration runs."""
+        if self.dq_from_registers:
+            from flash_attn_vsa.bwd_sm90_dq_regs import kernel_class as dq_regs_class
+
+            return dq_regs_class(self.ctas_per_sm)
+        if self.ctas_per_sm != 1:
+            raise ValueError("ctas_per_sm > 1 needs dq_from_registers (shared memory)")
+        return kernel_class()
 
 
 @functools.cache
@@ -113,9 +132,59 @@ of dO and P/dS: 226 KB of shared memory at head dim 128, the most a CTA may have
 (one stage of Q: 0.41; NOTES.md, experiment 4)."""
 
 
+KV64_DQ_REGS_CONFIG = replace(KV64_CONFIG, dq_from_registers=True)
+"""`KV64_CONFIG` with dQ reduced from registers (delta 8): 128 KB, one CTA per SM."""
+
+KV64_DQ_REGS_TWO_CTAS_CONFIG = replace(
+    KV64_CONFIG, num_stages_dO=1, dq_from_registers=True, ctas_per_sm=2
+)
+"""dQ from registers, one dO stage, two CTAs per SM: 113 KB each (two Q and P/dS stages)."""
+
+KV64_DQ_REGS_TWO_CTAS_PDS1_CONFIG = replace(KV64_DQ_REGS_TWO_CTAS_CONFIG, num_stages_PdS=1)
+"""The same with one P/dS stage (97 KB)."""
+
+Q128_KV64_DQ_REGS_CONFIG = replace(
+    Q128_KV64_CONFIG, num_stages_dO=2, num_stages_PdS=2, dq_from_registers=True
+)
+"""`Q128_KV64_CONFIG` with dQ from registers, whose 64 KB of staging become a second dO and
+P/dS stage (226 KB)."""
+
+EXPERIMENTAL_CONFIGS = {
+    "kv64-dq-regs": KV64_DQ_REGS_CONFIG,
+    "kv64-dq-regs-two-ctas": KV64_DQ_REGS_TWO_CTAS_CONFIG,
+    "kv64-dq-regs-two-ctas-pds1": KV64_DQ_REGS_TWO_CTAS_PDS1_CONFIG,
+    "q128-kv64-dq-regs": Q128_KV64_DQ_REGS_CONFIG,
+}
+"""Configurations under measurement (session 9), by name; `configs_scope` runs them."""
+
+
 def config_for(block_size: tuple[int, int]) -> TileConfig:
-    """The tile configuration of a sparse block in `BWD_BLOCK_SIZES`."""
-    return KV64_CONFIG if tuple(block_size) == (64, 64) else Q128_KV64_CONFIG
+    """The tile configuration of a sparse block in `BWD_BLOCK_SIZES`: the innermost
+    `configs_scope`'s for it on this thread, else the shipped one."""
+    block_size = tuple(block_size)
+    for overrides in reversed(getattr(_active, "overrides", ())):
+        if block_size in overrides:
+            return overrides[block_size]
+    return KV64_CONFIG if block_size == (64, 64) else Q128_KV64_CONFIG
+
+
+@contextmanager
+def configs_scope(configs: dict[tuple[int, int], TileConfig]) -> Iterator[None]:
+    """Within this block, on this thread, `config_for` (and so every KV64 backward) answers
+    ``configs[block_size]`` for the block sizes it names (experiments compare configurations
+    through vsa-fa4's own launch path this way)."""
+    for block_size, config in configs.items():
+        if tuple(block_size) not in BWD_BLOCK_SIZES or not isinstance(config, TileConfig):
+            raise ValueError(
+                f"configs must map block sizes in {BWD_BLOCK_SIZES} to TileConfig, got "
+                f"{block_size!r}: {config!r}"
+            )
+    saved = getattr(_active, "overrides", ())
+    _active.overrides = (*saved, {tuple(b): c for b, c in configs.items()})
+    try:
+        yield
+    finally:
+        _active.overrides = saved
 
 
 @functools.cache
@@ -142,13 +211,41 @@ _lock = threading.RLock()
 _active = threading.local()
 
 
+class _ScopedCompileCache:
+    """Upstream's backward compile cache, except inside `kv64_scope` on the calling thread,
+    where compiled kernels go to and come from a dictionary of the scope's kernel class
+    (upstream's key has the tile configuration but not the class, and two of our classes run
+    the same configuration)."""
+
+    def __init__(self, upstream: Any) -> None:
+        self.upstream = upstream
+        self.own: dict[type, dict[Any, Any]] = {}
+
+    def _current(self) -> Any:
+        cls = getattr(_active, "kernel_class", None)
+        return self.upstream if cls is None else self.own.setdefault(cls, {})
+
+    def __contains__(self, key: Any) -> bool:
+        return key in self._current()
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._current()[key]
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self._current()[key] = value
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.upstream, name)
+
+
 @functools.cache
 def _install() -> None:
-    """Route upstream's sm_90 backward configuration through `_config_for`, once per process.
+    """Route upstream's sm_90 backward configuration through `_config_for` and its compile
+    cache through `_ScopedCompileCache`, once per process.
 
-    The replacement answers with `KV64_CONFIG` only inside `kv64_scope` on the calling thread
-    and defers to upstream's own function everywhere else, so other callers of upstream
-    (other threads included) are unaffected.
+    Both answer for our kernel only inside `kv64_scope` on the calling thread and defer to
+    upstream everywhere else, so other callers of upstream (other threads included) are
+    unaffected.
     """
     import flash_attn.cute.interface as interface
 
@@ -161,25 +258,34 @@ def _install() -> None:
 
     _config_for.__wrapped__ = upstream_config  # type: ignore[attr-defined]
     interface._tile_size_bwd_sm90 = _config_for
+    bwd = interface._flash_attn_bwd
+    bwd.compile_cache = _ScopedCompileCache(bwd.compile_cache)
 
 
 @contextmanager
 def kv64_scope(config: TileConfig = KV64_CONFIG) -> Iterator[None]:
     """Within this block, on this thread, upstream's ``_flash_attn_bwd`` builds its sm_90
-    kernel with ``config`` and `kernel_class`. Calls are serialized (the kernel class is a
-    module global of upstream's interface while a call compiles)."""
+    kernel with ``config`` and its kernel class (`TileConfig.kernel_class`), compiled into
+    that class's own cache. Calls are serialized (the kernel class is a module global of
+    upstream's interface while a call compiles)."""
     import flash_attn.cute.interface as interface
 
     _install()
+    cls = config.kernel_class()
     with _lock:
-        saved_class = interface.FlashAttentionBackwardSm90
-        interface.FlashAttentionBackwardSm90 = kernel_class()
-        _active.config = _upstream_config(config)
+        saved = (interface.FlashAttentionBackwardSm90, *_scope_state())
+        interface.FlashAttentionBackwardSm90 = cls
+        _active.config, _active.kernel_class = _upstream_config(config), cls
         try:
             yield
         finally:
-            _active.config = None
-            interface.FlashAttentionBackwardSm90 = saved_class
+            interface.FlashAttentionBackwardSm90 = saved[0]
+            _active.config, _active.kernel_class = saved[1:]
+
+
+def _scope_state() -> tuple[Any, Any]:
+    """The innermost `kv64_scope`'s upstream configuration and kernel class on this thread."""
+    return getattr(_active, "config", None), getattr(_active, "kernel_class", None)
 
 
 def block_sparse_backward_kv64(

@@ -56,7 +56,7 @@ class GateConfig:
     """One kernel configuration: an upstream (or, later, fork) entry point and its inputs."""
 
     name: str
-    direction: str  # "fwd", "bwd" (upstream's entry points); ours: "bwd-kv64" and the fork
+    direction: str  # "fwd", "bwd" (upstream's entry points); ours: "bwd-kv64[+CONFIG]" and the fork
     # forwards `FORK_FORWARDS` with their variants (`FORK_FORWARD_OPTIONS`), e.g. "fwd-q64+q-regs"
     block_size: tuple[int, int] | None  # (q, kv) tokens per sparse block; None: dense
     kernel: str  # the kernel class that must be compiled (for sm_90a)
@@ -182,6 +182,28 @@ CONFIGS: tuple[GateConfig, ...] = (
         "FlashAttentionBackwardSm90KV64",
         "the fork's block-sparse backward with 128x64 blocks, two MMA warpgroups "
         "(flash_attn_vsa.bwd_sm90)",
+    ),
+    GateConfig(
+        "bwd-sparse-q64-kv64-dq-regs",
+        "bwd-kv64+kv64-dq-regs",
+        (64, 64),
+        "FlashAttentionBackwardSm90DqFromRegisters",
+        "the 64x64 backward reducing dQ from registers (flash_attn_vsa.bwd_sm90_dq_regs; not "
+        "routed until measured)",
+    ),
+    GateConfig(
+        "bwd-sparse-q64-kv64-dq-regs-two-ctas",
+        "bwd-kv64+kv64-dq-regs-two-ctas",
+        (64, 64),
+        "FlashAttentionBackwardSm90DqFromRegistersTwoCtas",
+        "the same with two CTAs per SM",
+    ),
+    GateConfig(
+        "bwd-sparse-q128-kv64-dq-regs",
+        "bwd-kv64+q128-kv64-dq-regs",
+        (128, 64),
+        "FlashAttentionBackwardSm90DqFromRegisters",
+        "the 128x64 backward reducing dQ from registers",
     ),
 )
 
@@ -469,6 +491,22 @@ def _fork_forward(direction: str, q: Any, k: Any, v: Any, sparse: Any) -> None:
     run(q, k, v, sparse, *valid, softmax_scale=HEAD_DIM**-0.5, **variants)
 
 
+def _fork_backward(config: GateConfig, *tensors: Any) -> None:
+    """The fork's KV64 backward; ``bwd-kv64+NAME`` runs `bwd_sm90.EXPERIMENTAL_CONFIGS[NAME]`."""
+    import contextlib
+
+    from flash_attn_vsa import bwd_sm90
+
+    _, *names = config.direction.split("+")
+    scope = (
+        bwd_sm90.configs_scope({config.block_size: bwd_sm90.EXPERIMENTAL_CONFIGS[names[0]]})
+        if names
+        else contextlib.nullcontext()
+    )
+    with scope:
+        bwd_sm90.block_sparse_backward_kv64(*tensors, softmax_scale=HEAD_DIM**-0.5)
+
+
 def _compile_one(config: GateConfig, arch: str, counter: CountingCompile) -> GateResult:
     def body() -> None:
         import torch
@@ -495,12 +533,8 @@ def _compile_one(config: GateConfig, arch: str, counter: CountingCompile) -> Gat
             else:
                 out, dout = torch.empty_like(q), torch.empty_like(q)
                 lse = torch.empty(BATCH, HEADS, SEQLEN, dtype=torch.float32, device="cuda")
-                if config.direction == "bwd-kv64":
-                    from flash_attn_vsa.bwd_sm90 import block_sparse_backward_kv64
-
-                    block_sparse_backward_kv64(
-                        q, k, v, out, dout, lse, sparse, softmax_scale=HEAD_DIM**-0.5
-                    )
+                if config.direction.split("+")[0] == "bwd-kv64":
+                    _fork_backward(config, q, k, v, out, dout, lse, sparse)
                 else:
                     _flash_attn_bwd(q, k, v, out, dout, lse, block_sparse_tensors=sparse)
 

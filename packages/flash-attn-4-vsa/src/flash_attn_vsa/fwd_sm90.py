@@ -37,7 +37,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from flash_attn_vsa.sm90_blocks import BLOCK_SIZE, HEAD_DIMS, check_call
+from flash_attn_vsa.sm90_blocks import BLOCK_SIZE, HEAD_DIMS, BoundLauncher, check_call
 
 __all__ = [
     "BLOCK_SIZE",
@@ -60,23 +60,6 @@ MMA_REGISTERS = 232
 """Registers per thread of the MMA warpgroup; the producer warpgroup gets the rest of 256
 (24), so that two CTAs of 2 x 128 threads fit the 64K register file."""
 PRODUCER_REGISTERS = 256 - MMA_REGISTERS
-
-
-class _TwoCtaLauncher:
-    """Upstream's kernel launcher, launched with a bound of `CTAS_PER_SM` CTAs per SM."""
-
-    def __init__(self, inner: Any) -> None:
-        self._inner = inner
-
-    def launch(self, *args: Any, **kwargs: Any) -> Any:
-        kwargs["min_blocks_per_mp"] = CTAS_PER_SM
-        # The whole carveout for shared memory (two CTAs of ~81 KB); stating it also spares
-        # the device query that a compile on a machine without a GPU cannot make.
-        kwargs.setdefault("preferred_smem_carveout", 100)
-        return self._inner.launch(*args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
 
 
 def kernel_class(q_in_registers: bool = False, persistent: bool | int = False) -> type:
@@ -106,7 +89,8 @@ def _two_cta_class() -> type:
             super()._setup_attributes()
 
         def kernel(self, *args: Any, **kwargs: Any) -> Any:
-            return _TwoCtaLauncher(FlashAttentionForwardSm90.kernel(self, *args, **kwargs))
+            launcher = FlashAttentionForwardSm90.kernel(self, *args, **kwargs)
+            return BoundLauncher(launcher, CTAS_PER_SM)
 
     return FlashAttentionForwardSm90TwoCtas
 

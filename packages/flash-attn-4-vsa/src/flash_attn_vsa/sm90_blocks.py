@@ -16,6 +16,25 @@ HEAD_DIMS = (64, 128)
 """Head dims (q/k and v alike) the deltas are compiled and tested for."""
 
 
+class BoundLauncher:
+    """An upstream kernel launcher (what a ``@cute.kernel`` call returns) that launches with a
+    bound of ``ctas_per_sm`` CTAs per SM (so ptxas keeps registers within 64K / that many CTAs'
+    threads) and the whole shared-memory carveout (stating it also spares the device query
+    that a compile on a machine without a GPU cannot make)."""
+
+    def __init__(self, inner: Any, ctas_per_sm: int) -> None:
+        self._inner = inner
+        self._ctas_per_sm = ctas_per_sm
+
+    def launch(self, *args: Any, **kwargs: Any) -> Any:
+        kwargs["min_blocks_per_mp"] = self._ctas_per_sm
+        kwargs.setdefault("preferred_smem_carveout", 100)
+        return self._inner.launch(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
 def check_call(
     q: Any,
     k: Any,
