@@ -77,7 +77,7 @@ def test_scope_swaps_upstream_globals_only_inside_and_only_for_its_thread():
 
 
 def test_configs_scope_overrides_config_for_on_this_thread_only():
-    two_ctas = bwd_sm90.EXPERIMENTAL_CONFIGS["kv64-dq-regs-two-ctas"]
+    two_ctas = bwd_sm90.EXPERIMENTAL_CONFIGS["kv64-dq-halves-two-ctas"]
     seen_elsewhere = []
     with bwd_sm90.configs_scope({(64, 64): two_ctas}):
         assert bwd_sm90.config_for((64, 64)) is two_ctas
@@ -98,7 +98,7 @@ def test_configs_scope_overrides_config_for_on_this_thread_only():
     ("configs", "match"),
     [
         ({(64, 128): bwd_sm90.KV64_CONFIG}, "block sizes in"),
-        ({(64, 64): "kv64-dq-regs"}, "TileConfig"),
+        ({(64, 64): "kv64-dq-halves"}, "TileConfig"),
     ],
 )
 def test_configs_scope_refuses_what_it_cannot_run(configs, match):
@@ -108,28 +108,28 @@ def test_configs_scope_refuses_what_it_cannot_run(configs, match):
 
 def test_our_fields_stay_out_of_upstreams_config():
     pytest.importorskip("flash_attn.cute.interface")
-    config = bwd_sm90.EXPERIMENTAL_CONFIGS["kv64-dq-regs-two-ctas"]
+    config = bwd_sm90.EXPERIMENTAL_CONFIGS["kv64-dq-halves-two-ctas"]
     upstream = config.upstream()
-    assert not hasattr(upstream, "dq_from_registers") and not hasattr(upstream, "ctas_per_sm")
-    assert (upstream.num_stages_Q, upstream.num_stages_dO, upstream.num_stages_PdS) == (2, 1, 2)
+    assert not hasattr(upstream, "dq_halves") and not hasattr(upstream, "ctas_per_sm")
+    assert (upstream.num_stages_Q, upstream.num_stages_dO, upstream.num_stages_PdS) == (2, 1, 1)
 
 
-def test_two_ctas_need_dq_from_registers():
-    with pytest.raises(ValueError, match="needs dq_from_registers"):
+def test_two_ctas_need_dq_halves():
+    with pytest.raises(ValueError, match="needs dq_halves"):
         bwd_sm90.TileConfig(ctas_per_sm=2).kernel_class()
 
 
 @needs_upstream
 def test_each_config_runs_its_own_kernel_class():
-    from flash_attn_vsa import bwd_sm90_dq_regs
+    from flash_attn_vsa import bwd_sm90_dq_halves
 
     assert bwd_sm90.KV64_CONFIG.kernel_class() is bwd_sm90.kernel_class()
-    one, two = (bwd_sm90_dq_regs.kernel_class(n) for n in (1, 2))
-    assert bwd_sm90.EXPERIMENTAL_CONFIGS["kv64-dq-regs"].kernel_class() is one
-    assert bwd_sm90.EXPERIMENTAL_CONFIGS["kv64-dq-regs-two-ctas"].kernel_class() is two
+    one, two = (bwd_sm90_dq_halves.kernel_class(n) for n in (1, 2))
+    assert bwd_sm90.EXPERIMENTAL_CONFIGS["kv64-dq-halves"].kernel_class() is one
+    assert bwd_sm90.EXPERIMENTAL_CONFIGS["kv64-dq-halves-two-ctas"].kernel_class() is two
     assert one is not two and issubclass(two, bwd_sm90.kernel_class())
     with pytest.raises(ValueError, match="ctas_per_sm must be 1 or 2"):
-        bwd_sm90_dq_regs.kernel_class(3)
+        bwd_sm90_dq_halves.kernel_class(3)
 
 
 # ---- GPU ----------------------------------------------------------------------------------------
@@ -168,7 +168,7 @@ def test_kv64_backward_matches_the_reference(head_dim, dtype, q_block):
 @pytest.mark.parametrize("name", sorted(bwd_sm90.EXPERIMENTAL_CONFIGS))
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_experimental_configs_match_the_reference(name, head_dim):
-    """Every configuration under measurement (dQ from registers, two CTAs per SM), on the same
+    """Every configuration under measurement (dQ in halves, two CTAs per SM), on the same
     cases as the shipped one, through `configs_scope`."""
     config = bwd_sm90.EXPERIMENTAL_CONFIGS[name]
     q_block = config.m_block_size

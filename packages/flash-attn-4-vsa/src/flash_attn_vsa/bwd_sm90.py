@@ -79,27 +79,27 @@ class TileConfig:
     AtomLayoutNdKV: int = 1
     AtomLayoutMdQ: int = 1
     num_wg: int = 1
-    dq_from_registers: bool = False
-    """Ours, not upstream's: dQ reduced from the MMA threads' registers (`bwd_sm90_dq_regs`)
-    instead of staged in shared memory for a producer warp's bulk reduce-add."""
+    dq_halves: bool = False
+    """Ours, not upstream's: the MMA warpgroup sends dQ to L2 itself, in halves through a
+    16 KB buffer (`bwd_sm90_dq_halves`), instead of staging all 32 KB for a producer warp."""
     ctas_per_sm: int = 1
-    """Ours: CTAs per SM the kernel is sized and launched for (2 needs `dq_from_registers`)."""
+    """Ours: CTAs per SM the kernel is sized and launched for (2 needs `dq_halves`)."""
 
     def upstream(self) -> Any:
         from flash_attn.cute.interface import BwdConfig
 
         fields = asdict(self)
-        del fields["dq_from_registers"], fields["ctas_per_sm"]
+        del fields["dq_halves"], fields["ctas_per_sm"]
         return BwdConfig(**fields)
 
     def kernel_class(self) -> type:
         """The kernel class this configuration runs."""
-        if self.dq_from_registers:
-            from flash_attn_vsa.bwd_sm90_dq_regs import kernel_class as dq_regs_class
+        if self.dq_halves:
+            from flash_attn_vsa.bwd_sm90_dq_halves import kernel_class as dq_halves_class
 
-            return dq_regs_class(self.ctas_per_sm)
+            return dq_halves_class(self.ctas_per_sm)
         if self.ctas_per_sm != 1:
-            raise ValueError("ctas_per_sm > 1 needs dq_from_registers (shared memory)")
+            raise ValueError("ctas_per_sm > 1 needs dq_halves (shared memory)")
         return kernel_class()
 
 
@@ -132,28 +132,18 @@ of dO and P/dS: 226 KB of shared memory at head dim 128, the most a CTA may have
 (one stage of Q: 0.41; NOTES.md, experiment 4)."""
 
 
-KV64_DQ_REGS_CONFIG = replace(KV64_CONFIG, dq_from_registers=True)
-"""`KV64_CONFIG` with dQ reduced from registers (delta 8): 128 KB, one CTA per SM."""
+KV64_DQ_HALVES_CONFIG = replace(KV64_CONFIG, dq_halves=True)
+"""`KV64_CONFIG` with dQ sent by the MMA warpgroup in halves (delta 8): 148 KB, one CTA per
+SM."""
 
-KV64_DQ_REGS_TWO_CTAS_CONFIG = replace(
-    KV64_CONFIG, num_stages_dO=1, dq_from_registers=True, ctas_per_sm=2
+KV64_DQ_HALVES_TWO_CTAS_CONFIG = replace(
+    KV64_CONFIG, num_stages_dO=1, num_stages_PdS=1, dq_halves=True, ctas_per_sm=2
 )
-"""dQ from registers, one dO stage, two CTAs per SM: 113 KB each (two Q and P/dS stages)."""
-
-KV64_DQ_REGS_TWO_CTAS_PDS1_CONFIG = replace(KV64_DQ_REGS_TWO_CTAS_CONFIG, num_stages_PdS=1)
-"""The same with one P/dS stage (97 KB)."""
-
-Q128_KV64_DQ_REGS_CONFIG = replace(
-    Q128_KV64_CONFIG, num_stages_dO=2, num_stages_PdS=2, dq_from_registers=True
-)
-"""`Q128_KV64_CONFIG` with dQ from registers, whose 64 KB of staging become a second dO and
-P/dS stage (226 KB)."""
+"""dQ in halves, one stage of dO and of P/dS, two CTAs per SM: 113 KB each."""
 
 EXPERIMENTAL_CONFIGS = {
-    "kv64-dq-regs": KV64_DQ_REGS_CONFIG,
-    "kv64-dq-regs-two-ctas": KV64_DQ_REGS_TWO_CTAS_CONFIG,
-    "kv64-dq-regs-two-ctas-pds1": KV64_DQ_REGS_TWO_CTAS_PDS1_CONFIG,
-    "q128-kv64-dq-regs": Q128_KV64_DQ_REGS_CONFIG,
+    "kv64-dq-halves": KV64_DQ_HALVES_CONFIG,
+    "kv64-dq-halves-two-ctas": KV64_DQ_HALVES_TWO_CTAS_CONFIG,
 }
 """Configurations under measurement (session 9), by name; `configs_scope` runs them."""
 

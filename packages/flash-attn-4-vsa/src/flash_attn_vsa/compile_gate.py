@@ -184,26 +184,19 @@ CONFIGS: tuple[GateConfig, ...] = (
         "(flash_attn_vsa.bwd_sm90)",
     ),
     GateConfig(
-        "bwd-sparse-q64-kv64-dq-regs",
-        "bwd-kv64+kv64-dq-regs",
+        "bwd-sparse-q64-kv64-dq-halves",
+        "bwd-kv64+kv64-dq-halves",
         (64, 64),
-        "FlashAttentionBackwardSm90DqFromRegisters",
-        "the 64x64 backward reducing dQ from registers (flash_attn_vsa.bwd_sm90_dq_regs; not "
-        "routed until measured)",
+        "FlashAttentionBackwardSm90HalfDq",
+        "the 64x64 backward sending dQ from its MMA warpgroup in halves "
+        "(flash_attn_vsa.bwd_sm90_dq_halves; not routed until measured)",
     ),
     GateConfig(
-        "bwd-sparse-q64-kv64-dq-regs-two-ctas",
-        "bwd-kv64+kv64-dq-regs-two-ctas",
+        "bwd-sparse-q64-kv64-dq-halves-two-ctas",
+        "bwd-kv64+kv64-dq-halves-two-ctas",
         (64, 64),
-        "FlashAttentionBackwardSm90DqFromRegistersTwoCtas",
+        "FlashAttentionBackwardSm90HalfDqTwoCtas",
         "the same with two CTAs per SM",
-    ),
-    GateConfig(
-        "bwd-sparse-q128-kv64-dq-regs",
-        "bwd-kv64+q128-kv64-dq-regs",
-        (128, 64),
-        "FlashAttentionBackwardSm90DqFromRegisters",
-        "the 128x64 backward reducing dQ from registers",
     ),
 )
 

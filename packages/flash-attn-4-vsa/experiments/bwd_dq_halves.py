@@ -1,28 +1,33 @@
-"""Experiment 13 (session 9): the KV64 backward with dQ reduced from registers (delta 8,
-`flash_attn_vsa.bwd_sm90_dq_regs`), one and two CTAs per SM.
+"""Experiment 13 (session 9): the KV64 backward with a smaller dQ buffer, so that two CTAs can
+share an SM (delta 8, `flash_attn_vsa.bwd_sm90_dq_halves`).
 
 Session 8's counters: one MMA warpgroup per 64-key tile keeps the tensor pipe 52-55% busy, and
-nothing shares the SM with it (160 KB of shared memory a CTA, 32 of them dQ staging). Dropping
-the staging (each MMA thread sends its dQ values as 16-byte float32 reductions, the same bytes
-to L2) lets two CTAs share an SM at one dO stage.
+nothing shares the SM with it (160 KB of shared memory a CTA, 32 of them dQ staging).
 
-Predictions (written before the run). ``kv64-dq-regs`` (one CTA, same stages): within +-3% of
-the shipped kernel (the handshake with the producer warp goes, the same bytes reach L2).
-``kv64-dq-regs-two-ctas``: two MMA warpgroups per SM as dense has; if per-warpgroup latency
-(barrier and scoreboard stalls, 48% of warp time) is what holds the tensor pipe at 52-55%, up
-to ~1.3x (0.66 -> ~0.85) at S=32768, less at 131072 where the SM->L2 reductions already cost
-13%: each 64-key tile reduces twice dense's dQ bytes per FLOP, so the port caps 64-key tiles
-near 0.78 of dense unless reductions are merged. ``q128-kv64-dq-regs`` (a second dO and P/dS
-stage in the staging's place): +0-5% over the shipped 128x64 kernel.
+**13a (run; the variant is gone from the code, commit 97ede73 has it):** no staging at all,
+each MMA thread sending its dQ values as 16-byte float32 reductions (``red.global.add.v4.f32``,
+the same bytes to L2). Predicted within +-3% of the shipped kernel at one CTA per SM and up to
+~1.3x at two. Measured (S=32768 / 131072, 87.5% random top-k, two rounds): shipped 0.667 /
+0.708; one CTA 0.51 / 0.57; **two CTAs 0.63 / 0.41**; a 128x64 form 0.52 / 0.58 against 0.69 /
+0.73. Per-thread reductions cost the L2 far more than bulk ones (at 128k, where the accumulator
+misses L2, catastrophically so). But two CTAs per SM turned 0.51 into 0.63 (+24%) with the
+same reductions: the partner warpgroup is worth having.
+
+**13b:** keep the bulk reduce-add, from half the buffer (16 KB): the MMA warpgroup writes one
+half, one of its threads sends it and waits until the bulk copy has read it, then the second
+half. Two CTAs fit at one stage of dO and of P/dS (113 KB each). Predictions (written before
+the run): ``kv64-dq-halves`` (one CTA, shipped stages) 0-5% slower than shipped (the wait on the
+first half's read, partly under the dK MMA); ``kv64-dq-halves-two-ctas`` 0.72-0.80 at S=32768
+if the 13a gain carries over (0.667 x 1.24 = 0.83 is the ceiling of that reading), less at
+131072 where reductions cost 13% already.
 
 Arms at each length (H=12, D=128, random top-k lists at 87.5%, all blocks full, lists rotated
-as shipped): dense FA4, the shipped 64x64 kernel and each 64x64 configuration of
-``bwd_sm90.EXPERIMENTAL_CONFIGS``; then the shipped 128x64 kernel and ``q128-kv64-dq-regs`` on
-lists of 128-row query blocks. Gradients of every arm against its shipped kernel first (the
-reductions' order differs: rel. L2 ~1e-3 expected, not 0), then interleaved timing, two
-rounds. ::
+as shipped): dense FA4, the shipped 64x64 kernel and each configuration of
+``bwd_sm90.EXPERIMENTAL_CONFIGS``. Gradients of every arm against the shipped kernel first
+(dK and dV bit-equal, dQ to ~1e-5: the reductions' order differs), then interleaved timing,
+two rounds. ::
 
-    python3 packages/flash-attn-4-vsa/experiments/bwd_dq_from_registers.py --out DIR   # H200
+    python3 packages/flash-attn-4-vsa/experiments/bwd_dq_halves.py --out DIR   # H200
 """
 
 from __future__ import annotations
@@ -99,14 +104,13 @@ def run_block(emit, seq: int, heads: int, keep: float, reps: int, sms: int, q_bl
 
 
 def run_length(emit, seq: int, heads: int, keep: float, reps: int, sms: int) -> None:
-    for q_block in (64, 128):
-        run_block(emit, seq, heads, keep, reps, sms, q_block)
+    run_block(emit, seq, heads, keep, reps, sms, 64)
 
 
 def main() -> int:
     from bwd_list_rotation import length_args, run_lengths
 
-    return run_lengths("bwd_dq_from_registers", run_length, length_args())
+    return run_lengths("bwd_dq_halves", run_length, length_args())
 
 
 if __name__ == "__main__":
