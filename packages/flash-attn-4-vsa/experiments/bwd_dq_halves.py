@@ -73,16 +73,21 @@ def run_block(emit, seq: int, heads: int, keep: float, reps: int, sms: int, q_bl
     lay = topk_lists(seq, heads, keep, q_block)
     idx, cnt, valid = lay.kv_indices, lay.kv_counts, lay.kv_valid_sizes
     out, lse = forward_impl(q, k, v, idx, cnt, valid, scale, q_block, KV, False)
-    lists = backward_lists(idx, cnt, valid, KV, masked=False, rotate_sms=sms)
     configs = {"shipped": bwd_sm90.config_for(block)}
-    configs.update(
-        (name, c) for name, c in bwd_sm90.EXPERIMENTAL_CONFIGS.items() if c.m_block_size == q_block
-    )
+    named = {**bwd_sm90.EXPERIMENTAL_CONFIGS, **bwd_sm90.ABLATIONS}
+    configs.update((name, c) for name, c in named.items() if c.m_block_size == q_block)
+    # Lists rotated by the number of CTAs running at once (SMs x CTAs per SM; the op rotates
+    # by the SM count, right for the shipped kernel).
+    lists = {
+        n: backward_lists(idx, cnt, valid, KV, masked=False, rotate_sms=sms * n)
+        for n in {c.ctas_per_sm for c in configs.values()}
+    }
     grads = {arm: [torch.full_like(t, float("nan")) for t in (q, k, v)] for arm in configs}
 
     def backward(arm):
         with bwd_sm90.configs_scope({block: configs[arm]}):
-            launch.run_backward(dout, q, k, v, out, lse, *grads[arm], lists, valid, scale, block,
+            launch.run_backward(dout, q, k, v, out, lse, *grads[arm],
+                                lists[configs[arm].ctas_per_sm], valid, scale, block,
                                 False)  # fmt: skip
 
     for arm in configs:
@@ -92,7 +97,8 @@ def run_block(emit, seq: int, heads: int, keep: float, reps: int, sms: int, q_bl
         errs = [rel_l2(a, b) for a, b in zip(grads[arm], grads["shipped"], strict=True)]
         finite = all(bool(torch.isfinite(g).all()) for g in grads[arm])
         emit({"case": "vs_shipped", "seq": seq, "block": list(block), "arm": arm,
-              "dq_dk_dv_rel_l2": errs, "finite": finite})  # fmt: skip
+              "dq_dk_dv_rel_l2": errs, "finite": finite,
+              "ablation": configs[arm].ablate_dq})  # fmt: skip
     d_out, d_lse = _flash_attn_fwd(q, k, v, softmax_scale=scale, return_lse=True)[:2]
     timed = {"dense": (lambda _: _flash_attn_bwd(q, k, v, d_out, dout, d_lse,
                                                  softmax_scale=scale), None)}  # fmt: skip

@@ -110,13 +110,15 @@ def test_our_fields_stay_out_of_upstreams_config():
     pytest.importorskip("flash_attn.cute.interface")
     config = bwd_sm90.EXPERIMENTAL_CONFIGS["kv64-dq-halves-two-ctas"]
     upstream = config.upstream()
-    assert not hasattr(upstream, "dq_halves") and not hasattr(upstream, "ctas_per_sm")
+    assert not any(hasattr(upstream, f) for f in ("dq_halves", "ctas_per_sm", "ablate_dq"))
     assert (upstream.num_stages_Q, upstream.num_stages_dO, upstream.num_stages_PdS) == (2, 1, 1)
 
 
 def test_two_ctas_need_dq_halves():
-    with pytest.raises(ValueError, match="needs dq_halves"):
+    with pytest.raises(ValueError, match="need dq_halves"):
         bwd_sm90.TileConfig(ctas_per_sm=2).kernel_class()
+    with pytest.raises(ValueError, match="need dq_halves"):
+        bwd_sm90.TileConfig(ablate_dq=True).kernel_class()
 
 
 @needs_upstream

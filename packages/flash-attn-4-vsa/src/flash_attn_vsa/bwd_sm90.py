@@ -47,6 +47,7 @@ from typing import Any
 from flash_attn_vsa.sm90_blocks import BWD_BLOCK_SIZES, HEAD_DIMS, check_call
 
 __all__ = [
+    "ABLATIONS",
     "BWD_BLOCK_SIZES",
     "EXPERIMENTAL_CONFIGS",
     "HEAD_DIMS",
@@ -84,12 +85,15 @@ class TileConfig:
     16 KB buffer (`bwd_sm90_dq_halves`), instead of staging all 32 KB for a producer warp."""
     ctas_per_sm: int = 1
     """Ours: CTAs per SM the kernel is sized and launched for (2 needs `dq_halves`)."""
+    ablate_dq: bool = False
+    """Ours, experiments only (with `dq_halves`): dQ computed and never sent, so dQ comes out
+    zero; bounds what any dQ path could give the kernel."""
 
     def upstream(self) -> Any:
         from flash_attn.cute.interface import BwdConfig
 
         fields = asdict(self)
-        del fields["dq_halves"], fields["ctas_per_sm"]
+        del fields["dq_halves"], fields["ctas_per_sm"], fields["ablate_dq"]
         return BwdConfig(**fields)
 
     def kernel_class(self) -> type:
@@ -97,9 +101,9 @@ class TileConfig:
         if self.dq_halves:
             from flash_attn_vsa.bwd_sm90_dq_halves import kernel_class as dq_halves_class
 
-            return dq_halves_class(self.ctas_per_sm)
-        if self.ctas_per_sm != 1:
-            raise ValueError("ctas_per_sm > 1 needs dq_halves (shared memory)")
+            return dq_halves_class(self.ctas_per_sm, send_dq=not self.ablate_dq)
+        if self.ctas_per_sm != 1 or self.ablate_dq:
+            raise ValueError("ctas_per_sm > 1 and ablate_dq need dq_halves")
         return kernel_class()
 
 
@@ -145,6 +149,12 @@ EXPERIMENTAL_CONFIGS = {
     "kv64-dq-halves": KV64_DQ_HALVES_CONFIG,
     "kv64-dq-halves-two-ctas": KV64_DQ_HALVES_TWO_CTAS_CONFIG,
 }
+
+ABLATIONS = {
+    "kv64-two-ctas-no-dq": replace(KV64_DQ_HALVES_TWO_CTAS_CONFIG, ablate_dq=True),
+    "kv64-no-dq": replace(KV64_DQ_HALVES_CONFIG, ablate_dq=True),
+}
+"""Configurations whose dQ is wrong on purpose (`TileConfig.ablate_dq`): timing bounds only."""
 """Configurations under measurement (session 9), by name; `configs_scope` runs them."""
 
 

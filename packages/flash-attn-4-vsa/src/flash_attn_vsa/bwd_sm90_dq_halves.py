@@ -80,9 +80,11 @@ def _mma_signature() -> inspect.Signature:
 
 
 @functools.cache
-def kernel_class(ctas_per_sm: int = 1) -> type:
+def kernel_class(ctas_per_sm: int = 1, send_dq: bool = True) -> type:
     """The KV64 backward kernel class reducing dQ in halves from its MMA warpgroup, sized for
-    ``ctas_per_sm`` (1 or 2) CTAs per SM. One class object per value."""
+    ``ctas_per_sm`` (1 or 2) CTAs per SM. ``send_dq=False`` is an ablation for experiments:
+    dQ is computed and never sent (dQ comes out zero), which bounds what any dQ path could
+    give this structure. One class object per combination."""
     if ctas_per_sm not in (1, 2):
         raise ValueError(f"ctas_per_sm must be 1 or 2, got {ctas_per_sm!r}")
     from flash_attn_vsa.bwd_sm90 import kernel_class as kv64_class
@@ -120,9 +122,9 @@ def kernel_class(ctas_per_sm: int = 1) -> type:
             _reductions_read()(bound["tidx"])
             return result
 
-        mma_one_m_block = _one_query_block()
+        mma_one_m_block = _one_query_block(send_dq)
 
-    suffix = "TwoCtas" if ctas_per_sm == 2 else ""
+    suffix = ("TwoCtas" if ctas_per_sm == 2 else "") + ("" if send_dq else "NoDq")
     cls = FlashAttentionBackwardSm90HalfDq
     cls.__name__ = cls.__qualname__ = f"FlashAttentionBackwardSm90HalfDq{suffix}"
     return cls
@@ -158,7 +160,7 @@ def _reductions_read() -> Any:
     return wait
 
 
-def _one_query_block() -> Any:
+def _one_query_block(send_dq: bool = True) -> Any:
     """Our ``mma_one_m_block``, traced by the DSL (its loops and ``const_expr`` branches are
     rewritten by the DSL's preprocessor, which resolves ``cutlass`` through this closure)."""
     import cutlass
@@ -264,7 +266,8 @@ def _one_query_block() -> Any:
         acc_dQ = mma_dsk_fn(A_idx=pds_idx, wg_wait=1)  # dV done once this returns
         pipeline_dO.consumer_release(dO_state)
         mma_dsq_fn(A_idx=pds_idx, B_idx=q_idx, zero_init=not dKV_accumulate, wg_wait=1)
-        reduce_dq_in_halves(self, acc_dQ, m_block, mask_fn, PdS_barrier)  # during the dK MMA
+        if cutlass.const_expr(send_dq):
+            reduce_dq_in_halves(self, acc_dQ, m_block, mask_fn, PdS_barrier)  # under the dK MMA
         warpgroup.wait_group(0)
         pipeline_Q.consumer_release(consumer_state_Q)
 
