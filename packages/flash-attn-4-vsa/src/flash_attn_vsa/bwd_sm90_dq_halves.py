@@ -79,7 +79,6 @@ def _mma_signature() -> inspect.Signature:
     return inspect.signature(FlashAttentionBackwardSm90.mma)
 
 
-@functools.cache
 def kernel_class(ctas_per_sm: int = 1, send_dq: bool = True) -> type:
     """The KV64 backward kernel class reducing dQ in halves from its MMA warpgroup, sized for
     ``ctas_per_sm`` (1 or 2) CTAs per SM. ``send_dq=False`` is an ablation for experiments:
@@ -87,6 +86,11 @@ def kernel_class(ctas_per_sm: int = 1, send_dq: bool = True) -> type:
     give this structure. One class object per combination."""
     if ctas_per_sm not in (1, 2):
         raise ValueError(f"ctas_per_sm must be 1 or 2, got {ctas_per_sm!r}")
+    return _kernel_class(ctas_per_sm, bool(send_dq))
+
+
+@functools.cache
+def _kernel_class(ctas_per_sm: int, send_dq: bool) -> type:
     from flash_attn_vsa.bwd_sm90 import kernel_class as kv64_class
     from flash_attn_vsa.sm90_blocks import BoundLauncher
 
