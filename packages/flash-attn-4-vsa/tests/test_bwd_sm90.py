@@ -77,7 +77,7 @@ def test_scope_swaps_upstream_globals_only_inside_and_only_for_its_thread():
 
 
 def test_configs_scope_overrides_config_for_on_this_thread_only():
-    two_ctas = bwd_sm90.EXPERIMENTAL_CONFIGS["kv64-dq-halves-two-ctas"]
+    two_ctas = bwd_sm90.EXPERIMENTAL_CONFIGS["kv64-dq-2parts-two-ctas"]
     seen_elsewhere = []
     with bwd_sm90.configs_scope({(64, 64): two_ctas}):
         assert bwd_sm90.config_for((64, 64)) is two_ctas
@@ -98,7 +98,7 @@ def test_configs_scope_overrides_config_for_on_this_thread_only():
     ("configs", "match"),
     [
         ({(64, 128): bwd_sm90.KV64_CONFIG}, "block sizes in"),
-        ({(64, 64): "kv64-dq-halves"}, "TileConfig"),
+        ({(64, 64): "kv64-dq-1part-2buffers"}, "TileConfig"),
     ],
 )
 def test_configs_scope_refuses_what_it_cannot_run(configs, match):
@@ -108,30 +108,60 @@ def test_configs_scope_refuses_what_it_cannot_run(configs, match):
 
 def test_our_fields_stay_out_of_upstreams_config():
     pytest.importorskip("flash_attn.cute.interface")
-    config = bwd_sm90.EXPERIMENTAL_CONFIGS["kv64-dq-halves-two-ctas"]
+    config = bwd_sm90.EXPERIMENTAL_CONFIGS["kv64-dq-2parts-two-ctas"]
     upstream = config.upstream()
-    assert not any(hasattr(upstream, f) for f in ("dq_halves", "ctas_per_sm", "ablate_dq"))
+    ours = ("dq_parts", "dq_buffers", "ctas_per_sm", "ablate_dq")
+    assert not any(hasattr(upstream, f) for f in ours)
     assert (upstream.num_stages_Q, upstream.num_stages_dO, upstream.num_stages_PdS) == (2, 1, 1)
 
 
-def test_two_ctas_need_dq_halves():
-    with pytest.raises(ValueError, match="need dq_halves"):
+def test_two_ctas_need_dq_parts():
+    with pytest.raises(ValueError, match="need dq_parts"):
         bwd_sm90.TileConfig(ctas_per_sm=2).kernel_class()
-    with pytest.raises(ValueError, match="need dq_halves"):
+    with pytest.raises(ValueError, match="need dq_parts"):
         bwd_sm90.TileConfig(ablate_dq=True).kernel_class()
 
 
 @needs_upstream
 def test_each_config_runs_its_own_kernel_class():
-    from flash_attn_vsa import bwd_sm90_dq_halves
+    from flash_attn_vsa.bwd_sm90_dq_parts import DqStaging, kernel_class
 
     assert bwd_sm90.KV64_CONFIG.kernel_class() is bwd_sm90.kernel_class()
-    one, two = (bwd_sm90_dq_halves.kernel_class(n) for n in (1, 2))
-    assert bwd_sm90.EXPERIMENTAL_CONFIGS["kv64-dq-halves"].kernel_class() is one
-    assert bwd_sm90.EXPERIMENTAL_CONFIGS["kv64-dq-halves-two-ctas"].kernel_class() is two
-    assert one is not two and issubclass(two, bwd_sm90.kernel_class())
+    double = kernel_class(1, DqStaging(parts=1, buffers=2))
+    halves = kernel_class(2, DqStaging(parts=2, buffers=1))
+    assert bwd_sm90.EXPERIMENTAL_CONFIGS["kv64-dq-1part-2buffers"].kernel_class() is double
+    assert bwd_sm90.EXPERIMENTAL_CONFIGS["kv64-dq-2parts-two-ctas"].kernel_class() is halves
+    assert kernel_class(2, DqStaging(2, 1), True) is halves  # however the arguments come
+    assert bwd_sm90.ABLATIONS["kv64-two-ctas-no-dq"].kernel_class() is not halves
+    assert issubclass(halves, bwd_sm90.kernel_class())
     with pytest.raises(ValueError, match="ctas_per_sm must be 1 or 2"):
-        bwd_sm90_dq_halves.kernel_class(3)
+        kernel_class(3)
+
+
+@pytest.mark.parametrize(
+    ("parts", "buffers", "q_stages", "match"),
+    [
+        (0, 1, 2, "parts must be a positive int"),
+        (2, True, 2, "buffers must be a positive int"),
+        (3, 2, 2, "must divide parts"),
+        (1, 3, 2, "equal the Q stages"),
+        (32, 1, 2, "512-value pieces"),
+    ],
+)
+def test_dq_staging_refuses_what_it_cannot_run(parts, buffers, q_stages, match):
+    from flash_attn_vsa.bwd_sm90_dq_parts import DqStaging
+
+    with pytest.raises(ValueError, match=match):
+        DqStaging(parts, buffers).check(q_stages, 64 * 128)
+
+
+def test_dq_staging_buffer_sizes():
+    from flash_attn_vsa.bwd_sm90_dq_parts import DqStaging
+
+    assert DqStaging(1, 2).buffer_values(8192) == 16384  # two full 32 KB buffers
+    assert DqStaging(4, 2).buffer_values(8192) == 4096  # two 8 KB quarters
+    DqStaging(8, 4).check(2, 8192)
+    DqStaging(1, 2).check(2, 8192)
 
 
 # ---- GPU ----------------------------------------------------------------------------------------
@@ -170,7 +200,7 @@ def test_kv64_backward_matches_the_reference(head_dim, dtype, q_block):
 @pytest.mark.parametrize("name", sorted(bwd_sm90.EXPERIMENTAL_CONFIGS))
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_experimental_configs_match_the_reference(name, head_dim):
-    """Every configuration under measurement (dQ in halves, two CTAs per SM), on the same
+    """Every configuration under measurement (dQ sent in parts, two CTAs per SM), on the same
     cases as the shipped one, through `configs_scope`."""
     config = bwd_sm90.EXPERIMENTAL_CONFIGS[name]
     q_block = config.m_block_size

@@ -80,30 +80,34 @@ class TileConfig:
     AtomLayoutNdKV: int = 1
     AtomLayoutMdQ: int = 1
     num_wg: int = 1
-    dq_halves: bool = False
-    """Ours, not upstream's: the MMA warpgroup sends dQ to L2 itself, in halves through a
-    16 KB buffer (`bwd_sm90_dq_halves`), instead of staging all 32 KB for a producer warp."""
+    dq_parts: int = 0
+    """Ours, not upstream's: 0 stages dQ as upstream does (32 KB, sent by a producer warp);
+    n > 0 has the MMA warpgroup send it itself in n parts (`bwd_sm90_dq_parts`)."""
+    dq_buffers: int = 1
+    """Ours: with ``dq_parts``, the buffers of one part each that the parts take in turn."""
     ctas_per_sm: int = 1
-    """Ours: CTAs per SM the kernel is sized and launched for (2 needs `dq_halves`)."""
+    """Ours: CTAs per SM the kernel is sized and launched for (2 needs ``dq_parts``)."""
     ablate_dq: bool = False
-    """Ours, experiments only (with `dq_halves`): dQ computed and never sent, so dQ comes out
+    """Ours, experiments only (with ``dq_parts``): dQ computed and never sent, so dQ comes out
     zero; bounds what any dQ path could give the kernel."""
 
     def upstream(self) -> Any:
         from flash_attn.cute.interface import BwdConfig
 
         fields = asdict(self)
-        del fields["dq_halves"], fields["ctas_per_sm"], fields["ablate_dq"]
+        for ours in ("dq_parts", "dq_buffers", "ctas_per_sm", "ablate_dq"):
+            del fields[ours]
         return BwdConfig(**fields)
 
     def kernel_class(self) -> type:
         """The kernel class this configuration runs."""
-        if self.dq_halves:
-            from flash_attn_vsa.bwd_sm90_dq_halves import kernel_class as dq_halves_class
+        if self.dq_parts:
+            from flash_attn_vsa import bwd_sm90_dq_parts as parts
 
-            return dq_halves_class(self.ctas_per_sm, send_dq=not self.ablate_dq)
+            staging = parts.DqStaging(self.dq_parts, self.dq_buffers)
+            return parts.kernel_class(self.ctas_per_sm, staging, send_dq=not self.ablate_dq)
         if self.ctas_per_sm != 1 or self.ablate_dq:
-            raise ValueError("ctas_per_sm > 1 and ablate_dq need dq_halves")
+            raise ValueError("ctas_per_sm > 1 and ablate_dq need dq_parts")
         return kernel_class()
 
 
@@ -136,23 +140,22 @@ of dO and P/dS: 226 KB of shared memory at head dim 128, the most a CTA may have
 (one stage of Q: 0.41; NOTES.md, experiment 4)."""
 
 
-KV64_DQ_HALVES_CONFIG = replace(KV64_CONFIG, dq_halves=True)
-"""`KV64_CONFIG` with dQ sent by the MMA warpgroup in halves (delta 8): 148 KB, one CTA per
-SM."""
-
-KV64_DQ_HALVES_TWO_CTAS_CONFIG = replace(
-    KV64_CONFIG, num_stages_dO=1, num_stages_PdS=1, dq_halves=True, ctas_per_sm=2
-)
-"""dQ in halves, one stage of dO and of P/dS, two CTAs per SM: 113 KB each."""
+_TWO_CTAS = replace(KV64_CONFIG, num_stages_dO=1, num_stages_PdS=1, ctas_per_sm=2)
+"""64x64 tiles for two CTAs per SM: one stage of dO and of P/dS (Q keeps two), 96 KB before dQ's
+buffers (a CTA may have 113 KB)."""
 
 EXPERIMENTAL_CONFIGS = {
-    "kv64-dq-halves": KV64_DQ_HALVES_CONFIG,
-    "kv64-dq-halves-two-ctas": KV64_DQ_HALVES_TWO_CTAS_CONFIG,
+    "kv64-dq-1part-2buffers": replace(KV64_CONFIG, dq_parts=1, dq_buffers=2),
+    "kv64-dq-2parts-two-ctas": replace(_TWO_CTAS, dq_parts=2),
+    "kv64-dq-4parts-2buffers-two-ctas": replace(_TWO_CTAS, dq_parts=4, dq_buffers=2),
+    "kv64-dq-8parts-4buffers-two-ctas": replace(_TWO_CTAS, dq_parts=8, dq_buffers=4),
 }
+"""Configurations under measurement (session 9), by name (`bwd_sm90_dq_parts`: the MMA
+warpgroup sends dQ in parts through buffers of its own); `configs_scope` runs them."""
 
 ABLATIONS = {
-    "kv64-two-ctas-no-dq": replace(KV64_DQ_HALVES_TWO_CTAS_CONFIG, ablate_dq=True),
-    "kv64-no-dq": replace(KV64_DQ_HALVES_CONFIG, ablate_dq=True),
+    "kv64-two-ctas-no-dq": replace(_TWO_CTAS, dq_parts=2, ablate_dq=True),
+    "kv64-no-dq": replace(KV64_CONFIG, dq_parts=2, ablate_dq=True),
 }
 """Configurations whose dQ is wrong on purpose (`TileConfig.ablate_dq`): timing bounds only."""
 """Configurations under measurement (session 9), by name; `configs_scope` runs them."""

@@ -184,19 +184,19 @@ CONFIGS: tuple[GateConfig, ...] = (
         "(flash_attn_vsa.bwd_sm90)",
     ),
     GateConfig(
-        "bwd-sparse-q64-kv64-dq-halves",
-        "bwd-kv64+kv64-dq-halves",
+        "bwd-sparse-q64-kv64-dq-double-buffered",
+        "bwd-kv64+kv64-dq-1part-2buffers",
         (64, 64),
-        "FlashAttentionBackwardSm90HalfDq",
-        "the 64x64 backward sending dQ from its MMA warpgroup in halves "
-        "(flash_attn_vsa.bwd_sm90_dq_halves; not routed until measured)",
+        "FlashAttentionBackwardSm90Dq1Parts2Buffers",
+        "the 64x64 backward sending dQ from its MMA warpgroup through two buffers "
+        "(flash_attn_vsa.bwd_sm90_dq_parts; not routed)",
     ),
     GateConfig(
-        "bwd-sparse-q64-kv64-dq-halves-two-ctas",
-        "bwd-kv64+kv64-dq-halves-two-ctas",
+        "bwd-sparse-q64-kv64-dq-quarters-two-ctas",
+        "bwd-kv64+kv64-dq-4parts-2buffers-two-ctas",
         (64, 64),
-        "FlashAttentionBackwardSm90HalfDqTwoCtas",
-        "the same with two CTAs per SM",
+        "FlashAttentionBackwardSm90Dq4Parts2BuffersTwoCtas",
+        "the same in quarters through two 8 KB buffers, two CTAs per SM",
     ),
 )
 

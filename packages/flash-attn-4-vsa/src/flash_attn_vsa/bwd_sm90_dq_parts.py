@@ -1,31 +1,32 @@
-"""The KV64 backward with dQ reduced by the MMA warpgroup itself, in two halves through a 16 KB
-buffer: the fork's eighth delta (experimental until measured on an H200; session 9).
+"""The KV64 backward with dQ sent to L2 by the MMA warpgroup itself, in parts through buffers
+of its own: the fork's eighth delta (experimental, not routed; session 9).
 
-Why (NOTES.md, session 8): the KV64 backward keeps one MMA warpgroup per 64-key tile, and its
-tensor pipe is active 52-55% of the time whatever memory does; nothing shares the SM with it.
-Upstream's sm_90 backward stages each (key tile, query tile) step's dQ in 32 KB of shared
-memory (64x128 float32), where a producer warp sends it to L2 as one bulk reduce-add; with
-those 32 KB and two stages of Q and dO a CTA needs 160 KB, so an SM holds one. Two CTAs per
-SM were tried with one Q/dO stage each (experiment 4: 0.49 of dense; each CTA waits for every
-load).
+Why (NOTES.md, session 8): the KV64 backward keeps one MMA warpgroup per 64-key tile, its
+tensor pipe active 52-55% of the time. Upstream's sm_90 backward stages each (key tile, query
+tile) step's dQ in 32 KB of shared memory (64x128 float32), hands it to a producer warp over
+two named barriers, and the producer sends it to L2 as one bulk reduce-add; before writing the
+next step's dQ the MMA warpgroup waits until that reduce-add has read the buffer. With those
+32 KB and two stages of Q and dO a CTA needs 160 KB, so an SM holds one.
 
-Session 9 first sent dQ from registers (16-byte ``red.global.add.v4.f32`` per thread, no
-staging at all): correct, but 23% slower at one CTA per SM and 5% slower than the shipped
-kernel at two (experiment 13: the L2 takes per-thread reductions far slower than bulk ones).
-So the bulk reduce-add stays, from half the buffer: the MMA warpgroup writes dQ's first half
-(its values in the order upstream's staging buffer holds them, so upstream's postprocess reads
-the same accumulator), one of its threads issues the bulk reduce-add, waits until the bulk
-copy has read the buffer (a few hundred cycles, while the step's dK MMA runs), and the second
-half follows. No producer warp and no handshake with it: the issuing thread's bulk-async group
-is the only state. With one stage of P/dS and of dO (Q keeps two: it is read until a step's
-last MMA) a CTA needs 113 KB, so **two CTAs share an SM** (``ctas_per_sm=2``: launch bound of
-two, ``setmaxnreg`` 232 / 24), each walking its own key tile's list: two MMA warpgroups per
-SM, as dense has.
+Here the MMA warpgroup sends dQ itself: every thread writes one part of its dQ values to a
+buffer (in upstream's staging order, thread ``t``'s values ``4k..4k+3`` at ``512 k + 4 t`` of
+the block's chunk, so upstream's postprocess reads the same accumulator), MMA thread 0 issues
+the part's bulk reduce-add, and before a buffer is written again thread 0 waits until the
+reduce-add that last used it has read it (``cp.async.bulk.wait_group.read``; with ``buffers``
+buffers, all but the ``buffers - 1`` newest). `DqStaging` says how: ``parts`` per step and
+``buffers`` of ``1 / parts`` of the step's dQ each. Upstream's layout is one part, one buffer,
+through the producer warp.
 
-`kernel_class(ctas_per_sm)` is the kernel class (a subclass of `bwd_sm90.kernel_class`); the
-step of one query block (``mma_one_m_block``) is ours (upstream's, minus what our
-configurations never use: swapped S, P from registers, score mods), everything else
-upstream's.
+What session 9 measured (experiment 13, NOTES.md): per-thread float32 reductions instead of
+any staging (gone from the code) are 23% slower; one buffer in two parts lets two CTAs share an
+SM (113 KB each) but waits on every part (0.45 of dense at one CTA per SM, 0.60 at two, against
+the shipped 0.66); the same kernels with dQ never sent run 0.82 (one CTA) and 1.16 (two CTAs,
+the dQ MMA then compiled away). So the dQ path, not the MMAs, holds this backward.
+
+`kernel_class(ctas_per_sm, staging, send_dq)` is the kernel class (a subclass of
+`bwd_sm90.kernel_class`); the step of one query block (``mma_one_m_block``) is ours
+(upstream's, minus what our configurations never use: swapped S, P from registers, score
+mods), everything else upstream's.
 
 Upstream internals this relies on (fingerprinted): ``FlashAttentionBackwardSm90``'s ``mma``
 (parameter names: ``mdQaccum``, ``sdQaccum``, ``tidx``, ``r2s_tiled_copy_dQaccum``), its call
@@ -39,36 +40,66 @@ from __future__ import annotations
 
 import functools
 import inspect
+from dataclasses import dataclass
 from typing import Any
 
 from flash_attn_vsa.sm90_operands import pushed, thread_stack
 
-__all__ = ["HALVES", "MMA_REGISTERS_TWO_CTAS", "kernel_class", "storage_with_half_dq_buffer"]
+__all__ = ["MMA_REGISTERS_TWO_CTAS", "DqStaging", "kernel_class", "storage_with_dq_buffers"]
 
 MMA_REGISTERS_TWO_CTAS = 232
 """Registers per thread of the MMA warpgroup when two CTAs share an SM; the producer warpgroup
 gets 24, so that two CTAs of 2 x 128 threads fit the 64K register file."""
 PRODUCER_REGISTERS = 24
-HALVES = 2
-"""dQ goes to L2 in this many parts through one buffer of that fraction of its size."""
 
 
-def storage_with_half_dq_buffer(upstream_struct: Any, dq_values: int) -> Any:
-    """Upstream's backward shared storage (a ``cute.struct``) with a dQ buffer of
-    ``dq_values // HALVES`` float32 values instead of ``dq_values``, and its 1024-byte-aligned
-    tiles first, so that no alignment padding is spent ahead of them (two CTAs must fit
-    228 KB with 1 KB each reserved)."""
+@dataclass(frozen=True)
+class DqStaging:
+    """How the MMA warpgroup sends a step's dQ: in ``parts`` bulk reduce-adds, through
+    ``buffers`` buffers of ``1 / parts`` of the step's dQ each, used in turn. Either
+    ``buffers`` divides ``parts`` (each part's buffer is known when the kernel is compiled) or
+    ``parts == 1`` and ``buffers`` equals the Q stages (the step's Q stage picks the buffer)."""
+
+    parts: int = 2
+    buffers: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("parts", "buffers"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+    def check(self, q_stages: int, step_values: int) -> None:
+        """ValueError unless this staging runs with ``q_stages`` Q stages and steps of
+        ``step_values`` dQ values."""
+        if self.parts % self.buffers and not (self.parts == 1 and self.buffers == q_stages):
+            raise ValueError(
+                f"buffers ({self.buffers}) must divide parts ({self.parts}) or, with one part, "
+                f"equal the Q stages ({q_stages})"
+            )
+        if step_values % (self.parts * 512):
+            raise ValueError(f"parts ({self.parts}) must split the dQ tile in 512-value pieces")
+
+    def buffer_values(self, step_values: int) -> int:
+        return step_values // self.parts * self.buffers
+
+
+def storage_with_dq_buffers(upstream_struct: Any, buffer_values: int) -> Any:
+    """Upstream's backward shared storage (a ``cute.struct``) with ``buffer_values`` float32
+    values for dQ instead of its staging buffer, and the 1024-byte-aligned tiles first, so that
+    no alignment padding is spent ahead of them (two CTAs must fit 228 KB with 1 KB each
+    reserved)."""
     import cutlass
     from cutlass import cute
 
     fields = dict(upstream_struct._annotations)
     fields["sdQaccum"] = cute.struct.Align[
-        cute.struct.MemRange[cutlass.Float32, dq_values // HALVES], 1024
+        cute.struct.MemRange[cutlass.Float32, buffer_values], 1024
     ]
     tiles = ("sQ", "sV", "sK", "sdO", "sP", "sdS", "sdQaccum")
     ordered = {name: fields[name] for name in tiles if name in fields}
     ordered.update((name, kind) for name, kind in fields.items() if name not in ordered)
-    name = f"{upstream_struct._cls.__name__}HalfDq"
+    name = f"{upstream_struct._cls.__name__}DqBuffers"
     return cute.struct(type(name, (), {"__annotations__": ordered}))
 
 
@@ -79,28 +110,35 @@ def _mma_signature() -> inspect.Signature:
     return inspect.signature(FlashAttentionBackwardSm90.mma)
 
 
-def kernel_class(ctas_per_sm: int = 1, send_dq: bool = True) -> type:
-    """The KV64 backward kernel class reducing dQ in halves from its MMA warpgroup, sized for
-    ``ctas_per_sm`` (1 or 2) CTAs per SM. ``send_dq=False`` is an ablation for experiments:
-    dQ is computed and never sent (dQ comes out zero), which bounds what any dQ path could
-    give this structure. One class object per combination."""
+def kernel_class(
+    ctas_per_sm: int = 1, staging: DqStaging = DqStaging(), send_dq: bool = True
+) -> type:
+    """The KV64 backward kernel class whose MMA warpgroup sends dQ itself as ``staging`` says,
+    sized for ``ctas_per_sm`` (1 or 2) CTAs per SM. ``send_dq=False`` is an ablation for
+    experiments: dQ is computed (its MMA kept) and never sent, so dQ comes out zero, which
+    bounds what any dQ path could give the kernel. One class object per combination."""
     if ctas_per_sm not in (1, 2):
         raise ValueError(f"ctas_per_sm must be 1 or 2, got {ctas_per_sm!r}")
-    return _kernel_class(ctas_per_sm, bool(send_dq))
+    if not isinstance(staging, DqStaging):
+        raise ValueError(f"staging must be a DqStaging, got {staging!r}")
+    return _kernel_class(ctas_per_sm, staging, bool(send_dq))
 
 
 @functools.cache
-def _kernel_class(ctas_per_sm: int, send_dq: bool) -> type:
+def _kernel_class(ctas_per_sm: int, staging: DqStaging, send_dq: bool) -> type:
     from flash_attn_vsa.bwd_sm90 import kernel_class as kv64_class
     from flash_attn_vsa.sm90_blocks import BoundLauncher
 
     base = kv64_class()
 
-    class FlashAttentionBackwardSm90HalfDq(base):  # type: ignore[misc, valid-type]
-        """The KV64 backward; the MMA warpgroup sends its dQ to L2 itself, in halves."""
+    class FlashAttentionBackwardSm90DqParts(base):  # type: ignore[misc, valid-type]
+        """The KV64 backward; the MMA warpgroup sends its dQ to L2 itself, in parts."""
+
+        dq_staging = staging
 
         def _setup_attributes(self) -> None:
             _check_supported(self)
+            staging.check(self.Q_stage, self.tile_m * self.tile_hdim)
             super()._setup_attributes()
             if ctas_per_sm == 2:
                 self.num_mma_regs_wg0 = self.num_mma_regs_wg1 = MMA_REGISTERS_TWO_CTAS
@@ -109,28 +147,30 @@ def _kernel_class(ctas_per_sm: int, send_dq: bool) -> type:
 
         def _get_shared_storage_cls(self) -> Any:
             upstream = base._get_shared_storage_cls(self)
-            return storage_with_half_dq_buffer(upstream, self.tile_m * self.tile_hdim)
+            values = staging.buffer_values(self.tile_m * self.tile_hdim)
+            return storage_with_dq_buffers(upstream, values)
 
         def kernel(self, *args: Any, **kwargs: Any) -> Any:
             launcher = base.kernel(self, *args, **kwargs)
             return BoundLauncher(launcher, ctas_per_sm) if ctas_per_sm > 1 else launcher
 
         def dQaccum_store(self, *args: Any, **kwargs: Any) -> None:
-            """No producer-side dQ store: the MMA warpgroup reduces dQ itself."""
+            """No producer-side dQ store: the MMA warpgroup sends dQ itself."""
 
         def mma(self, *args: Any, **kwargs: Any) -> Any:
             bound = _mma_signature().bind(self, *args, **kwargs).arguments
             names = ("mdQaccum", "sdQaccum", "r2s_tiled_copy_dQaccum", "tidx")
-            with pushed("dq_halves", tuple(bound[n] for n in names)):
+            with pushed("dq_parts", tuple(bound[n] for n in names)):
                 result = base.mma(self, *args, **kwargs)
             _reductions_read()(bound["tidx"])
             return result
 
         mma_one_m_block = _one_query_block(send_dq)
 
-    suffix = ("TwoCtas" if ctas_per_sm == 2 else "") + ("" if send_dq else "NoDq")
-    cls = FlashAttentionBackwardSm90HalfDq
-    cls.__name__ = cls.__qualname__ = f"FlashAttentionBackwardSm90HalfDq{suffix}"
+    name = f"FlashAttentionBackwardSm90Dq{staging.parts}Parts{staging.buffers}Buffers"
+    name += ("TwoCtas" if ctas_per_sm == 2 else "") + ("" if send_dq else "NoDq")
+    cls = FlashAttentionBackwardSm90DqParts
+    cls.__name__ = cls.__qualname__ = name
     return cls
 
 
@@ -147,7 +187,7 @@ def _check_supported(kernel: Any) -> None:
     }
     used = [name for name, on in unsupported.items() if on]
     if used:
-        raise ValueError(f"the half-buffer dQ backward does not support {', '.join(used)}")
+        raise ValueError(f"the dQ-parts backward does not support {', '.join(used)}")
 
 
 @functools.cache
@@ -173,27 +213,46 @@ def _one_query_block(send_dq: bool = True) -> Any:
     from quack import copy_utils, layout_utils
 
     @cute.jit
-    def reduce_dq_in_halves(self, acc_dQ, m_block, mask_fn, barrier) -> None:
-        """dQ into L2 in `HALVES` bulk reduce-adds through one buffer: for each half, the
-        issuing thread (MMA thread 0) waits until its previous reduce-add has read the buffer,
-        every thread writes its values, and thread 0 sends them. The order of the values is
-        upstream's staging order (thread t's 4k..4k+3 at 512 k + 4 t of the block's chunk)."""
-        tdQs, chunk, sdQ, tidx = _dq_target(self, m_block, mask_fn)
-        per_half = cute.size(tdQs)
-        half_bytes = self.tile_m * self.tile_hdim // HALVES * 4
-        for h in cutlass.range_constexpr(HALVES):
-            values = cute.make_tensor(acc_dQ.iterator + h * per_half, cute.make_layout(tdQs.shape))
+    def send_dq_in_parts(self, acc_dQ, m_block, q_idx, mask_fn, barrier) -> None:
+        """dQ into L2 in ``staging.parts`` bulk reduce-adds (`DqStaging`): for each part, MMA
+        thread 0 waits until the reduce-add that last used the part's buffer has read it, every
+        thread writes its values of the part, and thread 0 sends them."""
+        staging = self.dq_staging
+        part_values = self.tile_m * self.tile_hdim // staging.parts
+        chunk, sdQ, r2s_copy, tidx = _dq_target(self, m_block, mask_fn)
+        # One part of upstream's staging layout, made here: layouts made by the host-side
+        # call may not be used inside the kernel.
+        part_layout = cute.make_layout((part_values, 1))
+        for h in cutlass.range_constexpr(staging.parts):
+            buffer = h % staging.buffers
+            if cutlass.const_expr(staging.parts % staging.buffers):
+                buffer = q_idx  # one part a step, a buffer per Q stage
+            sdQ_part = cute.make_tensor(sdQ.iterator + buffer * part_values, part_layout)
+            tdQs = r2s_copy.get_slice(tidx).partition_D(sdQ_part)
+            values = cute.make_tensor(
+                acc_dQ.iterator + h * cute.size(tdQs), cute.make_layout(tdQs.shape)
+            )
             if tidx == 0:
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
+                cute.arch.cp_async_bulk_wait_group(staging.buffers - 1, read=True)
             barrier.arrive_and_wait()  # the buffer is free
             cute.autovec_copy(values, tdQs)
             cute.arch.fence_view_async_shared()
             barrier.arrive_and_wait()  # every value written and visible to the bulk copy
             if tidx == 0:
                 copy_utils.cpasync_reduce_bulk_add_f32(
-                    sdQ.iterator, chunk + h * (half_bytes // 4), half_bytes
+                    sdQ_part.iterator, chunk + h * part_values, part_values * 4
                 )
                 cute.arch.cp_async_bulk_commit_group()
+
+    @cute.jit
+    def keep_dq(acc_dQ, sdQ_any) -> None:
+        """The ablation's use of dQ: a sum no real dQ reaches decides a shared-memory store,
+        so the dQ MMA stays in the kernel while nothing is sent."""
+        total = acc_dQ[0]
+        for i in cutlass.range_constexpr(1, cute.size(acc_dQ)):
+            total = total + acc_dQ[i]
+        if total == cutlass.Float32(3.0e38):
+            sdQ_any[0] = total
 
     @cute.jit
     def mma_one_m_block(
@@ -224,7 +283,7 @@ def _one_query_block(send_dq: bool = True) -> Any:
     ) -> tuple[Any, Any]:
         """One query block of a key tile's list (keyword names as upstream's ``mma`` passes
         them): S and dP, P and dS into shared memory, dV += P^T dO, dQ = dS K reduced into
-        global memory in halves (`_reduce_dq_in_halves`), dK += dS^T Q."""
+        global memory in parts (``send_dq_in_parts``), dK += dS^T Q."""
 
         dO_state = consumer_state_dO
         if cutlass.const_expr(self.Q_stage == self.dO_stage):
@@ -271,7 +330,9 @@ def _one_query_block(send_dq: bool = True) -> Any:
         pipeline_dO.consumer_release(dO_state)
         mma_dsq_fn(A_idx=pds_idx, B_idx=q_idx, zero_init=not dKV_accumulate, wg_wait=1)
         if cutlass.const_expr(send_dq):
-            reduce_dq_in_halves(self, acc_dQ, m_block, mask_fn, PdS_barrier)  # under the dK MMA
+            send_dq_in_parts(self, acc_dQ, m_block, q_idx, mask_fn, PdS_barrier)  # under dK MMA
+        else:
+            keep_dq(acc_dQ, _dq_target(self, m_block, mask_fn)[1])
         warpgroup.wait_group(0)
         pipeline_Q.consumer_release(consumer_state_Q)
 
@@ -283,23 +344,19 @@ def _one_query_block(send_dq: bool = True) -> Any:
 
 
 def _dq_target(kernel: Any, m_block: Any, mask_fn: Any) -> tuple[Any, Any, Any, Any]:
-    """(this thread's slice of the dQ buffer, query block ``m_block``'s chunk of upstream's
-    float32 accumulator, the buffer, the MMA thread index), from what `mma` pushed."""
-    from cutlass import cute
+    """(query block ``m_block``'s chunk of upstream's float32 accumulator, the dQ buffers,
+    upstream's staging copy, the MMA thread index), from what the kernel's ``mma`` pushed."""
     from flash_attn.cute import utils
 
-    mdQaccum, sdQaccum, r2s_copy, tidx = thread_stack("dq_halves")[-1]
+    mdQaccum, sdQaccum, r2s_copy, tidx = thread_stack("dq_parts")[-1]
     tile = getattr(mask_fn, "keywords", {})
     if "head_idx" not in tile or "batch_idx" not in tile:
-        raise NotImplementedError("the half-buffer dQ backward runs the block-sparse loop only")
-    block_values = kernel.tile_m * kernel.tile_hdim
+        raise NotImplementedError("the dQ-parts backward runs the block-sparse loop only")
+    step_values = kernel.tile_m * kernel.tile_hdim
     chunk = utils.elem_pointer(
-        mdQaccum[None, tile["head_idx"], tile["batch_idx"]], m_block * block_values
+        mdQaccum[None, tile["head_idx"], tile["batch_idx"]], m_block * step_values
     )
-    # One half of upstream's staging layout, made here: layouts made by the host-side call
-    # may not be used inside the kernel.
-    half = cute.make_tensor(sdQaccum.iterator, cute.make_layout((block_values // HALVES, 1)))
-    return r2s_copy.get_slice(tidx).partition_D(half), chunk, sdQaccum, tidx
+    return chunk, sdQaccum, r2s_copy, tidx
 
 
 def _to_operand(acc: Any, dtype: Any) -> Any:

@@ -1,5 +1,5 @@
-"""Experiment 13 (session 9): the KV64 backward with a smaller dQ buffer, so that two CTAs can
-share an SM (delta 8, `flash_attn_vsa.bwd_sm90_dq_halves`).
+"""Experiment 13 (session 9): the KV64 backward with dQ sent by its MMA warpgroup through smaller
+buffers, so that two CTAs can share an SM (delta 8, `flash_attn_vsa.bwd_sm90_dq_parts`).
 
 Session 8's counters: one MMA warpgroup per 64-key tile keeps the tensor pipe 52-55% busy, and
 nothing shares the SM with it (160 KB of shared memory a CTA, 32 of them dQ staging).
@@ -13,21 +13,33 @@ the same bytes to L2). Predicted within +-3% of the shipped kernel at one CTA pe
 misses L2, catastrophically so). But two CTAs per SM turned 0.51 into 0.63 (+24%) with the
 same reductions: the partner warpgroup is worth having.
 
-**13b:** keep the bulk reduce-add, from half the buffer (16 KB): the MMA warpgroup writes one
-half, one of its threads sends it and waits until the bulk copy has read it, then the second
-half. Two CTAs fit at one stage of dO and of P/dS (113 KB each). Predictions (written before
-the run): ``kv64-dq-halves`` (one CTA, shipped stages) 0-5% slower than shipped (the wait on the
-first half's read, partly under the dK MMA); ``kv64-dq-halves-two-ctas`` 0.72-0.80 at S=32768
-if the 13a gain carries over (0.667 x 1.24 = 0.83 is the ceiling of that reading), less at
-131072 where reductions cost 13% already.
+**13b (run):** keep the bulk reduce-add, from half the buffer (16 KB): the MMA warpgroup
+writes one half, MMA thread 0 sends it and waits until the bulk copy has read it, then the
+second half. Predicted 0-5% slower than shipped at one CTA, 0.72-0.80 at two. Measured: **0.45**
+(one CTA) and **0.60 / 0.66** (two CTAs, S = 32k / 128k with lists rotated by 264): waiting for
+a bulk reduce-add to read its buffer costs far more than writing it (the read is paced by L2
+accepting the reduction). Ablations (dQ computed, never sent): **0.82** at one CTA (shipped
+0.66; experiment 9's "no reductions" kept the staging writes and the handshake and got 0.68),
+**1.16 / 1.27** at two CTAs, but there the compiler had dropped the unused dQ MMA (50 HGMMA
+instead of 56; the ablation now keeps it).
+
+**13c:** the MMA warpgroup sends dQ through buffers it takes in turn, so it waits only for the
+reduce-add of ``buffers`` parts ago (`bwd_sm90_dq_parts.DqStaging`). Predictions (before the
+run): ``kv64-dq-1part-2buffers`` (one CTA, two 32 KB buffers, 194 KB) 0.70-0.74 (the wait goes,
+the 32 KB write stays in the warpgroup's path); ``kv64-dq-4parts-2buffers-two-ctas`` (two 8 KB
+buffers) and ``kv64-dq-8parts-4buffers-two-ctas`` (four 4 KB) 0.66-0.77: two CTAs send dQ at
+~1.4x the shipped kernel's rate, whose SM->L2 port is already 89% busy, so ~0.77 is the port's
+ceiling for 64-key tiles reducing their own dQ; ``kv64-two-ctas-no-dq`` with the dQ MMA kept
+0.95-1.05.
 
 Arms at each length (H=12, D=128, random top-k lists at 87.5%, all blocks full, lists rotated
-as shipped): dense FA4, the shipped 64x64 kernel and each configuration of
-``bwd_sm90.EXPERIMENTAL_CONFIGS``. Gradients of every arm against the shipped kernel first
-(dK and dV bit-equal, dQ to ~1e-5: the reductions' order differs), then interleaved timing,
+by the CTAs running at once): dense FA4, the shipped 64x64 kernel and each configuration of
+``bwd_sm90.EXPERIMENTAL_CONFIGS`` and ``bwd_sm90.ABLATIONS``. Gradients of every arm against
+the shipped kernel first (dQ to ~1e-5: the reductions' order differs; dK and dV bit-equal at
+one CTA per SM, ~1e-4 at two, whose lists are rotated differently), then interleaved timing,
 two rounds. ::
 
-    python3 packages/flash-attn-4-vsa/experiments/bwd_dq_halves.py --out DIR   # H200
+    python3 packages/flash-attn-4-vsa/experiments/bwd_dq_parts.py --out DIR   # H200
 """
 
 from __future__ import annotations
@@ -116,7 +128,7 @@ def run_length(emit, seq: int, heads: int, keep: float, reps: int, sms: int) -> 
 def main() -> int:
     from bwd_list_rotation import length_args, run_lengths
 
-    return run_lengths("bwd_dq_halves", run_length, length_args())
+    return run_lengths("bwd_dq_parts", run_length, length_args())
 
 
 if __name__ == "__main__":
