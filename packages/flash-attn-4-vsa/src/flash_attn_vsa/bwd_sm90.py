@@ -12,16 +12,21 @@ is fast there:
 - shrinking the two-warpgroup layout to 64 key rows leaves each warpgroup a 32-row or 32-wide
   slice: 0.48-0.62 of dense backward;
 - **one MMA warpgroup owning the whole 64x64 tile**, S = Q K^T unswapped (M = 64 query rows),
-  P and dS through shared memory: 0.71. Upstream sizes registers only for two or three MMA
-  warpgroups, giving a lone one 160 registers and spilling (592 B of stack); our subclass
-  gives it 240 (no spills).
+  P and dS through shared memory: 0.71 (0.66 paced, session 8). Upstream sizes registers only
+  for two or three MMA warpgroups, giving a lone one 160 registers and spilling (592 B of
+  stack); our subclass gives it 240 (no spills).
+
+Since session 9 the 64x64 backward runs that tile **two CTAs per SM** with the MMA warpgroup
+sending dQ itself in quarters (`KV64_CONFIG`, delta 8 in `bwd_sm90_dq_parts`): upstream's 32 KB
+dQ staging does not fit two CTAs.
 
 128-token query blocks over 64-token key blocks run 128x64 tiles with two MMA warpgroups, each
 owning 64 query rows (`Q128_KV64_CONFIG`): 0.67-0.68 of dense against 0.64-0.65 for the same
 blocks split into 64-row ones.
 
-This module is that delta: the tile configurations (`config_for` a block size),
-`kernel_class()` (the subclass with the register split) and `block_sparse_backward_kv64`,
+This module is that delta: the tile configurations (`config_for` a block size; `configs_scope`
+to run others), `kernel_class()` (the subclass with the register split; `TileConfig.kernel_class`
+picks delta 8's where a configuration asks for it) and `block_sparse_backward_kv64`,
 which runs upstream's ``_flash_attn_bwd`` with both swapped in for the duration of the call.
 Everything else (preprocess, postprocess, block-sparse iteration, mask_mod on partial blocks)
 is upstream's.
@@ -30,9 +35,9 @@ Upstream internals this relies on (fingerprinted in ``upstream_api.json``):
 ``interface._tile_size_bwd_sm90`` and ``interface.FlashAttentionBackwardSm90`` (looked up as
 module globals by ``_flash_attn_bwd`` when it builds a kernel), ``BwdConfig``'s fields, and
 ``FlashAttentionBackwardSm90._setup_attributes`` running after its register split is chosen.
-The configuration keys upstream's compile cache (tile shape, stages, layouts and thread count
-are in its key), and upstream itself never builds this key (its head-dim <= 128 backward uses
-128-row key tiles), so our kernel and upstream's never share a cache entry.
+Upstream's compile cache keys the configuration (tile shape, stages, layouts, thread count) but
+not the kernel class, so inside `kv64_scope` kernels go to and come from a cache of the scope's
+class (`_ScopedCompileCache`, over ``_flash_attn_bwd.compile_cache``: ``in``, item get and set).
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ __all__ = [
     "EXPERIMENTAL_CONFIGS",
     "HEAD_DIMS",
     "KV64_CONFIG",
+    "KV64_STAGED_CONFIG",
     "Q128_KV64_CONFIG",
     "block_sparse_backward_kv64",
     "check_call",
@@ -118,10 +124,10 @@ def _upstream_config(config: TileConfig) -> Any:
     return config.upstream()
 
 
-KV64_CONFIG = TileConfig()
+KV64_STAGED_CONFIG = TileConfig()
 """One MMA warpgroup per 64x64 tile, S unswapped, P and dS staged in shared memory, two
-stages of Q and dO (the fastest of the layouts measured; NOTES.md)."""
-
+stages of Q and dO, dQ staged in 32 KB for upstream's producer warp (the fastest of upstream's
+layouts; shipped until session 9: 0.66 of dense at S=32768)."""
 
 Q128_KV64_CONFIG = TileConfig(
     m_block_size=128,
@@ -139,26 +145,32 @@ of dO and P/dS: 226 KB of shared memory at head dim 128, the most a CTA may have
 0.67-0.68 of dense backward where the same blocks split into two 64-row ones run at 0.64-0.65
 (one stage of Q: 0.41; NOTES.md, experiment 4)."""
 
-
-_TWO_CTAS = replace(KV64_CONFIG, num_stages_dO=1, num_stages_PdS=1, ctas_per_sm=2)
+_TWO_CTAS = replace(KV64_STAGED_CONFIG, num_stages_dO=1, num_stages_PdS=1, ctas_per_sm=2)
 """64x64 tiles for two CTAs per SM: one stage of dO and of P/dS (Q keeps two), 96 KB before dQ's
 buffers (a CTA may have 113 KB)."""
 
+KV64_CONFIG = replace(_TWO_CTAS, dq_parts=4, dq_buffers=2)
+"""The shipped 64x64 backward (delta 8, `bwd_sm90_dq_parts`): two CTAs per SM, each with one
+MMA warpgroup that sends its dQ to L2 itself in quarters through two 8 KB buffers (113 KB of
+shared memory a CTA). On an H200 (experiment 13c) 0.69-0.70 of dense at S=32768 against the
+staged kernel's 0.66, 0.72 against 0.71 at S=131072 (lists rotated by the CTAs running at once:
+`ctas_per_sm`)."""
+
 EXPERIMENTAL_CONFIGS = {
-    "kv64-dq-1part-2buffers": replace(KV64_CONFIG, dq_parts=1, dq_buffers=2),
+    "kv64-staged": KV64_STAGED_CONFIG,
+    "kv64-dq-1part-2buffers": replace(KV64_STAGED_CONFIG, dq_parts=1, dq_buffers=2),
     "kv64-dq-2parts-two-ctas": replace(_TWO_CTAS, dq_parts=2),
-    "kv64-dq-4parts-2buffers-two-ctas": replace(_TWO_CTAS, dq_parts=4, dq_buffers=2),
     "kv64-dq-8parts-4buffers-two-ctas": replace(_TWO_CTAS, dq_parts=8, dq_buffers=4),
 }
-"""Configurations under measurement (session 9), by name (`bwd_sm90_dq_parts`: the MMA
-warpgroup sends dQ in parts through buffers of its own); `configs_scope` runs them."""
+"""Configurations under measurement or kept for comparison (session 9), by name
+(`bwd_sm90_dq_parts`: the MMA warpgroup sends dQ in parts through buffers of its own);
+`configs_scope` runs them."""
 
 ABLATIONS = {
     "kv64-two-ctas-no-dq": replace(_TWO_CTAS, dq_parts=2, ablate_dq=True),
-    "kv64-no-dq": replace(KV64_CONFIG, dq_parts=2, ablate_dq=True),
+    "kv64-no-dq": replace(KV64_STAGED_CONFIG, dq_parts=2, ablate_dq=True),
 }
 """Configurations whose dQ is wrong on purpose (`TileConfig.ablate_dq`): timing bounds only."""
-"""Configurations under measurement (session 9), by name; `configs_scope` runs them."""
 
 
 def config_for(block_size: tuple[int, int]) -> TileConfig:
@@ -266,7 +278,7 @@ def _install() -> None:
 
 
 @contextmanager
-def kv64_scope(config: TileConfig = KV64_CONFIG) -> Iterator[None]:
+def kv64_scope(config: TileConfig = KV64_STAGED_CONFIG) -> Iterator[None]:
     """Within this block, on this thread, upstream's ``_flash_attn_bwd`` builds its sm_90
     kernel with ``config`` and its kernel class (`TileConfig.kernel_class`), compiled into
     that class's own cache. Calls are serialized (the kernel class is a module global of

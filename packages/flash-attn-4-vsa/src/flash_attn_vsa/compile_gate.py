@@ -172,8 +172,9 @@ CONFIGS: tuple[GateConfig, ...] = (
         "bwd-sparse-q64-kv64",
         "bwd-kv64",
         (64, 64),
-        "FlashAttentionBackwardSm90KV64",
-        "the fork's block-sparse backward with 64x64 blocks (flash_attn_vsa.bwd_sm90)",
+        "FlashAttentionBackwardSm90Dq4Parts2BuffersTwoCtas",
+        "the fork's block-sparse backward with 64x64 blocks, two CTAs per SM sending dQ in "
+        "quarters (flash_attn_vsa.bwd_sm90, bwd_sm90_dq_parts)",
     ),
     GateConfig(
         "bwd-sparse-q128-kv64",
@@ -184,19 +185,12 @@ CONFIGS: tuple[GateConfig, ...] = (
         "(flash_attn_vsa.bwd_sm90)",
     ),
     GateConfig(
-        "bwd-sparse-q64-kv64-dq-double-buffered",
-        "bwd-kv64+kv64-dq-1part-2buffers",
+        "bwd-sparse-q64-kv64-staged",
+        "bwd-kv64+kv64-staged",
         (64, 64),
-        "FlashAttentionBackwardSm90Dq1Parts2Buffers",
-        "the 64x64 backward sending dQ from its MMA warpgroup through two buffers "
-        "(flash_attn_vsa.bwd_sm90_dq_parts; not routed)",
-    ),
-    GateConfig(
-        "bwd-sparse-q64-kv64-dq-quarters-two-ctas",
-        "bwd-kv64+kv64-dq-4parts-2buffers-two-ctas",
-        (64, 64),
-        "FlashAttentionBackwardSm90Dq4Parts2BuffersTwoCtas",
-        "the same in quarters through two 8 KB buffers, two CTAs per SM",
+        "FlashAttentionBackwardSm90KV64",
+        "the 64x64 backward shipped until session 9: one CTA per SM, dQ staged for upstream's "
+        "producer warp (flash_attn_vsa.bwd_sm90; kept for comparison)",
     ),
 )
 

@@ -80,7 +80,8 @@ CONFIGS: tuple[GateConfig, ...] = (
         "bwd-256x256", "bwd", (256, 256), "native", (256, 128), "FlashAttentionBackwardSm90"
     ),
     GateConfig(
-        "bwd-64x64", "bwd", (64, 64), "native", (64, 64), "FlashAttentionBackwardSm90KV64"
+        "bwd-64x64", "bwd", (64, 64), "native", (64, 64),
+        "FlashAttentionBackwardSm90Dq4Parts2BuffersTwoCtas",
     ),
     GateConfig(
         "bwd-64x64-paired", "bwd", (64, 64), "paired", (128, 64),
@@ -92,8 +93,8 @@ CONFIGS: tuple[GateConfig, ...] = (
         masked=False,
     ),
     GateConfig(
-        "bwd-64x64-full", "bwd", (64, 64), "native", (64, 64), "FlashAttentionBackwardSm90KV64",
-        masked=False,
+        "bwd-64x64-full", "bwd", (64, 64), "native", (64, 64),
+        "FlashAttentionBackwardSm90Dq4Parts2BuffersTwoCtas", masked=False,
     ),
 )  # fmt: skip
 """One configuration per distinct kernel (FA4 caches compiled kernels in the process, so a

@@ -113,12 +113,14 @@ def backward_impl(
     body of ``torch.ops.vsa_fa4.bwd``). Large calls run as several launches over `head_chunks`
     (head-sliced views in and out; the lists of each chunk built just before it), so that the
     float32 dQ accumulator FA4 allocates per call stays within `DQ_ACCUM_BUDGET_BYTES`. The
-    lists are rotated by `vsa_core.rotation.rotation_width` (the KV64 backward's dQ reduce-adds
-    stay within L2 at long sequences: 0.42 -> 0.71 of dense at S=131072 on an H200)."""
+    lists are rotated by `vsa_core.rotation.rotation_width` times the CTAs an SM runs at once
+    (the KV64 backward's dQ reduce-adds stay within L2 at long sequences: 0.42 -> 0.71 of dense
+    at S=131072 on an H200; the two-CTA kernel measured 0.42 rotated by the SM count, 0.66 by
+    twice it)."""
     dq, dk, dv = _bshd(q, q.shape[-1]), _bshd(k, k.shape[-1]), _bshd(v, v.shape[-1])
     valid = kv_valid_sizes.contiguous()
     batch, q_len, heads, head_dim = q.shape
-    rotate = rotation_width(q.device)
+    rotate = rotation_width(q.device) * _ctas_per_sm((q_tile, kv_tile))
     for h in head_chunks(batch, heads, q_len, head_dim):
         # BSHD tensors hold heads in dim 2, lse and the lists in dim 1
         lists = backward_lists(
@@ -129,6 +131,16 @@ def backward_impl(
             dq[:, :, h], dk[:, :, h], dv[:, :, h], lists, valid, scale, (q_tile, kv_tile), masked,
         )  # fmt: skip
     return dq, dk, dv
+
+
+def _ctas_per_sm(block_size: tuple[int, int]) -> int:
+    """CTAs an SM runs at once of the backward kernel for ``block_size``: the fork's KV64
+    configuration says (its 64x64 backward runs two), upstream's kernels one."""
+    if block_size[1] != 64:
+        return 1
+    from flash_attn_vsa.bwd_sm90 import config_for
+
+    return config_for(block_size).ctas_per_sm
 
 
 block_sparse_bwd = torch.library.custom_op("vsa_fa4::bwd", backward_impl, mutates_args=())
