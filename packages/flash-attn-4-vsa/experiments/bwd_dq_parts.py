@@ -23,14 +23,23 @@ accepting the reduction). Ablations (dQ computed, never sent): **0.82** at one C
 **1.16 / 1.27** at two CTAs, but there the compiler had dropped the unused dQ MMA (50 HGMMA
 instead of 56; the ablation now keeps it).
 
-**13c:** the MMA warpgroup sends dQ through buffers it takes in turn, so it waits only for the
-reduce-add of ``buffers`` parts ago (`bwd_sm90_dq_parts.DqStaging`). Predictions (before the
-run): ``kv64-dq-1part-2buffers`` (one CTA, two 32 KB buffers, 194 KB) 0.70-0.74 (the wait goes,
-the 32 KB write stays in the warpgroup's path); ``kv64-dq-4parts-2buffers-two-ctas`` (two 8 KB
-buffers) and ``kv64-dq-8parts-4buffers-two-ctas`` (four 4 KB) 0.66-0.77: two CTAs send dQ at
-~1.4x the shipped kernel's rate, whose SM->L2 port is already 89% busy, so ~0.77 is the port's
-ceiling for 64-key tiles reducing their own dQ; ``kv64-two-ctas-no-dq`` with the dQ MMA kept
-0.95-1.05.
+**13c (run):** the MMA warpgroup sends dQ through buffers it takes in turn, so MMA thread 0
+waits only for the reduce-add of ``buffers`` parts ago. Predicted: 1 part / 2 buffers (one CTA)
+0.70-0.74; 4 parts / 2 buffers and 8 / 4 (two CTAs) 0.66-0.77; two CTAs without sending dQ
+(its MMA now kept) 0.95-1.05. Measured (S = 32k / 128k): 1p/2b **0.62 / 0.67** (slower than
+the staged kernel's 0.66 / 0.71: the warpgroup's own barriers cost more than the producer
+warp's handshake); **4p/2b two CTAs 0.69-0.70 / 0.72** (shipped since); 8p/4b 0.62 / 0.64
+(twice the barriers); no dQ sent 0.75 (one CTA) and **1.03 / 1.09** (two CTAs). Each part
+costs the MMA warpgroup two named-barrier meetings and thread 0's wait: 8 parts lose 0.08 of
+dense against 4.
+
+**13d:** the producer warp (idle since upstream's dQ staging is gone) issues the reduce-adds
+and waits for them; MMA threads and producer hand buffers over through mbarriers, so the MMA
+threads never meet each other for dQ and wait only for a buffer not yet read
+(``DqStaging(sender="producer")``). Predictions (before the run): 4p/2b 0.72-0.77 (the
+barriers go; the SM->L2 port, ~94% busy by the shipped kernel's rate at 0.70, caps it near
+0.75); 8p/4b about the same as 4p/2b (parts are cheap now); 2p/1b below both (the MMA threads
+wait for each half's read).
 
 Arms at each length (H=12, D=128, random top-k lists at 87.5%, all blocks full, lists rotated
 by the CTAs running at once): dense FA4, the shipped 64x64 kernel and each configuration of

@@ -91,6 +91,8 @@ class TileConfig:
     n > 0 has the MMA warpgroup send it itself in n parts (`bwd_sm90_dq_parts`)."""
     dq_buffers: int = 1
     """Ours: with ``dq_parts``, the buffers of one part each that the parts take in turn."""
+    dq_sender: str = "mma"
+    """Ours: with ``dq_parts``, who issues the reduce-adds (`bwd_sm90_dq_parts.DqStaging`)."""
     ctas_per_sm: int = 1
     """Ours: CTAs per SM the kernel is sized and launched for (2 needs ``dq_parts``)."""
     ablate_dq: bool = False
@@ -101,7 +103,7 @@ class TileConfig:
         from flash_attn.cute.interface import BwdConfig
 
         fields = asdict(self)
-        for ours in ("dq_parts", "dq_buffers", "ctas_per_sm", "ablate_dq"):
+        for ours in ("dq_parts", "dq_buffers", "dq_sender", "ctas_per_sm", "ablate_dq"):
             del fields[ours]
         return BwdConfig(**fields)
 
@@ -110,7 +112,7 @@ class TileConfig:
         if self.dq_parts:
             from flash_attn_vsa import bwd_sm90_dq_parts as parts
 
-            staging = parts.DqStaging(self.dq_parts, self.dq_buffers)
+            staging = parts.DqStaging(self.dq_parts, self.dq_buffers, self.dq_sender)
             return parts.kernel_class(self.ctas_per_sm, staging, send_dq=not self.ablate_dq)
         if self.ctas_per_sm != 1 or self.ablate_dq:
             raise ValueError("ctas_per_sm > 1 and ablate_dq need dq_parts")
@@ -161,6 +163,15 @@ EXPERIMENTAL_CONFIGS = {
     "kv64-dq-1part-2buffers": replace(KV64_STAGED_CONFIG, dq_parts=1, dq_buffers=2),
     "kv64-dq-2parts-two-ctas": replace(_TWO_CTAS, dq_parts=2),
     "kv64-dq-8parts-4buffers-two-ctas": replace(_TWO_CTAS, dq_parts=8, dq_buffers=4),
+    "kv64-dq-4parts-2buffers-producer-two-ctas": replace(
+        _TWO_CTAS, dq_parts=4, dq_buffers=2, dq_sender="producer"
+    ),
+    "kv64-dq-8parts-4buffers-producer-two-ctas": replace(
+        _TWO_CTAS, dq_parts=8, dq_buffers=4, dq_sender="producer"
+    ),
+    "kv64-dq-2parts-1buffer-producer-two-ctas": replace(
+        _TWO_CTAS, dq_parts=2, dq_buffers=1, dq_sender="producer"
+    ),
 }
 """Configurations under measurement or kept for comparison (session 9), by name
 (`bwd_sm90_dq_parts`: the MMA warpgroup sends dQ in parts through buffers of its own);

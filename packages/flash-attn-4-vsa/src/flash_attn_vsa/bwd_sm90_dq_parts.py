@@ -55,19 +55,29 @@ PRODUCER_REGISTERS = 24
 
 @dataclass(frozen=True)
 class DqStaging:
-    """How the MMA warpgroup sends a step's dQ: in ``parts`` bulk reduce-adds, through
-    ``buffers`` buffers of ``1 / parts`` of the step's dQ each, used in turn. Either
-    ``buffers`` divides ``parts`` (each part's buffer is known when the kernel is compiled) or
-    ``parts == 1`` and ``buffers`` equals the Q stages (the step's Q stage picks the buffer)."""
+    """How a step's dQ goes to L2: in ``parts`` bulk reduce-adds, through ``buffers`` buffers of
+    ``1 / parts`` of the step's dQ each, used in turn. Either ``buffers`` divides ``parts``
+    (each part's buffer is known when the kernel is compiled) or ``parts == 1`` and ``buffers``
+    equals the Q stages (the step's Q stage picks the buffer).
+
+    ``sender``: ``"mma"``, MMA thread 0 issues each reduce-add and waits for its buffer, the
+    warpgroup meeting at a named barrier twice a part; ``"producer"``, upstream's idle producer
+    warp 1 issues them and waits, and the two sides hand buffers over through mbarriers (the
+    MMA threads only arrive, and wait only for a buffer not yet read). The producer form needs
+    each buffer used an even number of times a step (``parts // buffers`` even), so that every
+    wait's phase is known when the kernel is compiled."""
 
     parts: int = 2
     buffers: int = 1
+    sender: str = "mma"
 
     def __post_init__(self) -> None:
         for name in ("parts", "buffers"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.sender not in ("mma", "producer"):
+            raise ValueError(f"sender must be 'mma' or 'producer', got {self.sender!r}")
 
     def check(self, q_stages: int, step_values: int) -> None:
         """ValueError unless this staging runs with ``q_stages`` Q stages and steps of
@@ -79,9 +89,21 @@ class DqStaging:
             )
         if step_values % (self.parts * 512):
             raise ValueError(f"parts ({self.parts}) must split the dQ tile in 512-value pieces")
+        if self.sender == "producer" and (self.parts % self.buffers or self.uses_per_step % 2):
+            raise ValueError(
+                f"the producer sender needs parts ({self.parts}) an even multiple of buffers "
+                f"({self.buffers})"
+            )
+
+    @property
+    def uses_per_step(self) -> int:
+        return max(self.parts // self.buffers, 1)
 
     def buffer_values(self, step_values: int) -> int:
-        return step_values // self.parts * self.buffers
+        """float32 values of shared memory the buffers take (and, with the producer sender,
+        their handover: an mbarrier each way and an address slot per buffer, 8 bytes each)."""
+        handover = 3 * self.buffers * 2 if self.sender == "producer" else 0
+        return step_values // self.parts * self.buffers + handover
 
 
 def storage_with_dq_buffers(upstream_struct: Any, buffer_values: int) -> Any:
@@ -154,15 +176,22 @@ def _kernel_class(ctas_per_sm: int, staging: DqStaging, send_dq: bool) -> type:
             launcher = base.kernel(self, *args, **kwargs)
             return BoundLauncher(launcher, ctas_per_sm) if ctas_per_sm > 1 else launcher
 
-        def dQaccum_store(self, *args: Any, **kwargs: Any) -> None:
-            """No producer-side dQ store: the MMA warpgroup sends dQ itself."""
+        def dQaccum_store(self, mdQaccum: Any, sdQaccum: Any, *args: Any, **kwargs: Any) -> None:
+            """Upstream's warp 1: with the producer sender, it sends the parts (`_producer`)."""
+            if staging.sender == "producer":
+                _producer()(self, sdQaccum)
 
         def mma(self, *args: Any, **kwargs: Any) -> Any:
             bound = _mma_signature().bind(self, *args, **kwargs).arguments
             names = ("mdQaccum", "sdQaccum", "r2s_tiled_copy_dQaccum", "tidx")
+            if staging.sender == "producer":
+                _handover_init()(self, bound["sdQaccum"], bound["tidx"])
             with pushed("dq_parts", tuple(bound[n] for n in names)):
                 result = base.mma(self, *args, **kwargs)
-            _reductions_read()(bound["tidx"])
+            if staging.sender == "producer":
+                _handover_end()(self, bound["sdQaccum"], bound["tidx"])
+            else:
+                _reductions_read()(bound["tidx"])
             return result
 
         mma_one_m_block = _one_query_block(send_dq)
@@ -190,6 +219,110 @@ def _check_supported(kernel: Any) -> None:
         raise ValueError(f"the dQ-parts backward does not support {', '.join(used)}")
 
 
+def _handover_words(kernel: Any, sdQaccum: Any) -> Any:
+    """The producer sender's shared state after the dQ buffers, as an Int64 pointer ``w``:
+    ``w + b`` is mbarrier ``free[b]`` (one arrival: the producer, once a part's reduce-add has
+    read buffer ``b``), ``w + buffers + b`` is ``written[b]`` (128 arrivals: the MMA threads,
+    once their values are in) and ``w + 2 buffers + b`` buffer ``b``'s address slot (MMA
+    thread 0 writes where the part goes; 0 ends the producer's loop). A pointer rather than an
+    object: values the DSL carries through run-time branches must be its own."""
+    import cutlass
+    from cutlass import cute
+
+    staging = kernel.dq_staging
+    part_values = kernel.tile_m * kernel.tile_hdim // staging.parts
+    return cute.recast_ptr(sdQaccum.iterator + part_values * staging.buffers, dtype=cutlass.Int64)
+
+
+def _handover_barrier() -> Any:
+    """MMA warpgroup + producer warp (160 threads) on upstream's dQEmptyWG0 barrier, which
+    nothing else uses once upstream's dQ staging is gone."""
+    from cutlass import pipeline
+    from flash_attn.cute.named_barrier import NamedBarrierBwd
+
+    return pipeline.NamedBarrier(barrier_id=int(NamedBarrierBwd.dQEmptyWG0), num_threads=160)
+
+
+@functools.cache
+def _handover_init() -> Any:
+    """MMA thread 0 initializes the handover's mbarriers; the producer warp waits for that at
+    the barrier it meets first (`_producer`)."""
+    import cutlass
+    from cutlass import cute
+
+    @cute.jit
+    def init(kernel: Any, sdQaccum: Any, tidx: Any) -> None:
+        words = _handover_words(kernel, sdQaccum)
+        buffers = kernel.dq_staging.buffers
+        if tidx == 0:
+            for b in cutlass.range_constexpr(buffers):
+                cute.arch.mbarrier_init(words + b, 1)
+                cute.arch.mbarrier_init(words + buffers + b, 128)
+            cute.arch.mbarrier_init_fence()
+        _handover_barrier().arrive_and_wait()
+
+    return init
+
+
+@functools.cache
+def _handover_end() -> Any:
+    """After the last step: one more handover, of address 0, which ends the producer's loop.
+    A step hands each buffer over an even number of times, so the handover after the last one
+    is buffer 0's, with the phases of its first use."""
+    import cutlass
+    from cutlass import cute
+
+    @cute.jit
+    def end(kernel: Any, sdQaccum: Any, tidx: Any) -> None:
+        words = _handover_words(kernel, sdQaccum)
+        buffers = kernel.dq_staging.buffers
+        cute.arch.mbarrier_wait(words, 1)  # free[0]
+        if tidx == 0:
+            cute.make_tensor(words + 2 * buffers, cute.make_layout(1))[0] = cutlass.Int64(0)
+        cute.arch.mbarrier_arrive(words + buffers)  # written[0]
+
+    return end
+
+
+@functools.cache
+def _producer() -> Any:
+    """Warp 1's loop: for each part in turn, wait until the MMA threads have written it, send
+    it (one bulk reduce-add from lane 0), and once the reduce-add of ``buffers - 1`` parts
+    earlier has read its buffer, hand that buffer back. Ends at address 0."""
+    import cutlass
+    from cutlass import cute
+    from quack import copy_utils
+
+    @cute.jit
+    def producer(kernel: Any, sdQaccum: Any) -> None:
+        words = _handover_words(kernel, sdQaccum)
+        buffers = kernel.dq_staging.buffers
+        part_values = kernel.tile_m * kernel.tile_hdim // kernel.dq_staging.parts
+        _handover_barrier().arrive_and_wait()  # the mbarriers are initialized
+        if cute.arch.lane_idx() == 0:
+            part = cutlass.Int32(0)
+            running = cutlass.Boolean(True)
+            while running:
+                b = part % buffers
+                cute.arch.mbarrier_wait(words + buffers + b, (part // buffers) % 2)
+                address = cute.make_tensor(words + 2 * buffers + b, cute.make_layout(1))[0]
+                running = address != 0
+                if running:
+                    target = cute.make_ptr(
+                        cutlass.Float32, address, cute.AddressSpace.gmem, assumed_align=16
+                    )
+                    source = sdQaccum.iterator + b * part_values
+                    copy_utils.cpasync_reduce_bulk_add_f32(source, target, part_values * 4)
+                    cute.arch.cp_async_bulk_commit_group()
+                    cute.arch.cp_async_bulk_wait_group(buffers - 1, read=True)
+                    if part >= buffers - 1:
+                        cute.arch.mbarrier_arrive(words + (part - (buffers - 1)) % buffers)
+                    part += 1
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    return producer
+
+
 @functools.cache
 def _reductions_read() -> Any:
     """``wait(tidx)``: the issuing thread waits until its bulk reduce-adds have read their
@@ -214,9 +347,11 @@ def _one_query_block(send_dq: bool = True) -> Any:
 
     @cute.jit
     def send_dq_in_parts(self, acc_dQ, m_block, q_idx, mask_fn, barrier) -> None:
-        """dQ into L2 in ``staging.parts`` bulk reduce-adds (`DqStaging`): for each part, MMA
-        thread 0 waits until the reduce-add that last used the part's buffer has read it, every
-        thread writes its values of the part, and thread 0 sends them."""
+        """dQ into L2 in ``staging.parts`` bulk reduce-adds (`DqStaging`). Sent by MMA thread
+        0: for each part it waits until the reduce-add that last used the part's buffer has
+        read it, every thread writes its values, and it sends them. Sent by the producer warp
+        (`_producer`): every thread waits for the buffer's ``free`` mbarrier, writes, and
+        arrives on ``written``; thread 0 first leaves the part's address in the slot."""
         staging = self.dq_staging
         part_values = self.tile_m * self.tile_hdim // staging.parts
         chunk, sdQ, r2s_copy, tidx = _dq_target(self, m_block, mask_fn)
@@ -232,17 +367,30 @@ def _one_query_block(send_dq: bool = True) -> Any:
             values = cute.make_tensor(
                 acc_dQ.iterator + h * cute.size(tdQs), cute.make_layout(tdQs.shape)
             )
-            if tidx == 0:
-                cute.arch.cp_async_bulk_wait_group(staging.buffers - 1, read=True)
-            barrier.arrive_and_wait()  # the buffer is free
-            cute.autovec_copy(values, tdQs)
-            cute.arch.fence_view_async_shared()
-            barrier.arrive_and_wait()  # every value written and visible to the bulk copy
-            if tidx == 0:
-                copy_utils.cpasync_reduce_bulk_add_f32(
-                    sdQ_part.iterator, chunk + h * part_values, part_values * 4
-                )
-                cute.arch.cp_async_bulk_commit_group()
+            if cutlass.const_expr(staging.sender == "producer"):
+                words = _handover_words(self, sdQ)
+                use = h // staging.buffers  # parity of the buffer's use (uses a step are even)
+                cute.arch.mbarrier_wait(words + buffer, (use % 2) ^ 1)  # free[buffer]
+                cute.autovec_copy(values, tdQs)
+                cute.arch.fence_view_async_shared()
+                if tidx == 0:
+                    slot = cute.make_tensor(
+                        words + 2 * staging.buffers + buffer, cute.make_layout(1)
+                    )
+                    slot[0] = (chunk + h * part_values).toint()
+                cute.arch.mbarrier_arrive(words + staging.buffers + buffer)  # written[buffer]
+            else:
+                if tidx == 0:
+                    cute.arch.cp_async_bulk_wait_group(staging.buffers - 1, read=True)
+                barrier.arrive_and_wait()  # the buffer is free
+                cute.autovec_copy(values, tdQs)
+                cute.arch.fence_view_async_shared()
+                barrier.arrive_and_wait()  # every value written and visible to the bulk copy
+                if tidx == 0:
+                    copy_utils.cpasync_reduce_bulk_add_f32(
+                        sdQ_part.iterator, chunk + h * part_values, part_values * 4
+                    )
+                    cute.arch.cp_async_bulk_commit_group()
 
     @cute.jit
     def keep_dq(acc_dQ, sdQ_any) -> None:
