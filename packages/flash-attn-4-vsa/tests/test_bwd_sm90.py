@@ -44,8 +44,9 @@ def test_configs_per_block_size():
     cfg = bwd_sm90.config_for((64, 64))
     assert cfg is bwd_sm90.KV64_CONFIG
     assert (cfg.m_block_size, cfg.n_block_size, cfg.num_wg) == (64, 64, 1)
-    # two CTAs per SM (113 KB each): dQ sent in quarters, one dO and P/dS stage, two of Q
-    assert (cfg.ctas_per_sm, cfg.dq_parts, cfg.dq_buffers) == (2, 4, 2)
+    # two CTAs per SM (113 KB each): dQ sent in halves by the producer warp, one dO and P/dS
+    # stage, two of Q
+    assert (cfg.ctas_per_sm, cfg.dq_parts, cfg.dq_buffers, cfg.dq_sender) == (2, 2, 1, "producer")
     assert (cfg.num_stages_Q, cfg.num_stages_dO, cfg.num_stages_PdS) == (2, 1, 1)
     assert not cfg.SdP_swapAB  # measured: the swapped single-warpgroup layout is 0.49 vs 0.71
     cfg = bwd_sm90.config_for((128, 64))
@@ -130,7 +131,8 @@ def test_each_config_runs_its_own_kernel_class():
     from flash_attn_vsa.bwd_sm90_dq_parts import DqStaging, kernel_class
 
     assert bwd_sm90.KV64_STAGED_CONFIG.kernel_class() is bwd_sm90.kernel_class()
-    assert bwd_sm90.KV64_CONFIG.kernel_class() is kernel_class(2, DqStaging(parts=4, buffers=2))
+    shipped = kernel_class(2, DqStaging(parts=2, buffers=1, sender="producer"))
+    assert bwd_sm90.KV64_CONFIG.kernel_class() is shipped
     double = kernel_class(1, DqStaging(parts=1, buffers=2))
     halves = kernel_class(2, DqStaging(parts=2, buffers=1))
     assert bwd_sm90.EXPERIMENTAL_CONFIGS["kv64-dq-1part-2buffers"].kernel_class() is double

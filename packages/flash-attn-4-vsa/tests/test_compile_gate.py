@@ -28,7 +28,8 @@ def test_configs_cover_what_the_adapter_uses():
             assert all(o in cg.FORK_FORWARD_OPTIONS for o in options), c.direction
     assert {c.direction.split("+")[0] for c in cg.CONFIGS} >= set(cg.FORK_FORWARDS)
     assert any(c.kernel == "FlashAttentionBackwardSm90KV64" for c in cg.CONFIGS)  # 128x64
-    assert any(c.kernel == "FlashAttentionBackwardSm90Dq4Parts2BuffersTwoCtas" for c in cg.CONFIGS)
+    shipped_kv64 = "FlashAttentionBackwardSm90Dq2Parts1BuffersProducerTwoCtas"
+    assert any(c.kernel == shipped_kv64 for c in cg.CONFIGS)
     assert any(c.kernel == "FlashAttentionForwardSm90TwoCtas" for c in cg.CONFIGS)
     assert cg.HEAD_DIM == 128 and cg.DTYPE == "bfloat16"
 

@@ -151,15 +151,17 @@ _TWO_CTAS = replace(KV64_STAGED_CONFIG, num_stages_dO=1, num_stages_PdS=1, ctas_
 """64x64 tiles for two CTAs per SM: one stage of dO and of P/dS (Q keeps two), 96 KB before dQ's
 buffers (a CTA may have 113 KB)."""
 
-KV64_CONFIG = replace(_TWO_CTAS, dq_parts=4, dq_buffers=2)
-"""The shipped 64x64 backward (delta 8, `bwd_sm90_dq_parts`): two CTAs per SM, each with one
-MMA warpgroup that sends its dQ to L2 itself in quarters through two 8 KB buffers (113 KB of
-shared memory a CTA). On an H200 (experiment 13c) 0.69-0.70 of dense at S=32768 against the
-staged kernel's 0.66, 0.72 against 0.71 at S=131072 (lists rotated by the CTAs running at once:
-`ctas_per_sm`)."""
+KV64_CONFIG = replace(_TWO_CTAS, dq_parts=2, dq_buffers=1, dq_sender="producer")
+"""The shipped 64x64 backward (delta 8, `bwd_sm90_dq_parts`): two CTAs per SM (113 KB of shared
+memory each), each with one MMA warpgroup whose dQ goes to L2 in halves through a 16 KB buffer,
+sent by upstream's otherwise idle producer warp (mbarrier handover). On an H200 (experiment
+13d, S = 32k / 128k, lists rotated by the CTAs running at once: `ctas_per_sm`) 0.70 / 0.72 of
+dense against 0.65-0.66 / 0.68-0.69 for the staged kernel of session 8 (`KV64_STAGED_CONFIG`);
+the same kernel with dQ never sent runs 1.03 / 1.04: sending dQ is what is left."""
 
 EXPERIMENTAL_CONFIGS = {
     "kv64-staged": KV64_STAGED_CONFIG,
+    "kv64-dq-4parts-2buffers-two-ctas": replace(_TWO_CTAS, dq_parts=4, dq_buffers=2),
     "kv64-dq-1part-2buffers": replace(KV64_STAGED_CONFIG, dq_parts=1, dq_buffers=2),
     "kv64-dq-2parts-two-ctas": replace(_TWO_CTAS, dq_parts=2),
     "kv64-dq-8parts-4buffers-two-ctas": replace(_TWO_CTAS, dq_parts=8, dq_buffers=4),
@@ -168,9 +170,6 @@ EXPERIMENTAL_CONFIGS = {
     ),
     "kv64-dq-8parts-4buffers-producer-two-ctas": replace(
         _TWO_CTAS, dq_parts=8, dq_buffers=4, dq_sender="producer"
-    ),
-    "kv64-dq-2parts-1buffer-producer-two-ctas": replace(
-        _TWO_CTAS, dq_parts=2, dq_buffers=1, dq_sender="producer"
     ),
 }
 """Configurations under measurement or kept for comparison (session 9), by name

@@ -197,6 +197,7 @@ def _kernel_class(ctas_per_sm: int, staging: DqStaging, send_dq: bool) -> type:
         mma_one_m_block = _one_query_block(send_dq)
 
     name = f"FlashAttentionBackwardSm90Dq{staging.parts}Parts{staging.buffers}Buffers"
+    name += "Producer" if staging.sender == "producer" else ""
     name += ("TwoCtas" if ctas_per_sm == 2 else "") + ("" if send_dq else "NoDq")
     cls = FlashAttentionBackwardSm90DqParts
     cls.__name__ = cls.__qualname__ = name

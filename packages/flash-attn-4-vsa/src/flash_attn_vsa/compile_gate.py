@@ -172,9 +172,9 @@ CONFIGS: tuple[GateConfig, ...] = (
         "bwd-sparse-q64-kv64",
         "bwd-kv64",
         (64, 64),
-        "FlashAttentionBackwardSm90Dq4Parts2BuffersTwoCtas",
-        "the fork's block-sparse backward with 64x64 blocks, two CTAs per SM sending dQ in "
-        "quarters (flash_attn_vsa.bwd_sm90, bwd_sm90_dq_parts)",
+        "FlashAttentionBackwardSm90Dq2Parts1BuffersProducerTwoCtas",
+        "the fork's block-sparse backward with 64x64 blocks, two CTAs per SM, dQ sent in halves "
+        "by the producer warp (flash_attn_vsa.bwd_sm90, bwd_sm90_dq_parts)",
     ),
     GateConfig(
         "bwd-sparse-q128-kv64",

@@ -81,7 +81,7 @@ CONFIGS: tuple[GateConfig, ...] = (
     ),
     GateConfig(
         "bwd-64x64", "bwd", (64, 64), "native", (64, 64),
-        "FlashAttentionBackwardSm90Dq4Parts2BuffersTwoCtas",
+        "FlashAttentionBackwardSm90Dq2Parts1BuffersProducerTwoCtas",
     ),
     GateConfig(
         "bwd-64x64-paired", "bwd", (64, 64), "paired", (128, 64),
@@ -94,7 +94,7 @@ CONFIGS: tuple[GateConfig, ...] = (
     ),
     GateConfig(
         "bwd-64x64-full", "bwd", (64, 64), "native", (64, 64),
-        "FlashAttentionBackwardSm90Dq4Parts2BuffersTwoCtas", masked=False,
+        "FlashAttentionBackwardSm90Dq2Parts1BuffersProducerTwoCtas", masked=False,
     ),
 )  # fmt: skip
 """One configuration per distinct kernel (FA4 caches compiled kernels in the process, so a
