@@ -79,7 +79,8 @@ SYMBOLS: tuple[Symbol, ...] = (
         "_flash_attn_bwd",
         "backward entry point the adapter calls (dense and block-sparse); compile gate; "
         "bwd_sm90 runs it with _tile_size_bwd_sm90 and FlashAttentionBackwardSm90 swapped "
-        "(it must look both up as module globals)",
+        "(it must look both up as module globals) and its compile_cache (in, get, set) scoped "
+        "to our kernel class",
         source=True,
     ),
     Symbol(
@@ -238,8 +239,35 @@ SYMBOLS: tuple[Symbol, ...] = (
         "flash_attn.cute.flash_bwd_sm90",
         "FlashAttentionBackwardSm90",
         "the Hopper backward kernel class bwd_sm90 subclasses (its register split is set in "
-        "__call__ before _setup_attributes, which the subclass overrides)",
-        methods=("__init__", "__call__", "_setup_attributes"),
+        "__call__ before _setup_attributes, which the subclass overrides); bwd_sm90_dq_parts "
+        "replaces mma_one_m_block (called by keyword names, the block-sparse loop's mask_fn a "
+        "partial with batch_idx and head_idx) and dQaccum_store (run by warp 1), wraps mma (by "
+        "its parameter names: mdQaccum, sdQaccum, r2s_tiled_copy_dQaccum, tidx) and rebuilds "
+        "_get_shared_storage_cls's struct with its own dQ buffers",
+        methods=(
+            "__init__",
+            "__call__",
+            "_setup_attributes",
+            "_get_shared_storage_cls",
+            "kernel",
+            "mma",
+            "mma_one_m_block",
+            "dQaccum_store",
+        ),
+        source=True,
+    ),
+    Symbol(
+        "flash_attn.cute.named_barrier",
+        "NamedBarrierBwd",
+        "bwd_sm90_dq_parts meets the producer warp on dQEmptyWG0 (unused once upstream's dQ "
+        "staging is gone) and uses PdS as the MMA warpgroup's own barrier",
+        source=True,
+    ),
+    Symbol(
+        "flash_attn.cute.block_sparse_utils",
+        "consume_block_sparse_mma_bwd_sm90",
+        "the sm_90 backward consumer loop: passes mask_fn partials carrying batch_idx and "
+        "head_idx, from which bwd_sm90_dq_parts finds a step's dQ accumulator",
         source=True,
     ),
     Symbol(
