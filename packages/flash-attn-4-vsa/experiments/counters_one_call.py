@@ -43,6 +43,8 @@ TARGETS = (
     "fa4_paired",
     "dense_bwd",
     "fa4_bwd64",
+    "fa4_bwd64_staged",
+    "fa4_bwd64_no_dq",
     "fa4_bwd64_reduce0",
     "fa4_bwd128x64",
     "triton_bwd",
@@ -74,6 +76,7 @@ def build(seq: int, heads: int, keep: float):
     from paired_kv_fwd import paired_tensors
     from q64_fwd_q_in_registers import stream_tensors
 
+    from flash_attn_vsa import bwd_sm90
     from flash_attn_vsa.fwd_sm90 import block_sparse_forward_q64
     from flash_attn_vsa.fwd_sm90_paired import block_sparse_forward_paired
     from flash_attn_vsa.fwd_sm90_streams import block_sparse_forward_streams
@@ -104,7 +107,10 @@ def build(seq: int, heads: int, keep: float):
     paired = paired_tensors(lay128)
     streams = stream_tensors(lay)
     sms = rotation_width(q.device)
-    bwd64 = backward_lists(idx, cnt, valid, BLOCK, masked=False, rotate_sms=sms)
+    # rotated by the CTAs running at once, as the backward op does (two per SM since session 9)
+    two = bwd_sm90.KV64_CONFIG.ctas_per_sm
+    bwd64 = backward_lists(idx, cnt, valid, BLOCK, masked=False, rotate_sms=sms * two)
+    bwd64_one = backward_lists(idx, cnt, valid, BLOCK, masked=False, rotate_sms=sms)
     bwd128 = backward_lists(idx128, cnt128, valid, BLOCK, masked=False, rotate_sms=sms)
     grads = [torch.empty_like(t) for t in (q, k, v)]
 
@@ -117,8 +123,15 @@ def build(seq: int, heads: int, keep: float):
         )
 
     def bwd64_reduce0():  # experiment 9's arm without the dQ reduce-adds (dQ comes out wrong)
-        with reduce_scope("reduce_0"):
-            fa4_bwd(bwd64, out, lse, (64, 64))
+        with reduce_scope("reduce_0"), bwd_sm90.configs_scope({(64, 64): staged}):
+            fa4_bwd(bwd64_one, out, lse, (64, 64))
+
+    def bwd64_with(config, lists):  # another 64x64 configuration (experiment 13)
+        with bwd_sm90.configs_scope({(64, 64): config}):
+            fa4_bwd(lists, out, lse, (64, 64))
+
+    staged = bwd_sm90.KV64_STAGED_CONFIG
+    no_dq = bwd_sm90.ABLATIONS["kv64-two-ctas-no-dq"]
 
     return {
         "dense_fwd": lambda: _flash_attn_fwd(q, k, v, softmax_scale=scale),
@@ -133,6 +146,8 @@ def build(seq: int, heads: int, keep: float):
         ),
         "dense_bwd": lambda: _flash_attn_bwd(q, k, v, d_out, dout, d_lse, softmax_scale=scale),
         "fa4_bwd64": lambda: fa4_bwd(bwd64, out, lse, (64, 64)),
+        "fa4_bwd64_staged": lambda: bwd64_with(staged, bwd64_one),
+        "fa4_bwd64_no_dq": lambda: bwd64_with(no_dq, bwd64),
         "fa4_bwd64_reduce0": bwd64_reduce0,
         "fa4_bwd128x64": lambda: fa4_bwd(bwd128, out128, lse128, (128, 64)),
         "triton_bwd": lambda: tri.block_sparse_bwd(
