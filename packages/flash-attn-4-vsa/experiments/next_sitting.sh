@@ -23,7 +23,7 @@ bwd-counters)
   # (predicted ~95% busy) or the L2's reduction throughput? Nsight Compute on dense, the shipped
   # kernel, the staged one of session 8 and the shipped one with dQ never sent.
   bash benchmarks/gpu_sitting.sh \
-    "step counters 300 ncu --clock-control none --profile-from-start off --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section WarpStateStats --csv --page details python3 $X/counters_one_call.py --targets dense_bwd fa4_bwd64 fa4_bwd64_staged fa4_bwd64_no_dq > \$OUT/ncu-bwd.csv" \
+    "step counters 300 ncu --clock-control none --profile-from-start off --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section WarpStateStats --csv --page details python3 $X/counters_one_call.py --targets dense_bwd fa4_bwd64 fa4_bwd64_staged fa4_bwd64_no_dq" \
     "step l2 200 bash $X/l2_breakdown.sh \$OUT dense_bwd fa4_bwd64 fa4_bwd64_no_dq"
   ;;
 *)
