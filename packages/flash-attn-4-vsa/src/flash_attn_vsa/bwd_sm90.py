@@ -37,7 +37,8 @@ module globals by ``_flash_attn_bwd`` when it builds a kernel), ``BwdConfig``'s 
 ``FlashAttentionBackwardSm90._setup_attributes`` running after its register split is chosen.
 Upstream's compile cache keys the configuration (tile shape, stages, layouts, thread count) but
 not the kernel class, so inside `kv64_scope` kernels go to and come from a cache of the scope's
-class (`_ScopedCompileCache`, over ``_flash_attn_bwd.compile_cache``: ``in``, item get and set).
+class (`sm90_blocks.ScopedCompileCache` over ``_flash_attn_bwd.compile_cache``: ``in``, item get
+and set).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from flash_attn_vsa.sm90_blocks import BWD_BLOCK_SIZES, HEAD_DIMS, check_call
+from flash_attn_vsa.sm90_blocks import BWD_BLOCK_SIZES, HEAD_DIMS, ScopedCompileCache, check_call
 
 __all__ = [
     "ABLATIONS",
@@ -236,37 +237,10 @@ _lock = threading.RLock()
 _active = threading.local()
 
 
-class _ScopedCompileCache:
-    """Upstream's backward compile cache, except inside `kv64_scope` on the calling thread,
-    where compiled kernels go to and come from a dictionary of the scope's kernel class
-    (upstream's key has the tile configuration but not the class, and two of our classes run
-    the same configuration)."""
-
-    def __init__(self, upstream: Any) -> None:
-        self.upstream = upstream
-        self.own: dict[type, dict[Any, Any]] = {}
-
-    def _current(self) -> Any:
-        cls = getattr(_active, "kernel_class", None)
-        return self.upstream if cls is None else self.own.setdefault(cls, {})
-
-    def __contains__(self, key: Any) -> bool:
-        return key in self._current()
-
-    def __getitem__(self, key: Any) -> Any:
-        return self._current()[key]
-
-    def __setitem__(self, key: Any, value: Any) -> None:
-        self._current()[key] = value
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.upstream, name)
-
-
 @functools.cache
 def _install() -> None:
     """Route upstream's sm_90 backward configuration through `_config_for` and its compile
-    cache through `_ScopedCompileCache`, once per process.
+    cache through a `ScopedCompileCache` keyed by the scope's kernel class, once per process.
 
     Both answer for our kernel only inside `kv64_scope` on the calling thread and defer to
     upstream everywhere else, so other callers of upstream (other threads included) are
@@ -284,7 +258,7 @@ def _install() -> None:
     _config_for.__wrapped__ = upstream_config  # type: ignore[attr-defined]
     interface._tile_size_bwd_sm90 = _config_for
     bwd = interface._flash_attn_bwd
-    bwd.compile_cache = _ScopedCompileCache(bwd.compile_cache)
+    bwd.compile_cache = ScopedCompileCache(bwd.compile_cache, lambda: _scope_state()[1])
 
 
 @contextmanager

@@ -37,7 +37,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from flash_attn_vsa.sm90_blocks import BLOCK_SIZE, HEAD_DIMS, BoundLauncher, check_call
+from flash_attn_vsa.sm90_blocks import (
+    BLOCK_SIZE,
+    HEAD_DIMS,
+    BoundLauncher,
+    ScopedCompileCache,
+    check_call,
+)
 
 __all__ = [
     "BLOCK_SIZE",
@@ -188,32 +194,6 @@ def current_kernel_class() -> type:
     return FlashAttentionForwardSm90 if scope is None else scope.kernel_class()
 
 
-class _ScopedCompileCache:
-    """Upstream's forward compile cache, except inside one of our scopes on the calling thread,
-    where compiled kernels go to and come from a dictionary of that scope (upstream's key does
-    not include the kernel class, so the variants must not share entries)."""
-
-    def __init__(self, upstream: Any) -> None:
-        self.upstream = upstream
-        self.own: dict[ForwardKernel, dict[Any, Any]] = {}
-
-    def _current(self) -> Any:
-        scope = current_scope()
-        return self.upstream if scope is None else self.own.setdefault(scope, {})
-
-    def __contains__(self, key: Any) -> bool:
-        return key in self._current()
-
-    def __getitem__(self, key: Any) -> Any:
-        return self._current()[key]
-
-    def __setitem__(self, key: Any, value: Any) -> None:
-        self._current()[key] = value
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.upstream, name)
-
-
 @functools.cache
 def _install() -> None:
     """Once per process: upstream's forward builds the kernel class of the innermost
@@ -230,7 +210,7 @@ def _install() -> None:
 
     interface.FlashAttentionForwardSm90 = ScopedKernelClass
     fwd = interface._flash_attn_fwd
-    fwd.compile_cache = _ScopedCompileCache(fwd.compile_cache)
+    fwd.compile_cache = ScopedCompileCache(fwd.compile_cache, current_scope)
 
 
 @contextmanager

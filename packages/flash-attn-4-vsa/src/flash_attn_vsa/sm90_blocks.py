@@ -1,9 +1,12 @@
 """What the fork's sm_90 deltas (`bwd_sm90`, `fwd_sm90`) run: 64-token key blocks (64x64 sparse
 blocks forward; 64x64 and 128x64 backward) at head dims 64 and 128, as many key heads as query
-heads, and the argument checks that say so."""
+heads, and the argument checks that say so; and what the deltas share to run there: the launch
+bound of two CTAs per SM (`BoundLauncher`) and upstream's compile caches scoped to our kernel
+classes (`ScopedCompileCache`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
 from typing import Any
 
 BLOCK_SIZE = (64, 64)
@@ -59,3 +62,33 @@ def check_call(
             raise ValueError(
                 f"{name}'s sequence length must be a multiple of {block}, got {t.shape[1]}"
             )
+
+
+class ScopedCompileCache:
+    """An upstream compile cache (``_flash_attn_fwd.compile_cache`` or the backward's) seen
+    through a scope: where ``scope()`` names one of our kernels (a hashable key, ``None``
+    elsewhere), compiled kernels go to and come from a dictionary of that key; everywhere else
+    to and from upstream's cache. Upstream's compile key has the tile configuration but not the
+    kernel class, and our kernels run upstream's configurations, so they must not share
+    entries."""
+
+    def __init__(self, upstream: Any, scope: Callable[[], Hashable | None]) -> None:
+        self.upstream = upstream
+        self.scope = scope
+        self.own: dict[Hashable, dict[Any, Any]] = {}
+
+    def _current(self) -> Any:
+        key = self.scope()
+        return self.upstream if key is None else self.own.setdefault(key, {})
+
+    def __contains__(self, key: Any) -> bool:
+        return key in self._current()
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._current()[key]
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self._current()[key] = value
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.upstream, name)
