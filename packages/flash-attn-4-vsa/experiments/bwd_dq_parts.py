@@ -46,7 +46,9 @@ by the CTAs running at once): dense FA4, the shipped 64x64 kernel and each confi
 ``bwd_sm90.EXPERIMENTAL_CONFIGS`` and ``bwd_sm90.ABLATIONS``. Gradients of every arm against
 the shipped kernel first (dQ to ~1e-5: the reductions' order differs; dK and dV bit-equal at
 one CTA per SM, ~1e-4 at two, whose lists are rotated differently), then interleaved timing,
-two rounds. ::
+two rounds. ``--q-blocks 64 128`` also runs 128-row query blocks: the shipped 128x64 kernel
+against the same lists split into 64-row blocks on the shipped 64x64 kernel (``split-64x64``:
+0.71 against 0.69 in bench_vsa, session 9, so vsa-fa4 might route 128x64 backwards there). ::
 
     python3 packages/flash-attn-4-vsa/experiments/bwd_dq_parts.py --out DIR   # H200
 """
@@ -97,47 +99,61 @@ def run_block(emit, seq: int, heads: int, keep: float, reps: int, sms: int, q_bl
     configs = {"shipped": bwd_sm90.config_for(block)}
     named = {**bwd_sm90.EXPERIMENTAL_CONFIGS, **bwd_sm90.ABLATIONS}
     configs.update((name, c) for name, c in named.items() if c.m_block_size == q_block)
-    # Lists rotated by the number of CTAs running at once (SMs x CTAs per SM; the op rotates
-    # by the SM count, right for the shipped kernel).
-    lists = {
-        n: backward_lists(idx, cnt, valid, KV, masked=False, rotate_sms=sms * n)
-        for n in {c.ctas_per_sm for c in configs.values()}
-    }
-    grads = {arm: [torch.full_like(t, float("nan")) for t in (q, k, v)] for arm in configs}
+    # arm -> (physical block, configuration, lists). Lists rotated by the CTAs running at once
+    # (SMs x CTAs per SM), as the backward op does.
+    arms = {
+        name: (block, c, backward_lists(idx, cnt, valid, KV, masked=False,
+                                        rotate_sms=sms * c.ctas_per_sm))
+        for name, c in configs.items()
+    }  # fmt: skip
+    if q_block == 128:  # each 128-row block as two 64-row ones on the shipped 64x64 kernel
+        c = bwd_sm90.KV64_CONFIG
+        # each 64-row block keeps its 128-row parent's list (backward_lists' q_split does
+        # this too, but not with rotated lists)
+        idx64, cnt64 = idx.repeat_interleave(2, dim=2), cnt.repeat_interleave(2, dim=2)
+        split = backward_lists(idx64, cnt64, valid, KV, masked=False,
+                               rotate_sms=sms * c.ctas_per_sm)  # fmt: skip
+        arms["split-64x64"] = ((64, KV), c, split)
+    grads = {arm: [torch.full_like(t, float("nan")) for t in (q, k, v)] for arm in arms}
 
     def backward(arm):
-        with bwd_sm90.configs_scope({block: configs[arm]}):
-            launch.run_backward(dout, q, k, v, out, lse, *grads[arm],
-                                lists[configs[arm].ctas_per_sm], valid, scale, block,
-                                False)  # fmt: skip
+        physical, config, lists = arms[arm]
+        with bwd_sm90.configs_scope({physical: config}):
+            launch.run_backward(dout, q, k, v, out, lse, *grads[arm], lists, valid, scale,
+                                physical, False)  # fmt: skip
 
-    for arm in configs:
+    for arm in arms:
         backward(arm)
     torch.cuda.synchronize()
-    for arm in configs:
+    for arm in arms:
         errs = [rel_l2(a, b) for a, b in zip(grads[arm], grads["shipped"], strict=True)]
         finite = all(bool(torch.isfinite(g).all()) for g in grads[arm])
         emit({"case": "vs_shipped", "seq": seq, "block": list(block), "arm": arm,
               "dq_dk_dv_rel_l2": errs, "finite": finite,
-              "ablation": configs[arm].ablate_dq})  # fmt: skip
+              "ablation": arms[arm][1].ablate_dq})  # fmt: skip
     d_out, d_lse = _flash_attn_fwd(q, k, v, softmax_scale=scale, return_lse=True)[:2]
     timed = {"dense": (lambda _: _flash_attn_bwd(q, k, v, d_out, dout, d_lse,
                                                  softmax_scale=scale), None)}  # fmt: skip
-    timed.update({arm: (lambda _, a=arm: backward(a), None) for arm in configs})
+    timed.update({arm: (lambda _, a=arm: backward(a), None) for arm in arms})
     pairs = float(lay.selected_token_pairs().sum()) / heads
     emit_interleaved_times(emit, timed, rounds=2, reps=reps, pairs=pairs,
                            shape=(seq, heads, dim), factor=2.5, seq=seq, block=list(block),
                            sms=sms)  # fmt: skip
 
 
-def run_length(emit, seq: int, heads: int, keep: float, reps: int, sms: int) -> None:
-    run_block(emit, seq, heads, keep, reps, sms, 64)
-
-
 def main() -> int:
     from bwd_list_rotation import length_args, run_lengths
 
-    return run_lengths("bwd_dq_parts", run_length, length_args())
+    def q_blocks(ap):
+        ap.add_argument("--q-blocks", type=int, nargs="+", default=[64], choices=[64, 128])
+
+    args = length_args(extra=q_blocks)
+
+    def run_length(emit, seq, heads, keep, reps, sms):
+        for q_block in args.q_blocks:
+            run_block(emit, seq, heads, keep, reps, sms, q_block)
+
+    return run_lengths("bwd_dq_parts", run_length, args)
 
 
 if __name__ == "__main__":

@@ -98,14 +98,16 @@ def run_length(emit, seq: int, heads: int, keep: float, reps: int, sms: int) -> 
                            shape=(seq, heads, dim), factor=2.5, seq=seq, sms=sms)  # fmt: skip
 
 
-def length_args(sass: bool = False) -> argparse.Namespace:
-    """Command line of the sequence-length sweeps (this experiment, 7 and 9; ``sass``: with
-    `kv64_bwd_configs.add_sass_args`)."""
+def length_args(sass: bool = False, extra=None) -> argparse.Namespace:
+    """Command line of the sequence-length sweeps (this experiment, 7, 9 and 13; ``sass``: with
+    `kv64_bwd_configs.add_sass_args`; ``extra(parser)`` adds an experiment's own)."""
     from kv64_bwd_configs import add_sass_args
 
     ap = argparse.ArgumentParser()
     if sass:
         add_sass_args(ap)
+    if extra is not None:
+        extra(ap)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--seqs", type=int, nargs="+", default=[32768, 131072])
     ap.add_argument("--heads", type=int, default=12)
