@@ -2,7 +2,8 @@
 # The next H200 sitting (prepared in session 8), after `bash .gpu/a/unpack.sh` (move
 # benchmarks/results aside for that call: with it the tree exceeds the 64 MiB a call carries):
 #   bash packages/flash-attn-4-vsa/experiments/next_sitting.sh grid       # ~8 min
-#   bash packages/flash-attn-4-vsa/experiments/next_sitting.sh bwd-counters   # ~6 min (session 9)
+#   bash packages/flash-attn-4-vsa/experiments/next_sitting.sh bwd-counters   # ~8 min (session 9)
+#   bash packages/flash-attn-4-vsa/experiments/next_sitting.sh bwd-split      # ~2 min (session 9)
 # The whole kernel grid again with --pacing dense (the default since session 8), so that every
 # ratio quoted in the READMEs (128x128 and 256x256 included, still from session 4's unpaced
 # grid) comes from kernels timed at the same clock as dense; then the paired forward with and
@@ -21,15 +22,19 @@ bwd-counters)
   # Session 9 shipped the 64x64 backward on two CTAs per SM; experiment 13's ablation says
   # sending dQ is what is left (1.03 of dense without it, 0.70 with). Is it the SM->L2 port
   # (predicted ~95% busy) or the L2's reduction throughput? Nsight Compute on dense, the shipped
-  # kernel, the staged one of session 8 and the shipped one with dQ never sent; then the
-  # 128x64 backward against the same lists split into 64-row blocks on the two-CTA kernel.
+  # kernel, the staged one of session 8 and the shipped one with dQ never sent.
   bash benchmarks/gpu_sitting.sh \
     "step counters 300 ncu --clock-control none --profile-from-start off --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section WarpStateStats --csv --page details python3 $X/counters_one_call.py --targets dense_bwd fa4_bwd64 fa4_bwd64_staged fa4_bwd64_no_dq" \
-    "step l2 200 bash $X/l2_breakdown.sh \$OUT dense_bwd fa4_bwd64 fa4_bwd64_no_dq" \
-    "step split128 120 python3 $X/bwd_dq_parts.py --out \$OUT --seqs 32768 131072 --q-blocks 128"
+    "step l2 200 bash $X/l2_breakdown.sh \$OUT dense_bwd fa4_bwd64 fa4_bwd64_no_dq"
+  ;;
+bwd-split)
+  # The 128x64 backward against the same lists split into 64-row blocks on the two-CTA kernel
+  # (bench_vsa, session 9: 64x64 0.71 / 0.69 against 128x64 0.69 / 0.68).
+  bash benchmarks/gpu_sitting.sh \
+    "step split128 150 python3 $X/bwd_dq_parts.py --out \$OUT --seqs 32768 131072 --q-blocks 128"
   ;;
 *)
-  echo "usage: $0 grid | bwd-counters" >&2
+  echo "usage: $0 grid | bwd-counters | bwd-split" >&2
   exit 2
   ;;
 esac
