@@ -27,7 +27,8 @@ import torch
 
 def rotation_width(device: torch.device, working_set_bytes: int | None = None) -> int:
     """Programs running at once for the kernels that rotate: the SM count of an sm_90 device
-    (one program per SM there), else 0 (no rotation: other GPUs are unmeasured). With
+    (one program per SM; a caller whose kernel runs several CTAs per SM multiplies, as the fa4
+    backward does), else 0 (no rotation: other GPUs are unmeasured). With
     ``working_set_bytes`` (what one head's lists index, e.g. its K and V), also 0 while that
     fits the device's L2: there rotation measured no gain."""
     if device.type != "cuda" or not torch.cuda.is_available():
