@@ -1,39 +1,43 @@
-"""The KV64 backward with dQ sent to L2 by the MMA warpgroup itself, in parts through buffers
-of its own: the fork's eighth delta (experimental, not routed; session 9).
+"""The KV64 backward with dQ sent to L2 in parts through small buffers of its own, so that two
+CTAs share an SM: the fork's eighth delta (session 9; `vsa-fa4` runs it for 64x64 blocks).
 
-Why (NOTES.md, session 8): the KV64 backward keeps one MMA warpgroup per 64-key tile, its
-tensor pipe active 52-55% of the time. Upstream's sm_90 backward stages each (key tile, query
-tile) step's dQ in 32 KB of shared memory (64x128 float32), hands it to a producer warp over
-two named barriers, and the producer sends it to L2 as one bulk reduce-add; before writing the
-next step's dQ the MMA warpgroup waits until that reduce-add has read the buffer. With those
-32 KB and two stages of Q and dO a CTA needs 160 KB, so an SM holds one.
+Why (NOTES.md, session 8): the KV64 backward kept one MMA warpgroup per 64-key tile, its tensor
+pipe active 52-55% of the time. Upstream's sm_90 backward stages each (key tile, query tile)
+step's dQ in 32 KB of shared memory (64x128 float32), hands it to a producer warp over two named
+barriers, and the producer sends it to L2 as one bulk reduce-add; before writing the next step's
+dQ the MMA warpgroup waits until that reduce-add has read the buffer. With those 32 KB and two
+stages of Q and dO a CTA needs 160 KB, so an SM holds one.
 
-Here the MMA warpgroup sends dQ itself: every thread writes one part of its dQ values to a
-buffer (in upstream's staging order, thread ``t``'s values ``4k..4k+3`` at ``512 k + 4 t`` of
-the block's chunk, so upstream's postprocess reads the same accumulator), MMA thread 0 issues
-the part's bulk reduce-add, and before a buffer is written again thread 0 waits until the
-reduce-add that last used it has read it (``cp.async.bulk.wait_group.read``; with ``buffers``
-buffers, all but the ``buffers - 1`` newest). `DqStaging` says how: ``parts`` per step and
-``buffers`` of ``1 / parts`` of the step's dQ each. Upstream's layout is one part, one buffer,
-through the producer warp.
+Here each MMA thread writes one part of its dQ values at a time to a buffer (in upstream's
+staging order, thread ``t``'s values ``4k..4k+3`` at ``512 k + 4 t`` of the block's chunk, so
+upstream's postprocess reads the same accumulator) and the part goes to L2 as a bulk reduce-add.
+`DqStaging` says how: ``parts`` per step, ``buffers`` of ``1 / parts`` of the step's dQ each,
+taken in turn, and who sends: MMA thread 0 (waiting, before a buffer is written again, until
+the reduce-add that last used it has read it; the warpgroup meets at a named barrier twice a
+part), or upstream's producer warp 1, idle once upstream's staging is gone (an mbarrier handover:
+the MMA threads write, arrive, and wait only for a buffer not yet read; lane 0 of warp 1 issues
+each reduce-add, waits for its read and hands the buffer back).
 
-What session 9 measured (experiment 13, NOTES.md): per-thread float32 reductions instead of
-any staging (gone from the code) are 23% slower; one buffer in two parts lets two CTAs share an
-SM (113 KB each) but waits on every part (0.45 of dense at one CTA per SM, 0.60 at two, against
-the shipped 0.66); the same kernels with dQ never sent run 0.82 (one CTA) and 1.16 (two CTAs,
-the dQ MMA then compiled away). So the dQ path, not the MMAs, holds this backward.
+What session 9 measured (experiment 13, NOTES.md; S=32768, ratios to dense): two CTAs per SM
+(113 KB each) with halves through one 16 KB buffer sent by the producer warp, 0.70 (shipped:
+`bwd_sm90.KV64_CONFIG`), quarters sent by MMA thread 0 0.69-0.70, against 0.66 for upstream's
+staging at one CTA; forms with more parts lose to their synchronization, and waiting for a
+reduce-add's read inside the MMA warpgroup's path loses most (0.45). The same two-CTA kernel
+with dQ computed and never sent (``send_dq=False``) runs 1.03: sending dQ, not the MMAs, is
+what holds this backward now.
 
 `kernel_class(ctas_per_sm, staging, send_dq)` is the kernel class (a subclass of
-`bwd_sm90.kernel_class`); the step of one query block (``mma_one_m_block``) is ours
-(upstream's, minus what our configurations never use: swapped S, P from registers, score
-mods), everything else upstream's.
+`bwd_sm90.kernel_class`); the step of one query block (``mma_one_m_block``) and warp 1's
+``dQaccum_store`` are ours (the step upstream's, minus what our configurations never use:
+swapped S, P from registers, score mods), everything else upstream's.
 
 Upstream internals this relies on (fingerprinted): ``FlashAttentionBackwardSm90``'s ``mma``
 (parameter names: ``mdQaccum``, ``sdQaccum``, ``tidx``, ``r2s_tiled_copy_dQaccum``), its call
 of ``mma_one_m_block`` (keyword names) with the block-sparse loop's ``mask_fn`` a
 ``functools.partial`` carrying ``batch_idx`` and ``head_idx``, ``dQaccum_store`` (run by warp
-1 only), ``_get_shared_storage_cls`` (a ``cute.struct`` with the field ``sdQaccum``) and
-``NamedBarrierBwd.PdS`` (the MMA warpgroup's own barrier).
+1 only, ``sdQaccum`` its second argument), ``_get_shared_storage_cls`` (a ``cute.struct`` with
+the field ``sdQaccum``) and ``NamedBarrierBwd`` (``PdS``, the MMA warpgroup's own barrier;
+``dQEmptyWG0``, free once upstream's staging is gone).
 """
 
 from __future__ import annotations
