@@ -80,8 +80,7 @@ def topk_lists(seq: int, heads: int, keep: float, q_block: int):
 def run_block(emit, seq: int, heads: int, keep: float, reps: int, sms: int, q_block: int):
     """Check, then time, the shipped kernel and each experimental configuration of one block
     size (``q_block`` x 64) against dense."""
-    from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd
-    from kv64_bwd_configs import emit_interleaved_times, rel_l2
+    from kv64_bwd_configs import rel_l2, time_backwards_against_dense
 
     from flash_attn_vsa import bwd_sm90
     from vsa_fa4 import launch
@@ -131,14 +130,9 @@ def run_block(emit, seq: int, heads: int, keep: float, reps: int, sms: int, q_bl
         emit({"case": "vs_shipped", "seq": seq, "block": list(block), "arm": arm,
               "dq_dk_dv_rel_l2": errs, "finite": finite,
               "ablation": arms[arm][1].ablate_dq})  # fmt: skip
-    d_out, d_lse = _flash_attn_fwd(q, k, v, softmax_scale=scale, return_lse=True)[:2]
-    timed = {"dense": (lambda _: _flash_attn_bwd(q, k, v, d_out, dout, d_lse,
-                                                 softmax_scale=scale), None)}  # fmt: skip
-    timed.update({arm: (lambda _, a=arm: backward(a), None) for arm in arms})
-    pairs = float(lay.selected_token_pairs().sum()) / heads
-    emit_interleaved_times(emit, timed, rounds=2, reps=reps, pairs=pairs,
-                           shape=(seq, heads, dim), factor=2.5, seq=seq, block=list(block),
-                           sms=sms)  # fmt: skip
+    calls = {arm: (lambda a=arm: backward(a)) for arm in arms}
+    time_backwards_against_dense(emit, q, k, v, dout, scale, calls, lay, reps,
+                                 block=list(block), sms=sms)  # fmt: skip
 
 
 def main() -> int:

@@ -83,12 +83,20 @@ def reduce_scope(arm: str) -> Iterator[None]:
         itf._flash_attn_bwd.compile_cache = saved_cache
 
 
+def staged_kernel():
+    """The kernel this experiment is about: session 8's 64x64 backward, dQ staged for upstream's
+    producer warp (`bwd_sm90.KV64_STAGED_CONFIG`; session 9 ships another, which sends dQ
+    without the reduce this experiment cuts). Its arms are named "shipped" as in session 8."""
+    from flash_attn_vsa import bwd_sm90
+
+    return bwd_sm90.configs_scope({(BLOCK, BLOCK): bwd_sm90.KV64_STAGED_CONFIG})
+
+
 def run_length(emit, seq: int, heads: int, keep: float, reps: int, sms: int) -> None:
     """Correctness of the control and of dK/dV, then interleaved timing, at one length."""
     import torch
     from bwd_list_rotation import length_case
-    from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd
-    from kv64_bwd_configs import emit_interleaved_times, rel_l2
+    from kv64_bwd_configs import rel_l2, time_backwards_against_dense
 
     from vsa_fa4 import launch
     from vsa_fa4.metadata import backward_lists
@@ -104,9 +112,8 @@ def run_length(emit, seq: int, heads: int, keep: float, reps: int, sms: int) -> 
 
     def backward(arm):
         call = (dout, q, k, v, out, lse, *grads[arm], lists, valid, scale, (BLOCK, BLOCK), False)
-        if arm == "shipped":
-            return launch.run_backward(*call)
-        with reduce_scope(arm):
+        scope = reduce_scope(arm) if arm != "shipped" else contextlib.nullcontext()
+        with staged_kernel(), scope:
             return launch.run_backward(*call)
 
     for arm in arms:
@@ -115,13 +122,8 @@ def run_length(emit, seq: int, heads: int, keep: float, reps: int, sms: int) -> 
     for arm in FRACTIONS:
         errs = [rel_l2(a, b) for a, b in zip(grads[arm], grads["shipped"], strict=True)]
         emit({"case": "vs_shipped", "seq": seq, "arm": arm, "dq_dk_dv_rel_l2": errs})
-    d_out, d_lse = _flash_attn_fwd(q, k, v, softmax_scale=scale, return_lse=True)[:2]
-    timed = {"dense": (lambda _: _flash_attn_bwd(q, k, v, d_out, dout, d_lse,
-                                                 softmax_scale=scale), None)}  # fmt: skip
-    timed.update({arm: (lambda _, a=arm: backward(a), None) for arm in arms})
-    pairs = float(lay.selected_token_pairs().sum()) / heads
-    emit_interleaved_times(emit, timed, rounds=2, reps=reps, pairs=pairs,
-                           shape=(seq, heads, dim), factor=2.5, seq=seq, sms=sms)  # fmt: skip
+    calls = {arm: (lambda a=arm: backward(a)) for arm in arms}
+    time_backwards_against_dense(emit, q, k, v, dout, scale, calls, lay, reps, sms=sms)
 
 
 def compile_for_sass(dump_dir: str, arm: str | None = None) -> int:
@@ -143,7 +145,7 @@ def compile_for_sass(dump_dir: str, arm: str | None = None) -> int:
         lse = torch.empty(gate.BATCH, gate.HEADS, gate.SEQLEN, device="cuda")
         call = (q, k, v, out, dout, lse, sparse)
         scope = reduce_scope(arm) if arm != "shipped" else contextlib.nullcontext()
-        with scope:
+        with staged_kernel(), scope:
             block_sparse_backward_kv64(*call, softmax_scale=gate.HEAD_DIM**-0.5)
     return 0
 

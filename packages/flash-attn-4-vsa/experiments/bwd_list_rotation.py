@@ -59,6 +59,7 @@ def run_length(emit, seq: int, heads: int, keep: float, reps: int, sms: int) -> 
     """Correctness, then interleaved timing of the three arms at one sequence length."""
     from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd
 
+    from flash_attn_vsa.bwd_sm90 import config_for
     from vsa_fa4 import launch
     from vsa_fa4.metadata import backward_lists
     from vsa_fa4.ops import forward_impl
@@ -67,9 +68,11 @@ def run_length(emit, seq: int, heads: int, keep: float, reps: int, sms: int) -> 
     q, k, v, dout, lay = length_case(seq, heads, keep, dim)
     idx, cnt, valid = lay.kv_indices, lay.kv_counts, lay.kv_valid_sizes
     out, lse = forward_impl(q, k, v, idx, cnt, valid, scale, BLOCK, BLOCK, False)
+    # rotated by the CTAs running at once (two per SM for the 64x64 kernel since session 9)
+    running = sms * config_for((BLOCK, BLOCK)).ctas_per_sm
     lists = {
         "ascending": backward_lists(idx, cnt, valid, BLOCK, masked=False),
-        "rotated": backward_lists(idx, cnt, valid, BLOCK, masked=False, rotate_sms=sms),
+        "rotated": backward_lists(idx, cnt, valid, BLOCK, masked=False, rotate_sms=running),
     }
     grads = {name: [torch.empty_like(t) for t in (q, k, v)] for name in lists}
 

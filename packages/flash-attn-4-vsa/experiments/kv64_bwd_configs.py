@@ -212,6 +212,22 @@ def emit_interleaved_times(emit, arms, *, rounds, reps, pairs, shape, factor=1.0
                   "of_dense": dense_ms / ms * work / (seq * seq)})  # fmt: skip
 
 
+def time_backwards_against_dense(emit, q, k, v, dout, scale, calls, layout, reps, **labels):
+    """Interleaved timing (two rounds) of the backward ``calls`` (arm -> zero-argument callable)
+    against dense FA4's backward on the same tensors (experiments 9 and 13). ``layout`` is the
+    `vsa_core.BlockSparseLayout` the sparse arms run, for their sparse-aware FLOPs."""
+    from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd
+
+    _, seq, heads, dim = q.shape
+    d_out, d_lse = _flash_attn_fwd(q, k, v, softmax_scale=scale, return_lse=True)[:2]
+    timed = {"dense": (lambda _: _flash_attn_bwd(q, k, v, d_out, dout, d_lse,
+                                                 softmax_scale=scale), None)}  # fmt: skip
+    timed.update({arm: (lambda _, c=call: c(), None) for arm, call in calls.items()})
+    pairs = float(layout.selected_token_pairs().sum()) / heads
+    emit_interleaved_times(emit, timed, rounds=2, reps=reps, pairs=pairs,
+                           shape=(seq, heads, dim), factor=2.5, seq=seq, **labels)  # fmt: skip
+
+
 def one_length_args() -> argparse.Namespace:
     """Command line of the experiments timed at one sequence length (3, 5 and 8)."""
     ap = argparse.ArgumentParser()
