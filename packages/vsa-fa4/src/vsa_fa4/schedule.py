@@ -21,7 +21,8 @@ The same module holds the rules of what upstream FA4 (the pinned release) and th
 per architecture, with the reason for each refusal (`plan_refusal`). Native 64x64 forwards run
 on the fork's two-CTA-per-SM launch (`flash_attn_vsa.fwd_sm90`). Backward passes with
 64-token key blocks on sm_90 run on the fork's kernels (`flash_attn_vsa.bwd_sm90`: 64x64 sparse
-blocks with one MMA warpgroup, 128x64 ones with two).
+blocks with one MMA warpgroup, two CTAs per SM, dQ sent through a 16 KB buffer by the producer
+warp (`bwd_sm90_dq_parts`); 128x64 ones with two MMA warpgroups, one CTA per SM).
 """
 
 from __future__ import annotations
