@@ -16,9 +16,9 @@ is fast there:
   for two or three MMA warpgroups, giving a lone one 160 registers and spilling (592 B of
   stack); our subclass gives it 240 (no spills).
 
-Since session 9 the 64x64 backward runs that tile **two CTAs per SM** with the MMA warpgroup
-sending dQ itself in quarters (`KV64_CONFIG`, delta 8 in `bwd_sm90_dq_parts`): upstream's 32 KB
-dQ staging does not fit two CTAs.
+Since session 9 the 64x64 backward runs that tile **two CTAs per SM**, dQ leaving in halves
+through a 16 KB buffer sent by the producer warp (`KV64_CONFIG`, delta 8 in
+`bwd_sm90_dq_parts`): upstream's 32 KB dQ staging does not fit two CTAs.
 
 128-token query blocks over 64-token key blocks run 128x64 tiles with two MMA warpgroups, each
 owning 64 query rows (`Q128_KV64_CONFIG`): 0.67-0.68 of dense against 0.64-0.65 for the same
@@ -88,8 +88,8 @@ class TileConfig:
     AtomLayoutMdQ: int = 1
     num_wg: int = 1
     dq_parts: int = 0
-    """Ours, not upstream's: 0 stages dQ as upstream does (32 KB, sent by a producer warp);
-    n > 0 has the MMA warpgroup send it itself in n parts (`bwd_sm90_dq_parts`)."""
+    """Ours, not upstream's: 0 stages dQ as upstream does (32 KB, handed to a producer warp);
+    n > 0 sends it in n parts through buffers of the kernel's own (`bwd_sm90_dq_parts`)."""
     dq_buffers: int = 1
     """Ours: with ``dq_parts``, the buffers of one part each that the parts take in turn."""
     dq_sender: str = "mma"
@@ -158,7 +158,7 @@ memory each), each with one MMA warpgroup whose dQ goes to L2 in halves through 
 sent by upstream's otherwise idle producer warp (mbarrier handover). On an H200 (experiment
 13d, S = 32k / 128k, lists rotated by the CTAs running at once: `ctas_per_sm`) 0.70 / 0.72 of
 dense against 0.65-0.66 / 0.68-0.69 for the staged kernel of session 8 (`KV64_STAGED_CONFIG`);
-the same kernel with dQ never sent runs 1.03 / 1.04: sending dQ is what is left."""
+the same kernel with dQ never sent runs 1.02-1.05: sending dQ is what is left."""
 
 EXPERIMENTAL_CONFIGS = {
     "kv64-staged": KV64_STAGED_CONFIG,

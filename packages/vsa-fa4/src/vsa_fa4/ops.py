@@ -115,7 +115,7 @@ def backward_impl(
     float32 dQ accumulator FA4 allocates per call stays within `DQ_ACCUM_BUDGET_BYTES`. The
     lists are rotated by `vsa_core.rotation.rotation_width` times the CTAs an SM runs at once
     (the KV64 backward's dQ reduce-adds stay within L2 at long sequences: 0.42 -> 0.71 of dense
-    at S=131072 on an H200; the two-CTA kernel measured 0.42 rotated by the SM count, 0.66 by
+    at S=131072 on an H200; a two-CTA kernel measured 0.42 rotated by the SM count, 0.66 by
     twice it)."""
     dq, dk, dv = _bshd(q, q.shape[-1]), _bshd(k, k.shape[-1]), _bshd(v, v.shape[-1])
     valid = kv_valid_sizes.contiguous()
