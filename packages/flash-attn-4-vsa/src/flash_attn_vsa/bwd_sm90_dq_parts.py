@@ -363,6 +363,8 @@ def _one_query_block(send_dq: bool = True) -> Any:
         # One part of upstream's staging layout, made here: layouts made by the host-side
         # call may not be used inside the kernel.
         part_layout = cute.make_layout((part_values, 1))
+        if cutlass.const_expr(staging.sender == "producer"):
+            words = _handover_words(self, sdQ)
         for h in cutlass.range_constexpr(staging.parts):
             buffer = h % staging.buffers
             if cutlass.const_expr(staging.parts % staging.buffers):
@@ -373,7 +375,6 @@ def _one_query_block(send_dq: bool = True) -> Any:
                 acc_dQ.iterator + h * cute.size(tdQs), cute.make_layout(tdQs.shape)
             )
             if cutlass.const_expr(staging.sender == "producer"):
-                words = _handover_words(self, sdQ)
                 use = h // staging.buffers  # parity of the buffer's use (uses a step are even)
                 cute.arch.mbarrier_wait(words + buffer, (use % 2) ^ 1)  # free[buffer]
                 cute.autovec_copy(values, tdQs)

@@ -266,6 +266,22 @@ def _runs_two_streams(
     )
 
 
+def _runs_on_fork_kv64(block_size: tuple[int, int]) -> bool:
+    """Whether `run_backward` runs ``block_size`` on the fork's KV64 backward (64-token key
+    blocks) rather than upstream's."""
+    return block_size[1] == 64
+
+
+def backward_ctas_per_sm(block_size: tuple[int, int]) -> int:
+    """CTAs an SM runs at once of the backward kernel `run_backward` picks for ``block_size``:
+    the fork's KV64 configuration says (its 64x64 backward runs two), upstream's kernels one."""
+    if not _runs_on_fork_kv64(block_size):
+        return 1
+    from flash_attn_vsa.bwd_sm90 import config_for
+
+    return config_for(block_size).ctas_per_sm
+
+
 def run_backward(
     dout: torch.Tensor,
     q: torch.Tensor,
@@ -288,7 +304,7 @@ def run_backward(
     (`flash_attn_vsa.bwd_sm90`; upstream refuses them), everything else on upstream's
     ``_flash_attn_bwd``."""
     tensors_cls, _, bwd, mask_mod = _upstream()
-    if block_size[1] == 64:
+    if _runs_on_fork_kv64(block_size):
         from flash_attn_vsa.bwd_sm90 import block_sparse_backward_kv64 as bwd
     with _on_device(q.device):
         bwd(

@@ -120,7 +120,7 @@ def backward_impl(
     dq, dk, dv = _bshd(q, q.shape[-1]), _bshd(k, k.shape[-1]), _bshd(v, v.shape[-1])
     valid = kv_valid_sizes.contiguous()
     batch, q_len, heads, head_dim = q.shape
-    rotate = rotation_width(q.device) * _ctas_per_sm((q_tile, kv_tile))
+    rotate = rotation_width(q.device) * launch.backward_ctas_per_sm((q_tile, kv_tile))
     for h in head_chunks(batch, heads, q_len, head_dim):
         # BSHD tensors hold heads in dim 2, lse and the lists in dim 1
         lists = backward_lists(
@@ -131,16 +131,6 @@ def backward_impl(
             dq[:, :, h], dk[:, :, h], dv[:, :, h], lists, valid, scale, (q_tile, kv_tile), masked,
         )  # fmt: skip
     return dq, dk, dv
-
-
-def _ctas_per_sm(block_size: tuple[int, int]) -> int:
-    """CTAs an SM runs at once of the backward kernel for ``block_size``: the fork's KV64
-    configuration says (its 64x64 backward runs two), upstream's kernels one."""
-    if block_size[1] != 64:
-        return 1
-    from flash_attn_vsa.bwd_sm90 import config_for
-
-    return config_for(block_size).ctas_per_sm
 
 
 block_sparse_bwd = torch.library.custom_op("vsa_fa4::bwd", backward_impl, mutates_args=())
