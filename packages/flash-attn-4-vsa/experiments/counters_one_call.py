@@ -41,6 +41,7 @@ TARGETS = (
     "fa4_fwd64_exact256",
     "fa4_streams",
     "fa4_paired",
+    "fa4_paired_persistent",
     "dense_bwd",
     "fa4_bwd64",
     "fa4_bwd64_staged",
@@ -143,6 +144,9 @@ def build(seq: int, heads: int, keep: float):
         ),
         "fa4_paired": lambda: block_sparse_forward_paired(
             q, k, v, paired, valid, softmax_scale=scale
+        ),
+        "fa4_paired_persistent": lambda: block_sparse_forward_paired(
+            q, k, v, paired, valid, softmax_scale=scale, persistent=True
         ),
         "dense_bwd": lambda: _flash_attn_bwd(q, k, v, d_out, dout, d_lse, softmax_scale=scale),
         "fa4_bwd64": lambda: fa4_bwd(bwd64, out, lse, (64, 64)),

@@ -43,7 +43,7 @@ def kernel_list(fn) -> list[dict]:
         fn()
         torch.cuda.synchronize()
     return [
-        {"kernel": e.name[:160], "us": e.device_time_total}
+        {"kernel": e.key[:160], "us": e.device_time_total}
         for e in prof.key_averages()
         if e.device_time_total > 0
     ]
