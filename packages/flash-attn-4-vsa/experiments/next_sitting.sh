@@ -9,7 +9,8 @@
 # grid) comes from kernels timed at the same clock as dense; then the paired forward with and
 # without persistent tiles on native lists of odd and even counts (experiment 10's arms).
 # Session 7's sitting (kernels / backward / counters) ran in session 8; its logs are in
-# benchmarks/results/ (2026-11-30).
+# benchmarks/results/ (2026-11-30). All three steps below ran in session 10 (grid without its
+# persistent step, which experiment 15 replaced); results README rows of session 10.
 set -u
 X=packages/flash-attn-4-vsa/experiments
 case "${1:-}" in
