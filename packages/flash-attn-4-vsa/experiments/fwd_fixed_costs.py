@@ -15,6 +15,10 @@ gap to dense at 87.5% sparsity (0.914). This run asks what the intercept is:
    is the sm_90 forward's design (both kernels share upstream's consumer), and 0.98 of dense
    at 87.5% sparsity asks a 32-step tile to beat dense's own 32-step tile.
 
+4. (added after the first run) **The backward's own**: dense FA4's backward with S_q = 4096
+   and 8192 against S_k = 32768, each 128-key tile walking 64 / 128 query blocks of 64 rows,
+   as a sparse key tile walks its list (87.5% sparsity: 64).
+
 Predicted: per tile (time ~ linear in H with a small intercept), only the attention kernel
 on the device, dense at S_k = 4096 ~0.90-0.93 of dense at 32768. ::
 
@@ -68,6 +72,26 @@ def time_paired_heads(emit, seq: int, heads: int, dim: int, scale: float, reps: 
                            shape=(seq, heads, dim), heads=heads)  # fmt: skip
 
 
+def time_dense_backward_short_q(emit, q, k, v, scale: float, seq_qs, reps: int) -> None:
+    """Dense FA4 backward with the first ``seq_q`` queries against all keys, beside the full
+    backward, interleaved (the ratio counts 2.5x the forward's FLOPs of each)."""
+    from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd
+    from kv64_bwd_configs import emit_interleaved_times
+
+    seq, heads, dim = q.shape[1], q.shape[2], q.shape[3]
+
+    def backward(queries):
+        out, lse = _flash_attn_fwd(queries, k, v, softmax_scale=scale, return_lse=True)[:2]
+        dout = torch.randn_like(queries)
+        return lambda _: _flash_attn_bwd(queries, k, v, out, dout, lse, softmax_scale=scale)
+
+    for seq_q in seq_qs:
+        timed = {"dense": (backward(q), None),
+                 f"dense_bwd_q{seq_q}": (backward(q[:, :seq_q].contiguous()), None)}  # fmt: skip
+        emit_interleaved_times(emit, timed, rounds=2, reps=reps, pairs=float(seq_q * seq),
+                               shape=(seq, heads, dim), factor=2.5, seq_q=seq_q)  # fmt: skip
+
+
 def run(args) -> int:
     from flash_attn.cute.interface import _flash_attn_fwd
     from fwd_list_shapes import layout_of
@@ -90,14 +114,20 @@ def run(args) -> int:
         emit_interleaved_times(emit, timed, rounds=2, reps=args.reps, pairs=float(seq * seq_k),
                                shape=(seq, 12, dim), seq_k=seq_k)  # fmt: skip
 
+    # 4. dense FA4's backward with short query sequences (each 128-key tile walks S_q / 64
+    # query blocks, as a sparse key tile walks its list), interleaved with dense at S_q = S_k
+    if args.dense_bwd_seq_q:
+        time_dense_backward_short_q(emit, q, k, v, scale, args.dense_bwd_seq_q, args.reps)
+
     # 2. what one paired call runs on the device
-    layout = layout_of("random", seq, 12, 128, 64, seed=64)
-    prepared = prepare("paired", layout)
-    for arm, call in (
-        ("paired", lambda: forward("paired", q, k, v, prepared, scale)),
-        ("dense", lambda: _flash_attn_fwd(q, k, v, softmax_scale=scale)),
-    ):
-        emit({"case": "kernels", "arm": arm, "kernels": kernel_list(call)})
+    if args.kernel_list:
+        layout = layout_of("random", seq, 12, 128, 64, seed=64)
+        prepared = prepare("paired", layout)
+        for arm, call in (
+            ("paired", lambda: forward("paired", q, k, v, prepared, scale)),
+            ("dense", lambda: _flash_attn_fwd(q, k, v, softmax_scale=scale)),
+        ):
+            emit({"case": "kernels", "arm": arm, "kernels": kernel_list(call)})
 
     # 1. the paired forward at 64 keys per list against the number of heads
     for heads in args.heads:
@@ -110,8 +140,11 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--seq", type=int, default=32768)
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--heads", type=int, nargs="+", default=[6, 12, 24])
-    ap.add_argument("--dense-seq-k", type=int, nargs="+", default=[4096, 8192, 16384])
+    # each part runs for the values given (none: the part is skipped)
+    ap.add_argument("--heads", type=int, nargs="*", default=[6, 12, 24])
+    ap.add_argument("--dense-seq-k", type=int, nargs="*", default=[4096, 8192, 16384])
+    ap.add_argument("--dense-bwd-seq-q", type=int, nargs="*", default=[4096, 8192])
+    ap.add_argument("--no-kernel-list", dest="kernel_list", action="store_false")
     return run(ap.parse_args())
 
 
