@@ -27,8 +27,6 @@ on the device, dense at S_k = 4096 ~0.90-0.93 of dense at 32768. ::
 
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -136,10 +134,9 @@ def run(args) -> int:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--seq", type=int, default=32768)
-    ap.add_argument("--reps", type=int, default=10)
+    from kv64_bwd_configs import one_length_parser
+
+    ap = one_length_parser(reps=10, heads=False)
     # each part runs for the values given (none: the part is skipped)
     ap.add_argument("--heads", type=int, nargs="*", default=[6, 12, 24])
     ap.add_argument("--dense-seq-k", type=int, nargs="*", default=[4096, 8192, 16384])

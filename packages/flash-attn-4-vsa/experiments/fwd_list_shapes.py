@@ -28,8 +28,6 @@ move it toward the paired kernel's ratio, random ones at any length stay near 0.
 
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -111,11 +109,9 @@ def run(args) -> int:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--seq", type=int, default=32768)
-    ap.add_argument("--heads", type=int, default=12)
-    ap.add_argument("--reps", type=int, default=10)
+    from kv64_bwd_configs import one_length_parser
+
+    ap = one_length_parser(reps=10)
     ap.add_argument(
         "--keeps",
         type=int,

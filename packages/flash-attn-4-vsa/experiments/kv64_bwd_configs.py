@@ -228,14 +228,21 @@ def time_backwards_against_dense(emit, q, k, v, dout, scale, calls, layout, reps
                            shape=(seq, heads, dim), factor=2.5, seq=seq, **labels)  # fmt: skip
 
 
-def one_length_args() -> argparse.Namespace:
-    """Command line of the experiments timed at one sequence length (3, 5 and 8)."""
+def one_length_parser(reps: int = 20, heads: bool = True) -> argparse.ArgumentParser:
+    """The options every experiment timed at one sequence length takes: ``--out``, ``--seq``,
+    ``--heads`` (unless the experiment sweeps heads itself) and ``--reps``."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--seq", type=int, default=32768)
-    ap.add_argument("--heads", type=int, default=12)
-    ap.add_argument("--reps", type=int, default=20)
-    return ap.parse_args()
+    if heads:
+        ap.add_argument("--heads", type=int, default=12)
+    ap.add_argument("--reps", type=int, default=reps)
+    return ap
+
+
+def one_length_args() -> argparse.Namespace:
+    """Command line of the experiments timed at one sequence length (3, 5 and 8)."""
+    return one_length_parser().parse_args()
 
 
 def add_sass_args(ap: argparse.ArgumentParser) -> None:

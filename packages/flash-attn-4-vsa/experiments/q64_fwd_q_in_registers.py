@@ -50,8 +50,6 @@ instructions against 4,048.
 
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -169,11 +167,9 @@ def run(args) -> int:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--seq", type=int, default=32768)
-    ap.add_argument("--heads", type=int, default=12)
-    ap.add_argument("--reps", type=int, default=20)
+    from kv64_bwd_configs import one_length_parser
+
+    ap = one_length_parser()
     ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     args = ap.parse_args()
     return run(args)
