@@ -47,7 +47,7 @@ import functools
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from flash_attn_vsa.sm90_blocks import BWD_BLOCK_SIZES, HEAD_DIMS, ScopedCompileCache, check_call
@@ -103,10 +103,8 @@ class TileConfig:
     def upstream(self) -> Any:
         from flash_attn.cute.interface import BwdConfig
 
-        fields = asdict(self)
-        for ours in ("dq_parts", "dq_buffers", "dq_sender", "ctas_per_sm", "ablate_dq"):
-            del fields[ours]
-        return BwdConfig(**fields)
+        theirs = {f.name for f in fields(BwdConfig)}
+        return BwdConfig(**{k: v for k, v in asdict(self).items() if k in theirs})
 
     def kernel_class(self) -> type:
         """The kernel class this configuration runs."""
