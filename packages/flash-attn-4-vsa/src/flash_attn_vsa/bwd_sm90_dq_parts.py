@@ -224,6 +224,12 @@ def _check_supported(kernel: Any) -> None:
         raise ValueError(f"the dQ-parts backward does not support {', '.join(used)}")
 
 
+def _part_values(kernel: Any) -> int:
+    """float32 values in one part of a step's dQ (the step's tile_m x head-dim tile over the
+    kernel's ``dq_staging.parts``)."""
+    return kernel.tile_m * kernel.tile_hdim // kernel.dq_staging.parts
+
+
 def _handover_words(kernel: Any, sdQaccum: Any) -> Any:
     """The producer sender's shared state after the dQ buffers, as an Int64 pointer ``w``:
     ``w + b`` is mbarrier ``free[b]`` (one arrival: the producer, once a part's reduce-add has
@@ -235,7 +241,7 @@ def _handover_words(kernel: Any, sdQaccum: Any) -> Any:
     from cutlass import cute
 
     staging = kernel.dq_staging
-    part_values = kernel.tile_m * kernel.tile_hdim // staging.parts
+    part_values = _part_values(kernel)
     return cute.recast_ptr(sdQaccum.iterator + part_values * staging.buffers, dtype=cutlass.Int64)
 
 
@@ -302,7 +308,7 @@ def _producer() -> Any:
     def producer(kernel: Any, sdQaccum: Any) -> None:
         words = _handover_words(kernel, sdQaccum)
         buffers = kernel.dq_staging.buffers
-        part_values = kernel.tile_m * kernel.tile_hdim // kernel.dq_staging.parts
+        part_values = _part_values(kernel)
         _handover_barrier().arrive_and_wait()  # the mbarriers are initialized
         if cute.arch.lane_idx() == 0:
             part = cutlass.Int32(0)
@@ -358,7 +364,7 @@ def _one_query_block(send_dq: bool = True) -> Any:
         (`_producer`): every thread waits for the buffer's ``free`` mbarrier, writes, and
         arrives on ``written``; thread 0 first leaves the part's address in the slot."""
         staging = self.dq_staging
-        part_values = self.tile_m * self.tile_hdim // staging.parts
+        part_values = _part_values(self)
         chunk, sdQ, r2s_copy, tidx = _dq_target(self, m_block, mask_fn)
         # One part of upstream's staging layout, made here: layouts made by the host-side
         # call may not be used inside the kernel.
