@@ -213,6 +213,12 @@ def _rep_times(
     return time_interleaved({"fn": (fn, state)}, device, warmup=0, reps=reps)["fn"]
 
 
+def reps_within_budget(reps: int, budget_s: float, call_s: float, min_reps: int = 3) -> int:
+    """``reps`` capped at about ``budget_s`` of calls taking ``call_s`` each, never fewer than
+    ``min_reps``."""
+    return max(min_reps, min(reps, int(budget_s / max(call_s, 1e-9))))
+
+
 def time_fn(
     fn: Callable[[Any], Any],
     device: torch.device,
@@ -251,8 +257,8 @@ def time_fn(
         if budget_s is not None and spent > budget_s:
             break  # a slow arm (e.g. the reference) is warm after one call
     if budget_s is not None:
-        est = max(last if last is not None else one_call(), 1e-6)
-        reps = max(min_reps, min(reps, int(budget_s / est)))
+        est = last if last is not None else one_call()
+        reps = reps_within_budget(reps, budget_s, est, min_reps)
     reps = max(1, reps)
     times = _rep_times(fn, state, device, reps)
     return Timing(statistics.median(times), min(times), max(times), reps, warmed, times)
@@ -365,8 +371,8 @@ def time_paced(
     arms = {"run": (runner.run, runner.setup), "pace": (pacer.run, pacer.setup)}
     warmup = max(1, settings.warmup)
     one = time_interleaved(arms, device, warmup=warmup, reps=1)
-    pair_ms = max(one["run"][0] + one["pace"][0], 1e-6)
-    reps = max(3, min(settings.reps, int(settings.budget_s * 1000 / pair_ms)))
+    pair_s = (one["run"][0] + one["pace"][0]) / 1000
+    reps = reps_within_budget(settings.reps, settings.budget_s, pair_s)
     times = time_interleaved(arms, device, warmup=1, reps=reps)
     warmed = warmup + 2  # the estimate's round and one more to refill the queue
 
