@@ -119,3 +119,21 @@ def test_cuda_graph_replay_with_changing_inputs():
         assert torch.equal(graph_out, eager_out)
         for got, want in zip(graph_grads, eager_grads, strict=True):
             assert torch.equal(got, want)
+
+
+def test_coarse_ops_pass_torch_library_opcheck():
+    from vsa_core import VideoTiling
+    from vsa_triton.coarse import pool_qkv, select_topk
+
+    tiling = VideoTiling((5, 6, 7), (2, 2, 2))
+    valid = tiling.valid_sizes("cuda")
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    q, k, v = (
+        torch.randn(2, tiling.padded_len, 2, 32, device="cuda", generator=gen)
+        .to(torch.bfloat16)
+        .requires_grad_()
+        for _ in range(3)
+    )
+    torch.library.opcheck(pool_qkv, (q, k, v, valid))
+    qp, kp, _ = pool_qkv(q.detach(), k.detach(), v.detach(), valid)
+    torch.library.opcheck(select_topk, (qp, kp, valid, 5))

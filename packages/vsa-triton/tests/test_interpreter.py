@@ -19,9 +19,10 @@ ROOT = Path(__file__).resolve().parents[3]
 )
 def test_kernel_suite_under_the_triton_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    tests = Path(__file__).with_name("test_kernels_cpu.py")
+    here = Path(__file__).parent
+    tests = [str(here / name) for name in ("test_kernels_cpu.py", "test_coarse.py")]
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tests)],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
         cwd=ROOT,
         env=env,
         capture_output=True,

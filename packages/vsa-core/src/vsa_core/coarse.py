@@ -2,42 +2,139 @@
 
 All functions take BSHD tensors in tile order ([B, N * tile_tokens, H, D], see
 `vsa_core.tiling`). Padding slots may hold anything (after a linear layer they are no longer
-zero): pooling weighs only each tile's real tokens, and empty tiles (valid size 0) are masked out
-of the coarse attention and never win a top-k slot unless k exceeds the non-empty tiles.
+zero; in a buffer from ``torch.empty`` they may be NaN): pooling never reads them (it selects
+each tile's real tokens, it does not multiply padding by 0), and empty tiles (valid size 0) are
+masked out of the coarse attention and never win a top-k slot unless k exceeds the non-empty
+tiles.
+
+Implementations: the pooling and the top-k selection run on a `CoarseStage`. The torch path here
+(`TorchCoarse`, every device and dtype) is the reference and the CPU fallback; faster ones are
+plug-ins registered under the ``vsa.coarse`` entry-point group (vsa-triton registers
+``triton``: two launches on CUDA). `coarse_stage` picks one the way the fine backends are
+picked: a name, or ``"auto"`` for the highest-priority one that accepts the tensors.
 """
 
 from __future__ import annotations
 
+import functools
+from importlib.metadata import entry_points
+from typing import ClassVar
+
 import torch
 import torch.nn.functional as F
 
-from vsa_core.layout import BlockSparseLayout
+from vsa_core.layout import BlockSparseLayout, _full_on_host
 
-# Scores of the top-k selection are computed a group of heads at a time, within this budget.
+# Scores of the torch path's top-k selection are computed a group of heads at a time, within
+# this budget.
 SELECTION_CHUNK_BYTES = 16 * 2**20
+COARSE_ENTRY_POINT_GROUP = "vsa.coarse"
+
+
+class CoarseStage:
+    """An implementation of the coarse stage's two data-heavy steps (a ``vsa.coarse`` plug-in).
+
+    ``pool`` must be differentiable w.r.t. q, k and v and must not read padding slots;
+    ``select`` returns, per (batch, head, query tile), the ``topk`` key tiles of highest score
+    ``q_pooled . k_pooled`` with empty key tiles (valid size 0) ranked last, as an ascending
+    [B, H, N, topk] int32 tensor.
+    """
+
+    name: ClassVar[str] = ""
+    priority: ClassVar[int] = 0
+
+    def supports(self, x: torch.Tensor) -> str | None:
+        """None when this stage runs on tensors like ``x`` ([B, S, H, D]), else why not."""
+        raise NotImplementedError
+
+    def pool(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid_sizes: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def select(
+        self,
+        q_pooled: torch.Tensor,
+        k_pooled: torch.Tensor,
+        valid_sizes: torch.Tensor,
+        topk: int,
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class TorchCoarse(CoarseStage):
+    """The coarse stage in plain torch ops: any device, any float dtype."""
+
+    name: ClassVar[str] = "torch"
+    priority: ClassVar[int] = 0
+
+    def supports(self, x: torch.Tensor) -> str | None:
+        return None
+
+    def pool(self, q, k, v, valid_sizes):
+        return tuple(pool_tiles(t, valid_sizes) for t in (q, k, v))
+
+    def select(self, q_pooled, k_pooled, valid_sizes, topk):
+        return topk_indices(q_pooled, k_pooled, valid_sizes, topk)
+
+
+@functools.cache
+def _plugin_stages() -> dict[str, CoarseStage | str]:
+    """Installed ``vsa.coarse`` plug-ins by name (the reason as a string where one failed)."""
+    found: dict[str, CoarseStage | str] = {}
+    for ep in entry_points(group=COARSE_ENTRY_POINT_GROUP):
+        try:
+            stage = ep.load()()
+            if not isinstance(stage, CoarseStage):
+                raise TypeError(f"{ep.value} is not a vsa_core CoarseStage")
+            found[ep.name] = stage
+        except Exception as exc:  # a broken plug-in must not break the op
+            found[ep.name] = f"failed to load: {type(exc).__name__}: {exc}"
+    return found
+
+
+def coarse_stages() -> dict[str, CoarseStage | str]:
+    """Every coarse-stage implementation by name (a string: why it could not be loaded)."""
+    return {"torch": TorchCoarse(), **_plugin_stages()}
+
+
+def coarse_stage(name: str, x: torch.Tensor) -> CoarseStage:
+    """The implementation that runs the coarse stage on tensors like ``x``: ``name`` itself
+    (ValueError with its reason if it refuses), or for ``"auto"`` the highest-priority one
+    that accepts them."""
+    stages = coarse_stages()
+    if name != "auto":
+        if name not in stages:
+            known = ", ".join(sorted(["auto", *stages]))
+            raise ValueError(f"coarse_backend must be one of {known}; got {name!r}")
+        stage = stages[name]
+        reason = stage if isinstance(stage, str) else stage.supports(x)
+        if reason is not None:
+            raise ValueError(f"coarse_backend={name!r} cannot run this call: {reason}")
+        return stage  # type: ignore[return-value]
+    usable = [s for s in stages.values() if isinstance(s, CoarseStage)]
+    for stage in sorted(usable, key=lambda s: -s.priority):
+        if stage.supports(x) is None:
+            return stage
+    raise AssertionError("the torch coarse stage accepts every call")
 
 
 def pool_tiles(x: torch.Tensor, valid_sizes: torch.Tensor) -> torch.Tensor:
     """Mean over each tile's real tokens: [B, N*T, H, D] -> [B, N, H, D] (differentiable).
 
-    A tile with no real token pools to 0.
+    Accumulated in float32 (float64 for float64 input) and returned in x's dtype. Padding slots
+    are selected away, never multiplied by 0, so NaN or inf there cannot leak; their gradient
+    is 0. A tile with no real token pools to 0.
     """
-    batch, seq, heads, dim = x.shape
+    seq = x.shape[1]
     num_tiles = valid_sizes.shape[0]
     tile_tokens = seq // num_tiles
-    slots = torch.arange(tile_tokens, device=x.device)
     sizes = valid_sizes.to(device=x.device)
-    weights = (slots < sizes.unsqueeze(-1)).to(x.dtype) / sizes.clamp(min=1).unsqueeze(-1).to(
-        x.dtype
-    )
-    # One small matmul per tile, on a view of x in its own memory order (no masked copy).
-    if not x.is_contiguous() and x.transpose(1, 2).is_contiguous():  # a BHSD tensor
-        x_tiles = x.transpose(1, 2).view(batch, heads, num_tiles, tile_tokens, dim)
-        pooled = torch.matmul(weights.unsqueeze(1), x_tiles)  # [B, H, N, 1, D]
-        return pooled.squeeze(3).transpose(1, 2)
-    x_tiles = x.reshape(batch, num_tiles, tile_tokens, heads * dim)
-    pooled = torch.matmul(weights.unsqueeze(1), x_tiles)  # [B, N, 1, H*D]
-    return pooled.view(batch, num_tiles, heads, dim)
+    real = torch.arange(tile_tokens, device=x.device) < sizes.unsqueeze(-1)  # [N, T]
+    x_tiles = x.unflatten(1, (num_tiles, tile_tokens))  # a view in x's own memory order
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    summed = torch.where(real.view(1, num_tiles, tile_tokens, 1, 1), x_tiles, 0).sum(2, dtype=acc)
+    return (summed / sizes.clamp(min=1).to(acc).view(1, num_tiles, 1, 1)).to(x.dtype)
 
 
 def coarse_attention(
@@ -46,12 +143,18 @@ def coarse_attention(
     v_pooled: torch.Tensor,
     valid_sizes: torch.Tensor,
     scale: float,
+    *,
+    may_have_empty: bool = True,
 ) -> torch.Tensor:
     """Dense attention between pooled tiles, empty key tiles masked -> [B, N, H, D].
 
     Differentiable; its output is the coarse branch of VSA at tile resolution.
+    ``may_have_empty=False`` states that no tile is empty (true of every `VideoTiling`): the
+    mask is then left out, which lets SDPA take its fastest (flash) kernel.
     """
-    key_mask = (valid_sizes > 0).to(q_pooled.device).view(1, 1, 1, -1)
+    key_mask = None
+    if may_have_empty:
+        key_mask = (valid_sizes > 0).to(q_pooled.device).view(1, 1, 1, -1)
     out = F.scaled_dot_product_attention(
         q_pooled.transpose(1, 2),
         k_pooled.transpose(1, 2),
@@ -60,6 +163,31 @@ def coarse_attention(
         scale=scale,
     )
     return out.transpose(1, 2)
+
+
+@torch.no_grad()
+def topk_indices(
+    q_pooled: torch.Tensor, k_pooled: torch.Tensor, valid_sizes: torch.Tensor, topk: int
+) -> torch.Tensor:
+    """[B, H, N, topk] int32, ascending: per (batch, head, query tile) the ``topk`` key tiles of
+    highest coarse score, empty tiles last (the torch path of `CoarseStage.select`).
+
+    Scores are built a group of heads at a time, so their memory stays under
+    ``SELECTION_CHUNK_BYTES`` beyond the result."""
+    batch, num_tiles, heads, _ = q_pooled.shape
+    empty = (valid_sizes == 0).to(q_pooled.device)
+    per_head = batch * num_tiles * num_tiles * 4
+    group = max(1, min(heads, SELECTION_CHUNK_BYTES // max(per_head, 1)))
+    acc = torch.float64 if q_pooled.dtype == torch.float64 else torch.float32
+    picks = []
+    for start in range(0, heads, group):
+        stop = min(start + group, heads)
+        qh = q_pooled[:, :, start:stop].transpose(1, 2).to(acc)
+        kh = k_pooled[:, :, start:stop].transpose(1, 2).to(acc)
+        scores = torch.matmul(qh, kh.transpose(-1, -2))  # the scale does not change the order
+        scores.masked_fill_(empty, float("-inf"))
+        picks.append(torch.topk(scores, topk, dim=-1, sorted=False).indices)
+    return torch.sort(torch.cat(picks, dim=1).to(torch.int32), dim=-1).values
 
 
 @torch.no_grad()
@@ -72,26 +200,25 @@ def select_topk(
     *,
     all_full: bool = False,
 ) -> BlockSparseLayout:
-    """Top-k key tiles per (batch, head, query tile) by coarse score, as a layout.
+    """Top-k key tiles per (batch, head, query tile) by coarse score, as a layout (torch path).
 
-    The layout comes straight from the ``topk`` indices (no boolean map), with block shape
-    (tile_tokens, tile_tokens). Scores are built a group of heads at a time, so their memory
-    stays under ``SELECTION_CHUNK_BYTES`` beyond the [B, H, N, k] result. ``all_full=True``
-    states that no tile is partial (a tiling without padding), recorded in the layout's
-    ``kv_blocks_full`` so kernels can skip key masking.
+    Block shape (tile_tokens, tile_tokens). ``all_full=True`` states that no tile is partial (a
+    tiling without padding), recorded in the layout's ``kv_blocks_full`` so kernels can skip
+    key masking.
     """
-    batch, num_tiles, heads, _ = q_pooled.shape
-    empty = (valid_sizes == 0).to(q_pooled.device)
-    per_head = batch * num_tiles * num_tiles * 4
-    group = max(1, min(heads, SELECTION_CHUNK_BYTES // max(per_head, 1)))
-    picks = []
-    for start in range(0, heads, group):
-        stop = min(start + group, heads)
-        qh = q_pooled[:, :, start:stop].transpose(1, 2).float()
-        kh = k_pooled[:, :, start:stop].transpose(1, 2).float()
-        scores = torch.matmul(qh, kh.transpose(-1, -2))  # the scale does not change the order
-        scores.masked_fill_(empty, float("-inf"))
-        picks.append(torch.topk(scores, topk, dim=-1, sorted=False).indices)
-    indices = torch.cat(picks, dim=1)
-    block_shape = (tile_tokens, tile_tokens)
-    return BlockSparseLayout.from_topk(indices, valid_sizes, block_shape, all_full=all_full)
+    indices = topk_indices(q_pooled, k_pooled, valid_sizes, topk)
+    return layout_from_selection(indices, valid_sizes, tile_tokens, all_full=all_full)
+
+
+def layout_from_selection(
+    indices: torch.Tensor, valid_sizes: torch.Tensor, tile_tokens: int, *, all_full: bool
+) -> BlockSparseLayout:
+    """The layout of a `CoarseStage.select` result (ascending, every slot used): no sort, no
+    device sync."""
+    counts = torch.full(
+        indices.shape[:-1], indices.shape[-1], dtype=torch.int32, device=indices.device
+    )
+    full = all_full or _full_on_host(valid_sizes, tile_tokens)
+    return BlockSparseLayout(
+        indices, counts, valid_sizes.to(torch.int32), (tile_tokens, tile_tokens), 1, full
+    )

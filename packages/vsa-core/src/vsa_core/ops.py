@@ -17,7 +17,7 @@ from typing import Literal
 import torch
 
 from vsa_core.backends import AttentionCall, select_backend
-from vsa_core.coarse import coarse_attention, pool_tiles, select_topk
+from vsa_core.coarse import coarse_attention, coarse_stage, layout_from_selection
 from vsa_core.layout import BlockSparseLayout
 from vsa_core.tiling import VideoTiling
 from vsa_core.validation import check_coarse_gate, check_int_tensor, check_qkv, check_range
@@ -72,6 +72,7 @@ def video_sparse_attn(
     qkv_format: QKVFormat = "bshd",
     token_order: TokenOrder = "tiled",
     validate: bool = True,
+    coarse_backend: str = "auto",
 ) -> torch.Tensor:
     """Video Sparse Attention: ``out = fine + coarse * coarse_gate``.
 
@@ -97,6 +98,11 @@ def video_sparse_attn(
             sequence is in T-H-W raster order and is tiled here and untiled on the way out,
             which costs copies of q, k, v and out (needs ``tiling``).
         validate: run data checks on user-supplied ``kv_valid_sizes``.
+        coarse_backend: what runs the pooling and top-k selection (`vsa_core.coarse`):
+            ``"auto"`` (the fastest installed implementation that accepts the tensors: Triton
+            kernels on CUDA with vsa-triton, else torch ops), ``"torch"`` or a plug-in's name.
+            The selections agree except between key tiles whose scores tie to float32
+            rounding (the Triton kernels break exact ties towards the lower tile index).
 
     Returns:
         out in q's format, dtype and token order.
@@ -127,10 +133,16 @@ def video_sparse_attn(
         q, k, v = (tiling.to_tiles(t) for t in (q, k, v))
         gate = None if gate is None else tiling.to_tiles(gate)
 
-    q_pooled, k_pooled, v_pooled = (pool_tiles(t, valid_sizes) for t in (q, k, v))
-    coarse = coarse_attention(q_pooled, k_pooled, v_pooled, valid_sizes, scale)
+    stage = coarse_stage(coarse_backend, q)
+    q_pooled, k_pooled, v_pooled = stage.pool(q, k, v, valid_sizes)
+    # every tile of a VideoTiling holds a real token; user valid sizes may hold 0
+    coarse = coarse_attention(
+        q_pooled, k_pooled, v_pooled, valid_sizes, scale, may_have_empty=tiling is None
+    )
+    with torch.no_grad():
+        indices = stage.select(q_pooled, k_pooled, valid_sizes, topk)
     all_full = tiling is not None and not tiling.has_padding
-    layout = select_topk(q_pooled, k_pooled, valid_sizes, topk, tile_tokens, all_full=all_full)
+    layout = layout_from_selection(indices, valid_sizes, tile_tokens, all_full=all_full)
     fine, _ = _run_fine(q, k, v, layout, backend, scale)
     out = _combine(fine, coarse, gate, tile_tokens)
 

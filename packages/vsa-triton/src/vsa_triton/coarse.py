@@ -1,0 +1,199 @@
+"""VSA's coarse stage in Triton: ``torch.ops.vsa_triton.pool_qkv`` and ``select_topk``.
+
+Registered as a ``vsa.coarse`` plug-in (`TritonCoarse`), which vsa-core's `video_sparse_attn`
+runs instead of its torch path on CUDA tensors (see `vsa_core.coarse`). Two launches replace
+the torch path's few dozen small ones:
+
+- ``pool_qkv``: q, k and v pooled per tile in one launch, reading only real tokens (NaN or inf
+  in padding slots never reach a pooled value); its backward writes the three token gradients
+  in one launch (0 on padding).
+- ``select_topk``: per (batch, head, query tile) the ``topk`` key tiles of highest pooled score,
+  written as ascending int32 lists straight into the layout's ``kv_indices``. Scores are
+  float32 dot products of the pooled tensors (fp16/bf16 operands on the tensor cores; float32
+  operands without TF32), held in a scratch buffer of ``4 * B * H * N^2`` bytes (N tiles:
+  ``N / 4096`` of q's own size with 64-token tiles in bf16) that is freed when the call
+  returns. Ties at the k-th score go to the lower key-tile index (torch.topk leaves that
+  order unspecified, so the torch path may pick another of exactly tied tiles).
+
+Both are `torch.library.custom_op`s with fake implementations, so ``torch.compile`` traces
+them and CUDA graphs capture them; neither reads device data on the host.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import ClassVar
+
+import torch
+
+from vsa_core.coarse import CoarseStage
+from vsa_triton.backend import interpreting
+
+SELECT_BLOCK_M = 64
+SELECT_BLOCK_N = 64
+SELECT_ELEMENTS_PER_STEP = 4096
+"""Scores one program ranks at once in the selection's second phase (rows x padded tiles)."""
+MAX_HEAD_DIM = 256
+
+
+@functools.cache
+def _kernels():
+    from vsa_triton import coarse_kernels  # lazy: triton is imported on the first launch
+
+    return coarse_kernels
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _head_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _bshd_strides(t: torch.Tensor) -> tuple[int, int, int]:
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _pooled_like(x: torch.Tensor, num_tiles: int) -> torch.Tensor:
+    batch, _, heads, dim = x.shape
+    return x.new_empty((batch, num_tiles, heads, dim))
+
+
+@torch.library.custom_op("vsa_triton::pool_qkv", mutates_args=())
+def pool_qkv(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid_sizes: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Means of q, k and v ([B, N * T, H, D], tile order) over each tile's real tokens:
+    three [B, N, H, D] tensors in the inputs' dtype (accumulated in float32)."""
+    q, k, v = (_head_dim_contiguous(t) for t in (q, k, v))
+    num_tiles = valid_sizes.shape[0]
+    batch, seq, heads, dim = q.shape
+    tile_tokens = seq // num_tiles
+    pooled = [_pooled_like(t, num_tiles) for t in (q, k, v)]
+    if pooled[0].numel():
+        _kernels().pool_fwd_kernel[(num_tiles, batch * heads)](
+            q, k, v, *pooled, valid_sizes,
+            *_bshd_strides(q), *_bshd_strides(k), *_bshd_strides(v), *_bshd_strides(pooled[0]),
+            heads,
+            TILE_TOKENS=tile_tokens, SLOTS=_next_pow2(tile_tokens), HEAD_DIM=dim,
+            DIM_P2=_next_pow2(dim), num_warps=4,
+        )  # fmt: skip
+    return tuple(pooled)
+
+
+@pool_qkv.register_fake
+def _(q, k, v, valid_sizes):
+    num_tiles = valid_sizes.shape[0]
+    return tuple(_pooled_like(t, num_tiles) for t in (q, k, v))
+
+
+@torch.library.custom_op("vsa_triton::unpool_qkv", mutates_args=())
+def unpool_qkv(
+    gq: torch.Tensor,
+    gk: torch.Tensor,
+    gv: torch.Tensor,
+    valid_sizes: torch.Tensor,
+    seq_len: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of `pool_qkv` w.r.t. q, k and v from those of its outputs: [B, seq_len, H, D]
+    each, the pooled gradient over the tile's size on real tokens, 0 on padding."""
+    gq, gk, gv = (g.contiguous() for g in (gq, gk, gv))
+    num_tiles = valid_sizes.shape[0]
+    batch, _, heads, dim = gq.shape
+    tile_tokens = seq_len // num_tiles
+    grads = [g.new_empty((batch, seq_len, heads, dim)) for g in (gq, gk, gv)]
+    if grads[0].numel():
+        _kernels().pool_bwd_kernel[(num_tiles, batch * heads)](
+            gq, gk, gv, *grads, valid_sizes,
+            *_bshd_strides(gq), *_bshd_strides(grads[0]),
+            heads,
+            TILE_TOKENS=tile_tokens, SLOTS=_next_pow2(tile_tokens), HEAD_DIM=dim,
+            DIM_P2=_next_pow2(dim), num_warps=4,
+        )  # fmt: skip
+    return tuple(grads)
+
+
+@unpool_qkv.register_fake
+def _(gq, gk, gv, valid_sizes, seq_len):
+    batch, _, heads, dim = gq.shape
+    return tuple(g.new_empty((batch, seq_len, heads, dim)) for g in (gq, gk, gv))
+
+
+def _pool_setup(ctx, inputs, output):
+    q, _, _, valid_sizes = inputs
+    ctx.save_for_backward(valid_sizes)
+    ctx.seq_len = q.shape[1]
+
+
+def _pool_backward(ctx, gq, gk, gv):
+    (valid_sizes,) = ctx.saved_tensors
+    present = next(g for g in (gq, gk, gv) if g is not None)
+    grads = [torch.zeros_like(present) if g is None else g for g in (gq, gk, gv)]
+    dq, dk, dv = unpool_qkv(*grads, valid_sizes, ctx.seq_len)
+    return dq, dk, dv, None
+
+
+pool_qkv.register_autograd(_pool_backward, setup_context=_pool_setup)
+
+
+@torch.library.custom_op("vsa_triton::select_topk", mutates_args=())
+def select_topk(
+    q_pooled: torch.Tensor, k_pooled: torch.Tensor, valid_sizes: torch.Tensor, topk: int
+) -> torch.Tensor:
+    """[B, H, N, topk] int32: per (batch, head, query tile) the ``topk`` key tiles of highest
+    score ``q_pooled . k_pooled`` (empty key tiles last), ascending. Inputs [B, N, H, D] with
+    the same strides."""
+    q_pooled, k_pooled = (_head_dim_contiguous(t) for t in (q_pooled, k_pooled))
+    if q_pooled.stride() != k_pooled.stride():
+        q_pooled, k_pooled = q_pooled.contiguous(), k_pooled.contiguous()
+    batch, num_tiles, heads, dim = q_pooled.shape
+    out = torch.empty(batch, heads, num_tiles, topk, dtype=torch.int32, device=q_pooled.device)
+    if out.numel() == 0:
+        return out
+    scores = torch.empty(
+        batch * heads, num_tiles, num_tiles, dtype=torch.float32, device=q_pooled.device
+    )
+    tiles_p2 = _next_pow2(num_tiles)
+    rows = max(1, min(SELECT_BLOCK_M, SELECT_ELEMENTS_PER_STEP // tiles_p2))
+    _kernels().select_topk_kernel[(-(-num_tiles // SELECT_BLOCK_M), batch * heads)](
+        q_pooled, k_pooled, valid_sizes, scores, out,
+        *_bshd_strides(q_pooled),
+        num_tiles, heads, topk,
+        BLOCK_M=SELECT_BLOCK_M, BLOCK_N=SELECT_BLOCK_N, HEAD_DIM=dim, DIM_P2=_next_pow2(dim),
+        TILES_P2=tiles_p2, ROWS=rows, IEEE=q_pooled.dtype == torch.float32,
+        INTERPRET=interpreting(), num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+@select_topk.register_fake
+def _(q_pooled, k_pooled, valid_sizes, topk):
+    batch, num_tiles, heads, _ = q_pooled.shape
+    return q_pooled.new_empty((batch, heads, num_tiles, topk), dtype=torch.int32)
+
+
+class TritonCoarse(CoarseStage):
+    """The coarse stage in Triton (CUDA; CPU tensors under ``TRITON_INTERPRET=1``)."""
+
+    name: ClassVar[str] = "triton"
+    priority: ClassVar[int] = 10
+
+    def supports(self, x: torch.Tensor) -> str | None:
+        import importlib.util
+
+        if importlib.util.find_spec("triton") is None:
+            return "triton is not installed"
+        if x.device.type != "cuda" and not (x.device.type == "cpu" and interpreting()):
+            return f"needs a CUDA device, got {x.device.type}"
+        if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            return f"dtype {x.dtype} not supported (float16, bfloat16, float32)"
+        if not 16 <= x.shape[-1] <= MAX_HEAD_DIM:
+            return f"head dim {x.shape[-1]} not in [16, {MAX_HEAD_DIM}]"
+        return None
+
+    def pool(self, q, k, v, valid_sizes):
+        return pool_qkv(q, k, v, valid_sizes)
+
+    def select(self, q_pooled, k_pooled, valid_sizes, topk):
+        return select_topk(q_pooled, k_pooled, valid_sizes, topk)

@@ -1,0 +1,177 @@
+"""Triton kernels of VSA's coarse stage: tile pooling (forward and backward) and top-k selection.
+
+Conventions:
+
+- Token tensors are [B, N * T, H, D] in tile order (T slots per tile, the tile's real tokens
+  first), addressed through strides with the head dim contiguous; pooled tensors are
+  [B, N, H, D], likewise.
+- Pooling reads only the first ``valid[n]`` slots of tile n: padding is never loaded, so NaN or
+  inf there cannot reach a pooled value (nor, in backward, receive anything but 0).
+- Selection writes each (batch, head, query tile)'s ``TOPK`` chosen key tiles as an ascending
+  int32 list, straight into the layout's ``kv_indices``; no sort and no boolean map. The k-th
+  largest score is found exactly by bisection over the bits of an order-preserving integer
+  image of the float32 scores; ties at the threshold go to the lowest key-tile index. Empty key
+  tiles score -inf, so they are chosen only when ``TOPK`` exceeds the non-empty tiles (then the
+  lowest-numbered empty tiles).
+"""
+
+# fmt: off
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _pool_one(src, dst, offs, mask, out, keep, inv):
+    x = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(dst + out, (tl.sum(x, axis=0) * inv).to(dst.dtype.element_ty), mask=keep)
+
+
+@triton.jit
+def pool_fwd_kernel(
+    q, k, v, qp, kp, vp, valid_ptr,
+    s_qb, s_qs, s_qh, s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, s_pb, s_pn, s_ph,
+    heads,
+    TILE_TOKENS: tl.constexpr, SLOTS: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr,
+):
+    """One (tile, batch x head): the means of q, k and v over the tile's real tokens (pooled
+    strides s_p* shared by qp, kp and vp)."""
+    tile = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // heads
+    h = bh % heads
+    size = tl.load(valid_ptr + tile)
+    slots = tl.arange(0, SLOTS)
+    dims = tl.arange(0, DIM_P2)
+    keep = dims < HEAD_DIM
+    mask = (slots < size)[:, None] & keep[None, :]
+    rows = (tile.to(tl.int64) * TILE_TOKENS + slots)[:, None]
+    b = b.to(tl.int64)
+    inv = 1.0 / tl.maximum(size, 1).to(tl.float32)
+    out = b * s_pb + tile * s_pn + h * s_ph + dims
+    _pool_one(q, qp, b * s_qb + h * s_qh + rows * s_qs + dims[None, :], mask, out, keep, inv)
+    _pool_one(k, kp, b * s_kb + h * s_kh + rows * s_ks + dims[None, :], mask, out, keep, inv)
+    _pool_one(v, vp, b * s_vb + h * s_vh + rows * s_vs + dims[None, :], mask, out, keep, inv)
+
+
+@triton.jit
+def _unpool_one(g, d, src, offs, keep, in_tile, real, inv):
+    grad = tl.load(g + src, mask=keep, other=0.0).to(tl.float32) * inv
+    tile_grad = tl.where(real, grad[None, :], 0.0)
+    tl.store(d + offs, tile_grad.to(d.dtype.element_ty), mask=in_tile)
+
+
+@triton.jit
+def pool_bwd_kernel(
+    gq, gk, gv, dq, dk, dv, valid_ptr,
+    s_gb, s_gn, s_gh, s_xb, s_xs, s_xh,
+    heads,
+    TILE_TOKENS: tl.constexpr, SLOTS: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr,
+):
+    """One (tile, batch x head): each real token's gradient is its tile's pooled gradient over
+    the tile's size; padding slots get 0 (every slot is written)."""
+    tile = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // heads
+    h = bh % heads
+    size = tl.load(valid_ptr + tile)
+    slots = tl.arange(0, SLOTS)
+    dims = tl.arange(0, DIM_P2)
+    keep = dims < HEAD_DIM
+    inv = 1.0 / tl.maximum(size, 1).to(tl.float32)
+    src = b.to(tl.int64) * s_gb + tile * s_gn + h * s_gh + dims
+    rows = tile.to(tl.int64) * TILE_TOKENS + slots
+    offs = b.to(tl.int64) * s_xb + h * s_xh + rows[:, None] * s_xs + dims[None, :]
+    in_tile = (slots < TILE_TOKENS)[:, None] & keep[None, :]
+    real = (slots < size)[:, None]
+    _unpool_one(gq, dq, src, offs, keep, in_tile, real, inv)
+    _unpool_one(gk, dk, src, offs, keep, in_tile, real, inv)
+    _unpool_one(gv, dv, src, offs, keep, in_tile, real, inv)
+
+
+@triton.jit
+def _order_key(scores):
+    """int64 image of float32 scores in [0, 2^32), in the scores' order (NaN above +inf)."""
+    bits = scores.to(tl.int32, bitcast=True)
+    signed = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    return signed.to(tl.int64) + 2147483648
+
+
+@triton.jit
+def _score_block(q, k_base, valid_ptr, score_rows, rows, dims, dim_ok, start, num_tiles, s_pn,
+                 BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    """Scores of the program's query rows against key tiles [start, start + BLOCK_N), empty key
+    tiles at -inf, stored to the rows' scratch."""
+    cols = start + tl.arange(0, BLOCK_N)
+    col_ok = cols < num_tiles
+    kt = tl.load(k_base + cols[None, :] * s_pn + dims[:, None],
+                 mask=col_ok[None, :] & dim_ok[:, None], other=0.0)
+    s = tl.dot(q, kt, input_precision="ieee") if IEEE else tl.dot(q, kt)
+    size = tl.load(valid_ptr + cols, mask=col_ok, other=0)
+    s = tl.where((size > 0)[None, :], s, float("-inf"))
+    tl.store(score_rows + rows[:, None] * num_tiles + cols[None, :], s,
+             mask=(rows < num_tiles)[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def select_topk_kernel(
+    qp, kp, valid_ptr, scores_ptr, out_ptr,
+    s_pb, s_pn, s_ph,
+    num_tiles, heads, topk,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    DIM_P2: tl.constexpr, TILES_P2: tl.constexpr, ROWS: tl.constexpr, IEEE: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """BLOCK_M query tiles of one (batch, head): their scores against every key tile, then
+    each row's top-k as an ascending list.
+
+    Phase 1 writes the rows' float32 scores (pooled q . pooled k; the softmax scale does not
+    change the order) to this program's rows of ``scores_ptr`` ([B, H, N, N]); after a barrier,
+    phase 2 reads them back ROWS rows at a time, finds each row's k-th largest key by
+    bisection, and writes the selected columns in ascending order."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // heads
+    h = bh % heads
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, DIM_P2)
+    dim_ok = dims < HEAD_DIM
+    base = b.to(tl.int64) * s_pb + h * s_ph
+    q = tl.load(qp + base + rows[:, None] * s_pn + dims[None, :],
+                mask=(rows < num_tiles)[:, None] & dim_ok[None, :], other=0.0)
+    score_rows = scores_ptr + bh.to(tl.int64) * num_tiles * num_tiles
+    if INTERPRET:  # the interpreter cannot take a run-time bound in range()
+        start = 0
+        while start < num_tiles:
+            _score_block(q, kp + base, valid_ptr, score_rows, rows, dims, dim_ok, start,
+                         num_tiles, s_pn, BLOCK_N, IEEE)
+            start += BLOCK_N
+    else:
+        for start in range(0, num_tiles, BLOCK_N):
+            _score_block(q, kp + base, valid_ptr, score_rows, rows, dims, dim_ok, start,
+                         num_tiles, s_pn, BLOCK_N, IEEE)
+    tl.debug_barrier()  # phase 2 reads scores other threads of this program wrote
+
+    cols = tl.arange(0, TILES_P2)
+    col_ok = cols < num_tiles
+    for r in range(0, BLOCK_M, ROWS):
+        row = pid_m * BLOCK_M + r + tl.arange(0, ROWS)
+        live = (row < num_tiles)[:, None] & col_ok[None, :]
+        s = tl.load(score_rows + row[:, None] * num_tiles + cols[None, :], mask=live, other=0.0)
+        key = tl.where(live, _order_key(s), -1)  # columns past N rank below everything
+        # the largest t with at least topk keys >= t is the k-th largest key, bit by bit
+        kth = tl.zeros([ROWS], dtype=tl.int64)
+        for bit in tl.static_range(31, -1, -1):
+            trial = kth + (1 << bit)
+            count = tl.sum((key >= trial[:, None]).to(tl.int32), axis=1)
+            kth = tl.where(count >= topk, trial, kth)
+        above = key > kth[:, None]
+        tied = key == kth[:, None]
+        room = topk - tl.sum(above.to(tl.int32), axis=1)
+        tie_rank = tl.cumsum(tied.to(tl.int32), axis=1)
+        chosen = above | (tied & (tie_rank <= room[:, None]))
+        slot = tl.cumsum(chosen.to(tl.int32), axis=1) - 1
+        dst = out_ptr + (bh.to(tl.int64) * num_tiles + row[:, None]) * topk + slot
+        tl.store(dst, cols[None, :] + tl.zeros([ROWS, TILES_P2], dtype=tl.int32),
+                 mask=chosen & (row < num_tiles)[:, None])

@@ -1,0 +1,161 @@
+"""The Triton coarse stage (`vsa_triton.coarse`) against float64 and vsa-core's torch path.
+
+Compiled on a GPU; without one, under Triton's interpreter in the child process of
+test_interpreter.py (float16 and float32 only there: its bf16 dot products are wrong).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from vsa_core import VideoTiling, video_sparse_attn
+from vsa_core.coarse import TorchCoarse, coarse_stage
+from vsa_triton.coarse import TritonCoarse, pool_qkv, select_topk
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
+    reason="no GPU: run under the Triton interpreter by test_interpreter.py",
+)
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if ON_GPU else [])
+CASES = [
+    ((5, 6, 7), (2, 2, 2), 3, 32),
+    ((3, 4, 4), (2, 2, 2), 2, 64),
+    ((9, 4, 5), (4, 2, 2), 1, 16),
+]
+if ON_GPU:
+    CASES.append(((21, 30, 52), (4, 4, 4), 2, 128))
+
+
+def _tiled(tiling, heads, dim, dtype, seed, padding=0.0):
+    gen = torch.Generator().manual_seed(seed)
+    tensors = []
+    for _ in range(3):
+        x = tiling.to_tiles(torch.randn(2, tiling.seq_len, heads, dim, generator=gen))
+        x[:, tiling.indices().tile_to_raster < 0] = padding
+        tensors.append(x.to(DEVICE, dtype))
+    return tensors
+
+
+def _pooled64(x, valid):
+    """float64 means over real tokens, written independently of both implementations."""
+    batch, seq, heads, dim = x.shape
+    n = valid.shape[0]
+    out = torch.zeros(batch, n, heads, dim, dtype=torch.float64)
+    tiles = x.detach().double().cpu().view(batch, n, seq // n, heads, dim)
+    for t, size in enumerate(valid.tolist()):
+        if size:
+            out[:, t] = tiles[:, t, :size].mean(1)
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", CASES)
+def test_pool_reads_only_real_tokens(case, dtype):
+    latent, tile, heads, dim = case
+    tiling = VideoTiling(latent, tile)
+    valid = tiling.valid_sizes(DEVICE)
+    clean = _tiled(tiling, heads, dim, dtype, seed=1)
+    for padding in (float("nan"), float("inf"), -1e30):
+        dirty = _tiled(tiling, heads, dim, dtype, seed=1, padding=padding)
+        got = pool_qkv(*dirty, valid)
+        for g, c, x in zip(got, pool_qkv(*clean, valid), clean, strict=True):
+            assert torch.equal(g, c), f"padding {padding} changed a pooled value"
+            want = _pooled64(x, valid.cpu())
+            tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
+            torch.testing.assert_close(g.double().cpu(), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("case", CASES[:2])
+def test_pool_gradient_matches_torch_path_and_is_zero_on_padding(case):
+    latent, tile, heads, dim = case
+    tiling = VideoTiling(latent, tile)
+    valid = tiling.valid_sizes(DEVICE)
+    xs = [x.requires_grad_() for x in _tiled(tiling, heads, dim, torch.float32, seed=2)]
+    grads = [torch.randn_like(p) for p in TorchCoarse().pool(*xs, valid)]
+    want = torch.autograd.grad(TorchCoarse().pool(*xs, valid), xs, grads)
+    got = torch.autograd.grad(pool_qkv(*xs, valid), xs, grads)
+    pad = tiling.indices(DEVICE).tile_to_raster < 0
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7)
+        assert bool((g[:, pad] == 0).all())
+
+
+def _assert_is_topk(indices, qp, kp, valid, topk, tol):
+    """Every row's choice is a top-k of its float64 scores, up to ``tol``: chosen scores >= the
+    k-th score - tol >= unchosen scores - 2 tol; empty tiles score -inf; lists ascending."""
+    scores = torch.einsum("bnhd,bmhd->bhnm", qp.double().cpu(), kp.double().cpu())
+    scores[..., valid.cpu() == 0] = float("-inf")
+    idx = indices.long().cpu()
+    assert idx.shape == (*scores.shape[:-1], topk)
+    if topk > 1:
+        assert bool((idx[..., 1:] > idx[..., :-1]).all()), "lists must be strictly ascending"
+    chosen = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, idx, True)
+    kth = torch.topk(scores, topk, dim=-1).values[..., -1:]
+    lowest_chosen = torch.where(chosen, scores, float("inf")).amin(-1, keepdim=True)
+    highest_left = torch.where(chosen, float("-inf"), scores).amax(-1, keepdim=True)
+    assert bool((lowest_chosen >= kth - tol).all())
+    assert bool((highest_left <= kth + tol).all())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", CASES)
+def test_select_is_an_exact_topk(case, dtype):
+    latent, tile, heads, dim = case
+    tiling = VideoTiling(latent, tile)
+    valid = tiling.valid_sizes(DEVICE)
+    qp, kp, _ = pool_qkv(*_tiled(tiling, heads, dim, dtype, seed=3), valid)
+    n = tiling.num_tiles
+    tol = 1e-5 if dtype == torch.float32 else 1e-3
+    for topk in sorted({1, max(1, n // 8), n // 2, n}):
+        _assert_is_topk(select_topk(qp, kp, valid, topk), qp, kp, valid, topk, tol)
+
+
+def test_select_ranks_empty_tiles_last_and_breaks_ties_low():
+    gen = torch.Generator().manual_seed(4)
+    n, dim = 12, 16
+    qp = torch.randn(1, n, 2, dim, generator=gen)
+    kp = torch.randn(1, n, 2, dim, generator=gen)
+    kp[:, 7] = kp[:, 3]  # tiles 3 and 7 tie everywhere
+    valid = torch.full((n,), 4, dtype=torch.int32)
+    valid[[1, 5, 9]] = 0  # empty tiles
+    qp, kp, valid = qp.to(DEVICE), kp.to(DEVICE), valid.to(DEVICE)
+    for topk in range(1, n + 1):
+        got = select_topk(qp, kp, valid, topk).long().cpu()
+        chosen = torch.zeros(1, 2, n, n, dtype=torch.bool).scatter_(-1, got, True)
+        # an empty tile only when every non-empty one is taken, then the lowest-numbered
+        empties = chosen[..., [1, 5, 9]].sum(-1)
+        assert bool((empties == max(0, topk - 9)).all()), topk
+        if 0 < topk - 9 < 3:
+            assert bool(chosen[..., 1].all())
+        # where tiles 3 and 7 straddle the cut, 3 (the lower) is taken
+        straddles = chosen[..., 3] != chosen[..., 7]
+        assert bool(chosen[..., 3][straddles].all())
+
+
+@pytest.mark.parametrize("case", CASES[:2])
+def test_whole_op_agrees_with_the_torch_coarse_path(case):
+    latent, tile, heads, dim = case
+    tiling = VideoTiling(latent, tile)
+    q, k, v = _tiled(tiling, heads, dim, torch.float32, seed=5)
+    topk = max(1, tiling.num_tiles // 4)
+    runs = {
+        name: video_sparse_attn(
+            q, k, v, tiling=tiling, topk=topk, backend="reference", coarse_backend=name
+        )
+        for name in ("torch", "triton")
+    }
+    torch.testing.assert_close(runs["triton"], runs["torch"], rtol=1e-5, atol=1e-5)
+
+
+def test_auto_picks_triton_where_it_runs():
+    x = torch.empty(1, 8, 1, 32, device=DEVICE, dtype=torch.float16)
+    assert isinstance(coarse_stage("auto", x), TritonCoarse)
+    assert isinstance(coarse_stage("auto", x.double()), TorchCoarse)
+    with pytest.raises(ValueError, match="coarse_backend='triton' cannot run"):
+        coarse_stage("triton", x.double())
