@@ -17,6 +17,7 @@ picked: a name, or ``"auto"`` for the highest-priority one that accepts the tens
 from __future__ import annotations
 
 import functools
+import os
 from importlib.metadata import entry_points
 from typing import ClassVar
 
@@ -43,8 +44,9 @@ class CoarseStage:
     name: ClassVar[str] = ""
     priority: ClassVar[int] = 0
 
-    def supports(self, x: torch.Tensor) -> str | None:
-        """None when this stage runs on tensors like ``x`` ([B, S, H, D]), else why not."""
+    def supports(self, device_type: str, dtype: torch.dtype, head_dim: int) -> str | None:
+        """None when this stage runs on [B, S, H, ``head_dim``] tensors of ``dtype`` on a
+        ``device_type`` device, else why not. Answers are cached per process."""
         raise NotImplementedError
 
     def pool(
@@ -68,7 +70,7 @@ class TorchCoarse(CoarseStage):
     name: ClassVar[str] = "torch"
     priority: ClassVar[int] = 0
 
-    def supports(self, x: torch.Tensor) -> str | None:
+    def supports(self, device_type: str, dtype: torch.dtype, head_dim: int) -> str | None:
         return None
 
     def pool(self, q, k, v, valid_sizes):
@@ -93,6 +95,7 @@ def _plugin_stages() -> dict[str, CoarseStage | str]:
     return found
 
 
+@functools.cache
 def coarse_stages() -> dict[str, CoarseStage | str]:
     """Every coarse-stage implementation by name (a string: why it could not be loaded)."""
     return {"torch": TorchCoarse(), **_plugin_stages()}
@@ -101,20 +104,29 @@ def coarse_stages() -> dict[str, CoarseStage | str]:
 def coarse_stage(name: str, x: torch.Tensor) -> CoarseStage:
     """The implementation that runs the coarse stage on tensors like ``x``: ``name`` itself
     (ValueError with its reason if it refuses), or for ``"auto"`` the highest-priority one
-    that accepts them."""
+    that accepts them. Resolved once per (name, device type, dtype, head dim, interpreter
+    setting): the op calls this on every call."""
+    interpreting = os.environ.get("TRITON_INTERPRET", "")
+    return _resolve_stage(name, x.device.type, x.dtype, x.shape[-1], interpreting)
+
+
+@functools.lru_cache(maxsize=64)
+def _resolve_stage(
+    name: str, device_type: str, dtype: torch.dtype, head_dim: int, _interpreting: str
+) -> CoarseStage:
     stages = coarse_stages()
     if name != "auto":
         if name not in stages:
             known = ", ".join(sorted(["auto", *stages]))
             raise ValueError(f"coarse_backend must be one of {known}; got {name!r}")
         stage = stages[name]
-        reason = stage if isinstance(stage, str) else stage.supports(x)
+        reason = stage if isinstance(stage, str) else stage.supports(device_type, dtype, head_dim)
         if reason is not None:
             raise ValueError(f"coarse_backend={name!r} cannot run this call: {reason}")
         return stage  # type: ignore[return-value]
     usable = [s for s in stages.values() if isinstance(s, CoarseStage)]
     for stage in sorted(usable, key=lambda s: -s.priority):
-        if stage.supports(x) is None:
+        if stage.supports(device_type, dtype, head_dim) is None:
             return stage
     raise AssertionError("the torch coarse stage accepts every call")
 

@@ -179,17 +179,17 @@ class TritonCoarse(CoarseStage):
     name: ClassVar[str] = "triton"
     priority: ClassVar[int] = 10
 
-    def supports(self, x: torch.Tensor) -> str | None:
+    def supports(self, device_type: str, dtype: torch.dtype, head_dim: int) -> str | None:
         import importlib.util
 
         if importlib.util.find_spec("triton") is None:
             return "triton is not installed"
-        if x.device.type != "cuda" and not (x.device.type == "cpu" and interpreting()):
-            return f"needs a CUDA device, got {x.device.type}"
-        if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-            return f"dtype {x.dtype} not supported (float16, bfloat16, float32)"
-        if not 16 <= x.shape[-1] <= MAX_HEAD_DIM:
-            return f"head dim {x.shape[-1]} not in [16, {MAX_HEAD_DIM}]"
+        if device_type != "cuda" and not (device_type == "cpu" and interpreting()):
+            return f"needs a CUDA device, got {device_type}"
+        if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            return f"dtype {dtype} not supported (float16, bfloat16, float32)"
+        if not 16 <= head_dim <= MAX_HEAD_DIM:
+            return f"head dim {head_dim} not in [16, {MAX_HEAD_DIM}]"
         return None
 
     def pool(self, q, k, v, valid_sizes):
