@@ -20,7 +20,9 @@ from vsa_core.backends import (
     select_backend,
     unregister_backend,
 )
+from vsa_core.backends import registry as registry_module
 from vsa_core.backends.reference import ReferenceBackend
+from vsa_core.backends.registry import BackendEntry
 
 
 @pytest.fixture(autouse=True)
@@ -145,13 +147,46 @@ def test_env_override_applies_to_auto_only(fresh_registry, monkeypatch):
     # An explicit name in code wins over the variable.
     assert isinstance(select_backend(_call(), "reference"), ReferenceBackend)
     # The override is not a fallback: if it refuses, the call fails and names the variable.
-    with pytest.raises(ValueError, match=rf"{OVERRIDE_ENV}='fake-env' cannot run this call"):
+    with pytest.raises(
+        ValueError,
+        match=rf"^{OVERRIDE_ENV}='fake-env' \(environment variable\) cannot run this call",
+    ):
         select_backend(_call(torch.float64))
     monkeypatch.setenv(OVERRIDE_ENV, "no-such-backend")
-    with pytest.raises(ValueError, match="backend must be one of"):
+    with pytest.raises(ValueError, match=rf"^{OVERRIDE_ENV} \(environment variable\) must be"):
         select_backend(_call())
     monkeypatch.setenv(OVERRIDE_ENV, "   ")  # blank: no override
     assert isinstance(select_backend(_call()), ReferenceBackend)
+
+
+def test_misspelt_env_override_names_the_variable(monkeypatch):
+    # Issue 21, row 8: the error said "backend must be one of ...", as if the code had passed
+    # the name, not the environment.
+    monkeypatch.setenv(OVERRIDE_ENV, "refrence")
+    with pytest.raises(ValueError) as info:
+        select_backend(_call())
+    message = str(info.value)
+    assert message.startswith(f"{OVERRIDE_ENV} (environment variable) must be one of ")
+    assert message.endswith("got 'refrence'") and "reference" in message
+    q, k, v, layout = _inputs()
+    with pytest.raises(ValueError, match=rf"^{OVERRIDE_ENV} \(environment variable\)"):
+        block_sparse_attn(q, k, v, layout)
+    # An explicit name in code still says "backend".
+    with pytest.raises(ValueError, match=r"^backend must be one of"):
+        select_backend(_call(), "refrence")
+
+
+def test_unusable_backend_named_by_the_env_override(fresh_registry, monkeypatch):
+    broken = BackendEntry("broken-env", None, "failed to load: ImportError: no module", "x:Y")
+    monkeypatch.setattr(registry_module, "backend_entries", lambda: {"broken-env": broken})
+    monkeypatch.setenv(OVERRIDE_ENV, "broken-env")
+    with pytest.raises(
+        ValueError,
+        match=rf"^{OVERRIDE_ENV} \(environment variable\) names backend 'broken-env', which is",
+    ):
+        select_backend(_call())
+    with pytest.raises(ValueError, match=r"^backend 'broken-env' is installed but unusable"):
+        get_backend("broken-env")
 
 
 def test_env_override_reaches_the_ops(fresh_registry, monkeypatch):

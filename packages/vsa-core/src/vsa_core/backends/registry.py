@@ -73,14 +73,20 @@ def backend_entries() -> dict[str, BackendEntry]:
     return entries
 
 
-def get_backend(name: str) -> Backend:
+def get_backend(name: str, *, source: str = "backend") -> Backend:
+    """The backend called ``name``; ``source`` names where the name came from in errors (the
+    ``backend`` argument, or the ``VSA_BACKEND`` environment variable)."""
     entries = backend_entries()
+    where = f"{source} (environment variable)" if source == OVERRIDE_ENV else source
     if name not in entries:
         known = ", ".join(sorted(["auto", *entries]))
-        raise ValueError(f"backend must be one of {known}; got {name!r}")
+        raise ValueError(f"{where} must be one of {known}; got {name!r}")
     entry = entries[name]
     if entry.backend is None:
-        raise ValueError(f"backend {name!r} is installed but unusable: {entry.load_error}")
+        what = f"{where} names backend {name!r}, which" if source == OVERRIDE_ENV else where
+        if source != OVERRIDE_ENV:
+            what += f" {name!r}"
+        raise ValueError(f"{what} is installed but unusable: {entry.load_error}")
     return entry.backend
 
 
@@ -103,10 +109,11 @@ def select_backend(call: AttentionCall, backend: str = "auto") -> Backend:
     if backend == "auto" and os.environ.get(OVERRIDE_ENV, "").strip():
         requested, source = os.environ[OVERRIDE_ENV].strip(), OVERRIDE_ENV
     if requested != "auto":
-        chosen = get_backend(requested)
+        chosen = get_backend(requested, source=source)
         reason = chosen.supports(call)
         if reason is not None:
-            raise ValueError(f"{source}={requested!r} cannot run this call: {reason}")
+            where = " (environment variable)" if source == OVERRIDE_ENV else ""
+            raise ValueError(f"{source}={requested!r}{where} cannot run this call: {reason}")
         return chosen
     for entry in _by_priority(call):
         if entry.backend is not None and entry.backend.supports(call) is None:
