@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -71,7 +72,24 @@ def test_two_gloo_ranks_match_the_single_process_op(tmp_path):
     assert all(p.returncode == 0 for p in procs), text
     for rank in range(WORLD):
         assert f"rank {rank}: OK" in text, text
+        first = next(ln for ln in text.splitlines() if ln.startswith(f"rank {rank}: "))
+        assert first == f"rank {rank}: gloo, world {WORLD}, cpu, backend reference", first
     assert "dgate" in text and "FAIL" not in text
+
+
+@pytest.mark.parametrize(
+    ("suite", "device", "want"),
+    [
+        ("cpu", None, ("cpu", "gloo")),
+        ("gpu", None, ("cuda", "nccl")),  # issue 21, row 10: was ("gpu", "gloo")
+        ("gpu", "cpu", ("cpu", "gloo")),
+        ("cpu", "cuda", ("cuda", "nccl")),
+    ],
+)
+def test_worker_runtime_follows_the_suite(suite, device, want):
+    from sp_worker import choose_runtime
+
+    assert choose_runtime(suite, device) == want
 
 
 # ---- in-process: checks, with the group's rank and size stubbed ------------------------------
@@ -183,3 +201,39 @@ def test_world_of_one_is_the_plain_op(world1):
     assert vd.seq_to_heads(q) is q and vd.heads_to_seq(q) is q
     assert torch.equal(vd.shard_sequence(q, tiling=TILING), q)
     assert torch.equal(vd.gather_sequence(q), q)
+
+
+# ---- issue 21: numbers of any integer / float kind, degenerate sizes --------------------------
+def test_numpy_and_0d_tensor_numbers_are_accepted(world1):
+    q, k, v = _qkv(TILING.padded_len)
+    want = video_sparse_attn(q, k, v, topk=4, tiling=TILING, scale=0.5)
+    op = vd.sequence_parallel_video_sparse_attn
+    for topk, scale in ((np.int64(4), np.float32(0.5)), (torch.tensor(4), torch.tensor(0.5))):
+        assert torch.equal(op(q, k, v, topk=topk, tiling=TILING, scale=scale), want)
+    assert torch.equal(vd.shard_sequence(q, dim=np.int64(1)), q)
+    for bad in (1.0, True, torch.tensor(1.0)):
+        with pytest.raises(ValueError, match="dim must be a dimension of x"):
+            vd.shard_sequence(q, dim=bad)
+    for bad in (4.0, True, np.float64(4)):
+        with pytest.raises(ValueError, match=r"^topk must be an integer in \[1, 18\]"):
+            op(q, k, v, topk=bad, tiling=TILING)
+
+
+def test_empty_batch_gives_an_empty_shard_without_communicating(world2):
+    # With the rank and size stubbed and no process group, any exchange would raise.
+    q, k, v = (t.requires_grad_() for t in _qkv(TILING.padded_len // 2, batch=0))
+    gate = torch.ones(1, 1, 4, 1, dtype=torch.float64, requires_grad=True)
+    out = vd.sequence_parallel_video_sparse_attn(q, k, v, topk=2, tiling=TILING, coarse_gate=gate)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    grads = torch.autograd.grad(out.sum(), (q, k, v, gate))
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape, gate.shape]
+
+
+@pytest.mark.parametrize(
+    ("shape", "message"),
+    [((1, 576, 0, 8), "q must have at least one head"), ((1, 576, 4, 0), "q must have a head dim")],
+)
+def test_degenerate_sizes_raise_before_any_exchange(world2, shape, message):
+    x = torch.zeros(shape, dtype=torch.float64)
+    with pytest.raises(ValueError, match=f"^{message}"):
+        vd.sequence_parallel_video_sparse_attn(x, x, x, topk=2, tiling=TILING)

@@ -124,7 +124,7 @@ def test_from_indices_validation_errors():
         ({"indices": [[[[0, 1]]]]}, "kv_indices must be a torch.Tensor"),
         ({"kv_counts": counts.float()}, "kv_counts must be an integer tensor"),
         ({"kv_counts": counts[0]}, "kv_counts must have shape"),
-        ({"kv_valid_sizes": valid.view(1, 3)}, "kv_valid_sizes must be 1-D"),
+        ({"kv_valid_sizes": valid.view(1, 3)}, "kv_valid_sizes must be a non-empty 1-D"),
         ({"kv_valid_sizes": valid.double()}, "kv_valid_sizes must be an integer tensor"),
         ({"kv_valid_sizes": valid.to("meta")}, "kv_valid_sizes must be on kv_indices' device"),
         ({"kv_counts": counts.to("meta")}, "kv_counts must be on kv_indices' device"),

@@ -35,9 +35,16 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from vsa_core.ops import QKVFormat, _resolve_scale, video_sparse_attn
+from vsa_core.ops import QKVFormat, video_sparse_attn
 from vsa_core.tiling import VideoTiling
-from vsa_core.validation import check_coarse_gate, check_qkv
+from vsa_core.validation import (
+    as_int,
+    check_coarse_gate,
+    check_qkv,
+    check_scale,
+    check_topk,
+    empty_batch_result,
+)
 
 __all__ = [
     "gather_sequence",
@@ -73,7 +80,8 @@ def sequence_parallel_video_sparse_attn(
             ``qkv_format="bhsd"``): tokens ``r * S/W`` to ``(r+1) * S/W - 1`` of the tile-order,
             padded sequence (S = ``tiling.padded_len``, W the group's size, r this rank's
             index in it), every head. H must be divisible by W and ``tiling.num_tiles`` too.
-        topk: key tiles per query tile, in [1, ``tiling.num_tiles``].
+        topk: key tiles per query tile, in [1, ``tiling.num_tiles``] (a Python or NumPy
+            integer, or a 0-d integer tensor).
         tiling: the `VideoTiling` of the whole latent (not of the shard).
         coarse_gate: multiplies the coarse output; None means 1. Either sharded like q
             (broadcastable to q's local shape with the local sequence length S / W, e.g. the
@@ -83,22 +91,28 @@ def sequence_parallel_video_sparse_attn(
             the sum over ranks (as for any replicated parameter) is the full gradient.
         group: the process group (default: the default group).
         backend: fine-attention backend name or ``"auto"``, as for `video_sparse_attn`.
-        scale: softmax scale, default ``1 / sqrt(D)``.
+        scale: softmax scale, default ``1 / sqrt(D)`` (a Python or NumPy number, or a 0-d
+            tensor).
         qkv_format: ``"bshd"`` or ``"bhsd"``.
 
     Returns:
-        this rank's shard of the output, in q's format and dtype.
+        this rank's shard of the output, in q's format and dtype. An empty batch (B = 0, on
+        every rank, as for any collective) gives an empty output without communicating.
 
     Raises:
-        ValueError: mismatched q/k/v, H or ``tiling.num_tiles`` not divisible by W, a local
-            sequence length other than ``tiling.padded_len / W`` (the split is not at tile
-            boundaries), a coarse_gate that is not sharded like q, or a bad topk / scale.
+        ValueError: mismatched q/k/v, no heads, a zero head dim, H or ``tiling.num_tiles`` not
+            divisible by W, a local sequence length other than ``tiling.padded_len / W`` (the
+            split is not at tile boundaries), a coarse_gate that is not sharded like q, or a
+            bad topk / scale.
         RuntimeError: torch.distributed is not initialized.
     """
     rank, world = _rank_and_world(group)
     batch, seq_local, heads, dim = _check_inputs(q, k, v, tiling, topk, world, qkv_format)
-    scale = _resolve_scale(scale, dim)
+    topk = check_topk(topk, tiling.num_tiles)
+    scale = check_scale(scale, dim)
     gate = _check_gate(coarse_gate, q, qkv_format, seq_local)
+    if batch == 0:  # the same on every rank: no exchange, nothing to wait for
+        return empty_batch_result(q, k, v, coarse_gate)
     if world == 1:
         return video_sparse_attn(
             q,
@@ -196,8 +210,7 @@ def shard_sequence(
     rank, world = _rank_and_world(group)
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
-        raise ValueError(f"dim must be a dimension of x (shape {tuple(x.shape)}), got {dim!r}")
+    dim = _check_dim(dim, x)
     length = x.shape[dim]
     if tiling is not None:
         if not isinstance(tiling, VideoTiling):
@@ -228,8 +241,7 @@ def gather_sequence(
     _, world = _rank_and_world(group)
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
-        raise ValueError(f"dim must be a dimension of x (shape {tuple(x.shape)}), got {dim!r}")
+    dim = _check_dim(dim, x)
     x = x.detach()
     if world == 1:
         return x.clone()
@@ -344,12 +356,20 @@ def _check_inputs(
             f"({tiling.num_tiles // world} tiles of {tiling.tile_tokens}), got {seq}"
             + ("" if seq % tiling.tile_tokens == 0 else " (not a multiple of the tile size)")
         )
-    num_tiles = tiling.num_tiles
-    if isinstance(topk, bool) or not isinstance(topk, int) or not 1 <= topk <= num_tiles:
-        raise ValueError(
-            f"topk must be an integer in [1, {num_tiles}] (the number of tiles), got {topk!r}"
-        )
+    check_topk(topk, tiling.num_tiles)
     return batch, seq, heads, dim
+
+
+def _check_dim(dim: object, x: torch.Tensor) -> int:
+    """A dimension of ``x`` (negative counts from the end) as a Python int."""
+    message = f"dim must be a dimension of x (shape {tuple(x.shape)}), got {dim!r}"
+    try:
+        number = as_int("dim", dim)
+    except ValueError:
+        raise ValueError(message) from None
+    if not -x.dim() <= number < x.dim():
+        raise ValueError(message)
+    return number
 
 
 def _check_tiles_divisible(tiling: VideoTiling, world: int) -> None:

@@ -25,7 +25,13 @@ from dataclasses import dataclass
 
 import torch
 
-from vsa_core.validation import check_block_shape, check_int_tensor, check_range
+from vsa_core.validation import (
+    as_int,
+    check_block_shape,
+    check_int_tensor,
+    check_range,
+    check_valid_sizes,
+)
 
 
 @dataclass(frozen=True)
@@ -53,7 +59,9 @@ class KVToQLists:
         num_kv = self.q_counts.shape[-1]
         if width is None:
             width = int(self.q_counts.max()) if self.q_counts.numel() else 0
-        width = max(int(width), 1)
+        else:
+            width = as_int("width", width, 0)
+        width = max(width, 1)
         total = self.q_indices.shape[-1]
         slot = torch.arange(total, device=self.q_indices.device, dtype=torch.int64)
         # Entry i of a (b, h) row belongs to the key block whose offset range holds it.
@@ -172,17 +180,48 @@ class BlockSparseLayout:
         block_shape: tuple[int, int],
         *,
         all_full: bool = False,
+        validate: bool = False,
     ) -> BlockSparseLayout:
         """From ``torch.topk(...).indices`` [B, H, NQ, k] (distinct, unordered): all k kept.
 
         ``all_full=True`` states that every key block is full (see ``kv_blocks_full``); the
-        caller vouches for it (e.g. a tiling without padding)."""
+        caller vouches for it (e.g. a tiling without padding).
+
+        On the hot path (the coarse stage calls it every step), so by default only metadata is
+        checked, without a device sync: integer dtypes, shapes (1 <= k <= NKV), devices and the
+        block shape. ``validate=True`` adds the data checks (indices in [0, NKV) and distinct
+        within a row, valid sizes in [0, kv_block]), which make the host wait for the device.
+        """
+        block_shape = check_block_shape(block_shape)
+        check_int_tensor("topk_indices", topk_indices)
+        if topk_indices.dim() != 4:
+            raise ValueError(
+                "topk_indices must be 4-D [batch, heads, num_q_blocks, k], "
+                f"got shape {tuple(topk_indices.shape)}"
+            )
+        check_valid_sizes(
+            kv_valid_sizes,
+            topk_indices.device,
+            block_shape[1],
+            validate=validate,
+            device_of="topk_indices'",
+        )
+        num_kv, width = kv_valid_sizes.shape[0], topk_indices.shape[-1]
+        if not 1 <= width <= num_kv:
+            raise ValueError(
+                f"topk_indices must hold between 1 and num_kv_blocks = {num_kv} indices per row "
+                f"(its last dim), got shape {tuple(topk_indices.shape)}"
+            )
         kv_indices = torch.sort(topk_indices.to(torch.int32), dim=-1).values
+        if validate:
+            check_range("topk_indices", kv_indices, 0, num_kv - 1)
+            if width > 1 and bool((kv_indices[..., 1:] == kv_indices[..., :-1]).any()):
+                raise ValueError("topk_indices must not repeat a key block within one row")
         counts = torch.full(
             kv_indices.shape[:-1], kv_indices.shape[-1], dtype=torch.int32, device=kv_indices.device
         )
         full = all_full or _full_on_host(kv_valid_sizes, block_shape[1])
-        return cls(kv_indices, counts, kv_valid_sizes.to(torch.int32), tuple(block_shape), 1, full)
+        return cls(kv_indices, counts, kv_valid_sizes.to(torch.int32), block_shape, 1, full)
 
     @classmethod
     def from_indices(
@@ -196,10 +235,12 @@ class BlockSparseLayout:
     ) -> BlockSparseLayout:
         """From user-supplied key lists [B, H, NQ, W] (any order) and counts [B, H, NQ].
 
-        ``kv_counts`` None means every slot is used. The lists are sorted here. With
-        ``validate`` (the default) the data is checked: counts in [0, W], indices in [0, NKV),
-        no duplicates within a list, valid sizes in [0, kv_block]. These checks read device
-        data; pass ``validate=False`` on a hot path once the producer is trusted.
+        ``kv_counts`` None means every slot is used. The lists are sorted here. Metadata is
+        always checked: integer dtypes, shapes (a width W >= 1, at least one key block),
+        devices, the block shape. With ``validate`` (the default) the data is checked too:
+        counts in [0, W], indices in [0, NKV), no duplicates within a list, valid sizes in
+        [0, kv_block]. These checks read device data; pass ``validate=False`` on a hot path
+        once the producer is trusted.
         """
         block_shape = check_block_shape(block_shape)
         check_int_tensor("kv_indices", kv_indices)
@@ -208,24 +249,24 @@ class BlockSparseLayout:
                 f"kv_indices must be 4-D [batch, heads, num_q_blocks, width], "
                 f"got shape {tuple(kv_indices.shape)}"
             )
-        check_int_tensor("kv_valid_sizes", kv_valid_sizes)
-        if kv_valid_sizes.dim() != 1:
+        if kv_indices.shape[-1] == 0:
             raise ValueError(
-                "kv_valid_sizes must be 1-D [num_kv_blocks], "
-                f"got shape {tuple(kv_valid_sizes.shape)}"
+                "kv_indices must have a width (last dim) of at least 1, "
+                f"got shape {tuple(kv_indices.shape)}"
             )
         device = kv_indices.device
+        check_valid_sizes(kv_valid_sizes, device, block_shape[1], validate=validate)
         num_kv, width = kv_valid_sizes.shape[0], kv_indices.shape[-1]
         if kv_counts is None:
             kv_counts = torch.full(kv_indices.shape[:-1], width, dtype=torch.int32, device=device)
         check_int_tensor("kv_counts", kv_counts, kv_indices.shape[:-1])
-        for name, t in (("kv_counts", kv_counts), ("kv_valid_sizes", kv_valid_sizes)):
-            if t.device != device:
-                raise ValueError(f"{name} must be on kv_indices' device {device}, got {t.device}")
+        if kv_counts.device != device:
+            raise ValueError(
+                f"kv_counts must be on kv_indices' device {device}, got {kv_counts.device}"
+            )
         kv_counts = kv_counts.to(torch.int32)
         if validate:
             check_range("kv_counts", kv_counts, 0, width)
-            check_range("kv_valid_sizes", kv_valid_sizes, 0, block_shape[1])
         used = torch.arange(width, device=device) < kv_counts.unsqueeze(-1)
         if validate:
             check_range("kv_indices (selected entries)", kv_indices[used], 0, num_kv - 1)
@@ -252,13 +293,21 @@ class BlockSparseLayout:
     ) -> BlockSparseLayout:
         """From a boolean map [B, H, NQ, NKV] (compatibility and tests only).
 
-        ``width`` defaults to NKV; pass the largest row count to save memory.
+        ``width`` defaults to NKV; pass the largest row count to save memory. Checks data
+        (valid sizes in [0, kv_block], the largest row count), so the host waits for the device.
         """
         block_shape = check_block_shape(block_shape)
         if not isinstance(block_mask, torch.Tensor) or block_mask.dtype != torch.bool:
             raise ValueError(
                 "block_mask must be a bool tensor [batch, heads, num_q_blocks, num_kv_blocks]"
             )
+        check_valid_sizes(
+            kv_valid_sizes,
+            block_mask.device,
+            block_shape[1],
+            validate=True,
+            device_of="block_mask's",
+        )
         if block_mask.dim() != 4 or block_mask.shape[-1] != kv_valid_sizes.shape[0]:
             raise ValueError(
                 "block_mask must have shape [batch, heads, num_q_blocks, "
@@ -266,14 +315,9 @@ class BlockSparseLayout:
                 f"got {tuple(block_mask.shape)}"
             )
         num_kv = block_mask.shape[-1]
-        width = num_kv if width is None else width
         counts = block_mask.sum(-1, dtype=torch.int32)
-        largest = int(counts.max()) if counts.numel() else 0
-        if not largest <= width <= num_kv:
-            raise ValueError(
-                f"width must lie in [{largest}, {num_kv}] (largest row count, num_kv_blocks), "
-                f"got {width}"
-            )
+        largest = max(int(counts.max()) if counts.numel() else 0, 1)
+        width = num_kv if width is None else _width(width, largest, num_kv)
         # Stable sort of "not selected" puts the selected blocks first, in ascending order.
         order = torch.sort((~block_mask).to(torch.uint8), dim=-1, stable=True).indices[..., :width]
         used = torch.arange(width, device=block_mask.device) < counts.unsqueeze(-1)
@@ -328,6 +372,10 @@ class BlockSparseLayout:
         A data check (no sync by itself) for backends that pair adjacent query blocks; a layout
         from `refine` already records this in ``q_group_size``.
         """
+        try:
+            group = as_int("group", group, 1)
+        except ValueError:
+            group = 0
         if group < 1 or self.num_q_blocks % group:
             raise ValueError(
                 f"group must be a positive divisor of num_q_blocks={self.num_q_blocks}, got {group}"
@@ -338,6 +386,16 @@ class BlockSparseLayout:
         counts = self.kv_counts.view(*lead, -1, group)
         same_lists = (lists == lists[..., :1, :]).all(-1).all(-1)
         return same_lists & (counts == counts[..., :1]).all(-1)
+
+
+def _width(width: object, largest: int, num_kv: int) -> int:
+    number = as_int("width", width)
+    if not largest <= number <= num_kv:
+        raise ValueError(
+            f"width must lie in [{largest}, {num_kv}] (largest row count, at least 1; "
+            f"num_kv_blocks), got {width!r}"
+        )
+    return number
 
 
 def _full_on_host(kv_valid_sizes: torch.Tensor, kv_block: int) -> bool:

@@ -41,6 +41,8 @@ class VideoTiling:
     """Tiling of a (T, H, W) latent into (t, h, w) tiles.
 
     A value object: two tilings with equal shapes are equal and share cached index tensors.
+    Shapes are three positive integers each (Python, NumPy or 0-d tensor integers; stored as
+    Python ints); floats and bools are refused.
 
     >>> tiling = VideoTiling((21, 30, 52))           # Wan 480p latent, 4x4x4 tiles
     >>> tiling.num_tiles, tiling.seq_len, tiling.padded_len
@@ -116,7 +118,12 @@ class VideoTiling:
 def _canonical(device: torch.device | str) -> torch.device:
     """ "cuda" and "cuda:0" (when current) are one device: give them one cache entry, so that a
     cached tensor is never rebuilt (a host-to-device copy, i.e. a sync) under another name."""
-    device = torch.device(device)
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(
+            f"device must be a torch.device or a device name such as 'cuda', got {device!r}"
+        ) from None
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return device
@@ -131,6 +138,8 @@ def _seq_dim(qkv_format: str) -> int:
 
 
 def _check_seq_len(name: str, x: torch.Tensor, dim: int, expected: int, what: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() != 4:
         raise ValueError(f"{name} must be a 4-D tensor, got shape {tuple(x.shape)}")
     if x.shape[dim] != expected:

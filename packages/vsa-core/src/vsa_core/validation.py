@@ -1,12 +1,22 @@
 """Input checks at the public boundary.
 
-Every check raises ``ValueError`` naming the argument and what was expected. Shape, dtype and
-device checks read only metadata. Checks that read tensor *data* (index ranges, valid sizes) make
-the host wait for the device, so they run only where user data enters and can be switched off.
+Every check raises ``ValueError`` whose message starts with the argument's name and says what
+was expected. Shape, dtype and device checks read only metadata. Checks that read tensor *data*
+(index ranges, valid sizes) make the host wait for the device, so they run only where user data
+enters and can be switched off.
+
+Numbers: wherever the public API takes an integer it accepts a Python ``int``, a NumPy integer
+or a 0-d integer tensor (`as_int`); wherever it takes a float, also a Python ``int``, a NumPy
+number or a 0-d integer or floating tensor (`as_float`). ``bool`` is never a number here, and a
+float is never an integer (``64.5`` and ``64.0`` are both refused, not truncated). Reading a
+0-d CUDA tensor waits for the device; pass Python numbers on a hot path.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -14,38 +24,144 @@ import torch
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def check_positive_triple(name: str, value: Sequence[int]) -> tuple[int, int, int]:
+# ---- numbers ---------------------------------------------------------------------------------
+def _is_bool(value: object) -> bool:
+    # NumPy's bool scalar is ``numpy.bool_`` (NumPy 1) or ``numpy.bool`` (NumPy 2); vsa-core does
+    # not depend on NumPy, so it is recognised by its type's name and module.
+    kind = type(value)
+    return isinstance(value, bool) or (
+        kind.__module__ == "numpy" and kind.__name__ in ("bool_", "bool")
+    )
+
+
+def _integer(value: object) -> int | None:
+    """``value`` as a Python int if it is an integer (see module doc), else None."""
+    if _is_bool(value):
+        return None
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 0 or value.dtype.is_floating_point or value.dtype.is_complex:
+            return None
+        if value.dtype == torch.bool or value.device.type == "meta":
+            return None
+        return int(value.item())
     try:
-        triple = tuple(int(v) for v in value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be three positive integers, got {value!r}") from None
-    if (
-        len(triple) != 3
-        or any(v <= 0 for v in triple)
-        or any(isinstance(v, bool) or int(v) != v for v in value)
-    ):
-        raise ValueError(f"{name} must be three positive integers, got {value!r}")
-    return triple  # type: ignore[return-value]
+        return operator.index(value)  # int, NumPy integers, 0-d NumPy integer arrays
+    except TypeError:
+        return None
+
+
+def _real(value: object) -> float | None:
+    """``value`` as a Python float if it is a real number (see module doc), else None."""
+    if _is_bool(value):
+        return None
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 0 or value.dtype.is_complex or value.dtype == torch.bool:
+            return None
+        if value.device.type == "meta":
+            return None
+        return float(value.item())
+    if isinstance(value, numbers.Real):  # int, float, Fraction, NumPy integers and floats
+        return float(value)
+    dtype = getattr(value, "dtype", None)
+    if getattr(value, "ndim", None) == 0 and getattr(dtype, "kind", None) in ("i", "u", "f"):
+        return float(value)  # a 0-d NumPy array
+    return None
+
+
+def _int_range(lo: int | None, hi: int | None) -> str:
+    if lo is not None and hi is not None:
+        return f"an integer in [{lo}, {hi}]"
+    if lo == 1:
+        return "a positive integer"
+    if lo == 0:
+        return "a non-negative integer"
+    if lo is not None:
+        return f"an integer >= {lo}"
+    if hi is not None:
+        return f"an integer <= {hi}"
+    return "an integer"
+
+
+def as_int(
+    name: str, value: object, lo: int | None = None, hi: int | None = None, *, what: str = ""
+) -> int:
+    """``value`` as a Python int in [lo, hi] (either bound optional), else ``ValueError``.
+
+    Accepts Python ints, NumPy integers and 0-d integer tensors; refuses bools, floats (even
+    integral ones) and everything else. ``what`` explains the bounds in the message, e.g.
+    ``"the number of tiles"``.
+    """
+    number = _integer(value)
+    if number is None or (lo is not None and number < lo) or (hi is not None and number > hi):
+        note = f" ({what})" if what else ""
+        raise ValueError(f"{name} must be {_int_range(lo, hi)}{note}, got {value!r}")
+    return number
+
+
+def as_float(name: str, value: object, *, positive: bool = False, finite: bool = True) -> float:
+    """``value`` as a Python float, else ``ValueError``.
+
+    Accepts Python ints and floats, NumPy integers and floats, and 0-d integer or floating
+    tensors; refuses bools. ``finite`` refuses NaN and infinities, ``positive`` values <= 0.
+    """
+    number = _real(value)
+    bad = number is None or (finite and not math.isfinite(number)) or (positive and not number > 0)
+    if bad:
+        kind = "a positive" if positive else "a"
+        kind += " finite number" if finite else " number"
+        raise ValueError(f"{name} must be {kind}, got {value!r}")
+    return number  # type: ignore[return-value]
+
+
+def check_scale(scale: object, head_dim: int) -> float:
+    """The softmax scale: ``1 / sqrt(head_dim)`` for None, else a positive finite float."""
+    if scale is None:
+        return head_dim**-0.5
+    number = _real(scale)
+    if number is None or not 0 < number < math.inf:
+        raise ValueError(f"scale must be a positive float or None, got {scale!r}")
+    return number
+
+
+def check_topk(topk: object, num_tiles: int) -> int:
+    """``topk`` as a Python int in [1, num_tiles]."""
+    return as_int("topk", topk, 1, num_tiles, what="the number of tiles")
+
+
+def _ints(name: str, value: object, count: int, expected: str) -> tuple[int, ...]:
+    """``count`` positive integers from a sequence (a tuple, list, 1-D tensor or array)."""
+    message = f"{name} must be {expected}, got {value!r}"
+    if isinstance(value, (str, bytes)) or (isinstance(value, torch.Tensor) and value.dim() != 1):
+        raise ValueError(message)
+    try:
+        items = tuple(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise ValueError(message) from None
+    numbers_ = tuple(_integer(v) for v in items)
+    if len(numbers_) != count or any(n is None or n <= 0 for n in numbers_):
+        raise ValueError(message)
+    return numbers_  # type: ignore[return-value]
+
+
+def check_positive_triple(name: str, value: Sequence[int]) -> tuple[int, int, int]:
+    return _ints(name, value, 3, "three positive integers")  # type: ignore[return-value]
 
 
 def check_block_shape(block_shape: Sequence[int]) -> tuple[int, int]:
-    try:
-        pair = tuple(int(v) for v in block_shape)
-    except (TypeError, ValueError):
-        raise ValueError(
-            f"block_shape must be two positive integers (q_block, kv_block), got {block_shape!r}"
-        ) from None
-    if len(pair) != 2 or any(v <= 0 for v in pair):
-        raise ValueError(
-            f"block_shape must be two positive integers (q_block, kv_block), got {block_shape!r}"
-        )
-    return pair  # type: ignore[return-value]
+    return _ints(  # type: ignore[return-value]
+        "block_shape", block_shape, 2, "two positive integers (q_block, kv_block)"
+    )
 
 
+# ---- tensors ---------------------------------------------------------------------------------
 def check_qkv(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qkv_format: str
 ) -> tuple[int, int, int, int, int]:
-    """Check q/k/v agree; return (batch, q_len, kv_len, heads, head_dim)."""
+    """Check q/k/v agree; return (batch, q_len, kv_len, heads, head_dim).
+
+    Degenerate sizes: zero heads, a zero head dim or an empty sequence raise here, before any
+    kernel; an empty batch passes (the ops answer it with `empty_batch_result`).
+    """
     if qkv_format not in ("bshd", "bhsd"):
         raise ValueError(f"qkv_format must be 'bshd' or 'bhsd', got {qkv_format!r}")
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -78,7 +194,36 @@ def check_qkv(
         )
     if v.shape[3] != q.shape[3]:
         raise ValueError(f"v must have q's head dim {q.shape[3]}, got {v.shape[3]}")
+    fmt = qkv_format.upper()
+    for name, t, dim, what in (
+        ("q", q, head_dim_, "at least one head"),
+        ("q", q, 3, "a head dim of at least 1"),
+        ("q", q, seq_dim, "at least one token"),
+        ("k", k, seq_dim, "at least one token"),
+    ):
+        if t.shape[dim] == 0:
+            raise ValueError(f"{name} must have {what} (dim {dim} of {fmt}), got {tuple(t.shape)}")
     return q.shape[0], q.shape[seq_dim], k.shape[seq_dim], q.shape[head_dim_], q.shape[3]
+
+
+def empty_batch_result(q: torch.Tensor, *inputs: torch.Tensor | None) -> torch.Tensor:
+    """An op's output for an empty batch: zeros shaped like q (its format, dtype, device).
+
+    With autograd it depends on q and on every other tensor in ``inputs`` that requires grad,
+    so that gradients (all zero, of the inputs' shapes) flow back as for a non-empty batch.
+    """
+    out = torch.zeros_like(q)
+    live = [t for t in (q, *inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if live and torch.is_grad_enabled():
+        out = out + sum(t.sum() for t in live) * 0
+    return out
+
+
+def empty_batch_lse(q: torch.Tensor, heads: int, q_len: int) -> torch.Tensor:
+    """`block_sparse_attn`'s lse [0, heads, q_len] for an empty batch (float64 for float64 q,
+    else float32)."""
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return torch.empty(0, heads, q_len, dtype=dtype, device=q.device)
 
 
 def check_int_tensor(name: str, t: torch.Tensor, shape: tuple[int, ...] | None = None) -> None:
@@ -88,6 +233,31 @@ def check_int_tensor(name: str, t: torch.Tensor, shape: tuple[int, ...] | None =
         raise ValueError(f"{name} must be an integer tensor, got {t.dtype}")
     if shape is not None and tuple(t.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+
+
+def check_valid_sizes(
+    kv_valid_sizes: torch.Tensor,
+    device: torch.device,
+    kv_block: int,
+    *,
+    validate: bool,
+    name: str = "kv_valid_sizes",
+    device_of: str = "kv_indices'",
+) -> None:
+    """Valid sizes of key blocks: a non-empty 1-D integer tensor on ``device``; with
+    ``validate`` (a data check, syncs) every value in [0, kv_block]."""
+    check_int_tensor(name, kv_valid_sizes)
+    if kv_valid_sizes.dim() != 1 or kv_valid_sizes.shape[0] == 0:
+        raise ValueError(
+            f"{name} must be a non-empty 1-D tensor [num_kv_blocks], "
+            f"got shape {tuple(kv_valid_sizes.shape)}"
+        )
+    if kv_valid_sizes.device != device:
+        raise ValueError(
+            f"{name} must be on {device_of} device {device}, got {kv_valid_sizes.device}"
+        )
+    if validate:
+        check_range(name, kv_valid_sizes, 0, kv_block)
 
 
 def check_range(name: str, t: torch.Tensor, low: int, high: int) -> None:
