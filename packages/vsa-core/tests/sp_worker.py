@@ -11,9 +11,13 @@ CPU, gloo (what tests/test_distributed.py launches, one process per rank)::
     python sp_worker.py --init-file /tmp/store --rank 0 --world-size 2 &
     python sp_worker.py --init-file /tmp/store --rank 1 --world-size 2
 
-GPUs, NCCL, bf16 against the single-GPU op (what tests/test_distributed_gpu.py launches)::
+GPUs, NCCL, bf16 against the single-GPU op (what tests/test_distributed_gpu.py launches);
+``--suite gpu`` means CUDA and NCCL unless ``--device cpu`` says otherwise::
 
     torchrun --standalone --nproc-per-node=2 sp_worker.py --suite gpu
+
+Each rank's first line says what runs: ``rank R: <process-group backend>, world W, <device>,
+backend <fine backend>`` (e.g. ``rank 0: nccl, world 2, cuda:0, backend auto``).
 """
 
 from __future__ import annotations
@@ -222,17 +226,21 @@ def run_error_checks(check: Checker, device: torch.device) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--suite", choices=("cpu", "gpu"), default="cpu")
-    p.add_argument("--device", choices=("cpu", "cuda"), help="default: the suite's")
+    p.add_argument(
+        "--device", choices=("cpu", "cuda"), help="default: the suite's (cpu: cpu, gpu: cuda)"
+    )
     p.add_argument("--backend", default=None, help="fine backend (cpu: reference; gpu: auto)")
     p.add_argument("--init-file", help="file:// rendezvous (with --rank); default env://")
     p.add_argument("--rank", type=int)
     p.add_argument("--world-size", type=int)
     args = p.parse_args(argv)
 
-    device_type = args.device or args.suite
+    device_type, pg_backend = choose_runtime(args.suite, args.device)
     backend = args.backend or ("reference" if args.suite == "cpu" else "auto")
-    pg_backend = "nccl" if device_type == "cuda" else "gloo"
     if device_type == "cuda":
+        if not torch.cuda.is_available():
+            print("sp_worker: --suite gpu / --device cuda needs a CUDA device", file=sys.stderr)
+            return 2
         local_rank = int(os.environ.get("LOCAL_RANK", args.rank or 0))
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
@@ -247,7 +255,10 @@ def main(argv: list[str] | None = None) -> int:
     check = Checker(dist.get_rank())
     try:
         cases = CPU_CASES if args.suite == "cpu" else GPU_CASES
-        check.log(f"{pg_backend}, world {dist.get_world_size()}, {device}, backend {backend}")
+        # The first line: what actually runs (issue 21: the GPU suite once ran gloo on the CPU).
+        check.log(
+            f"{dist.get_backend()}, world {dist.get_world_size()}, {device}, backend {backend}"
+        )
         run_exchange_checks(check, device)
         run_error_checks(check, device)
         world = dist.get_world_size()
@@ -267,6 +278,13 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     check.log("OK")
     return 0
+
+
+def choose_runtime(suite: str, device: str | None) -> tuple[str, str]:
+    """(device type, process-group backend): the suite's device (cpu -> gloo, gpu -> cuda and
+    NCCL) unless ``--device`` overrides it."""
+    device_type = device or {"cpu": "cpu", "gpu": "cuda"}[suite]
+    return device_type, "nccl" if device_type == "cuda" else "gloo"
 
 
 def auto_backend(case: Case, device: torch.device) -> str:

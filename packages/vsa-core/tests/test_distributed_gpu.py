@@ -52,4 +52,7 @@ def test_two_gpus_match_the_single_gpu_op(backend):
     assert result.returncode == 0, result.stdout
     for rank in range(WORLD):
         assert f"rank {rank}: OK" in result.stdout, result.stdout
+        # Issue 21, row 10: this test once ran gloo on the CPU; NCCL on rank r's own GPU now.
+        first = next(ln for ln in result.stdout.splitlines() if ln.startswith(f"rank {rank}: "))
+        assert first == f"rank {rank}: nccl, world {WORLD}, cuda:{rank}, backend {backend}", first
     assert "FAIL" not in result.stdout
