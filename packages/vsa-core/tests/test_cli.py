@@ -108,9 +108,133 @@ def test_demo_small_latent_reports_error_and_mass(capsys):
     assert 4 / 18 < share <= 1  # the coarse stage beats choosing tiles at random
 
 
-def test_demo_rejects_bad_topk():
-    with pytest.raises(SystemExit, match="--topk must lie in"):
-        cli.main(["demo", "--latent", "4", "4", "4", "--topk", "2", "--device", "cpu"])
+def _bad_demo(capsys, argv):
+    """Run ``vsa demo`` with a bad option; return its one stderr line (exit status 2)."""
+    with pytest.raises(SystemExit) as info:
+        cli.main(["demo", *argv])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.endswith("\n") and err.count("\n") == 1, err
+    assert "Traceback" not in err
+    return err.rstrip("\n")
+
+
+def test_demo_rejects_bad_topk(capsys):
+    line = _bad_demo(capsys, ["--latent", "4", "4", "4", "--topk", "2", "--device", "cpu"])
+    assert line == "vsa demo: --topk: an integer in [1, 1] (the number of tiles), got 2"
+
+
+SMALL = ["--latent", "4", "4", "8", "--head-dim", "8", "--heads", "1", "--repeats", "1"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "option", "expected"),
+    [
+        # issue 21, row 9: these used the defaults silently, or ended in a traceback
+        (["--heads", "0"], "--heads", "a positive integer, got '0'"),
+        (["--heads", "-2"], "--heads", "a positive integer, got '-2'"),
+        (["--head-dim", "0"], "--head-dim", "a positive integer, got '0'"),
+        (["--latent", "0", "5", "6"], "--latent", "a positive integer, got '0'"),
+        (["--tile", "0", "4", "4"], "--tile", "a positive integer, got '0'"),
+        (["--device", "foo"], "--device", "cpu, cuda, cuda:N or auto, got 'foo'"),
+        (["--backend", "nope"], "--backend", "one of auto, "),
+        (["--repeats", "0"], "--repeats", "a positive integer, got '0'"),
+        (["--sparsity", "1"], "--sparsity", "a number in [0, 1), got '1'"),
+        (["--sparsity", "nan"], "--sparsity", "a number in [0, 1), got 'nan'"),
+        (["--topk", "0"], "--topk", "a positive integer, got '0'"),
+        (["--topk", "3"], "--topk", "an integer in [1, 2] (the number of tiles), got 3"),
+        (["--seed", "x"], "--seed", "an integer, got 'x'"),
+        (["--heads", "2.5"], "--heads", "a positive integer, got '2.5'"),
+        (["--dtype", "int8"], "--dtype", "invalid choice: 'int8'"),
+        (["--latent", "1", "1"], "--latent", "expected 3 arguments"),
+    ],
+)
+def test_demo_bad_option_is_one_line_and_exit_2(capsys, argv, option, expected):
+    line = _bad_demo(capsys, [*SMALL, *argv])
+    assert line.startswith(f"vsa demo: {option}: {expected}"), line
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_demo_cuda_without_a_gpu(capsys):
+    for name in ("cuda", "cuda:1"):
+        line = _bad_demo(capsys, [*SMALL, "--device", name])
+        assert line == f"vsa demo: --device: cpu or auto: no CUDA device is visible, got {name!r}"
+    line = _bad_demo(capsys, [*SMALL, "--backend", "triton", "--device", "cpu"])
+    assert line.startswith("vsa demo: --backend: a backend that runs torch.float32 on cpu")
+    assert "'triton' cannot run this call: " in line
+
+
+def test_demo_misspelt_env_backend_names_the_variable(capsys, monkeypatch):
+    monkeypatch.setenv("VSA_BACKEND", "refrence")
+    line = _bad_demo(capsys, [*SMALL, "--device", "cpu"])
+    assert line.startswith("vsa demo: VSA_BACKEND: ") and line.endswith("got 'refrence'")
+
+
+def test_demo_one_token_latent_reports_no_nan(capsys):
+    # issue 21, row 9: one token has no spread; its features were NaN, so was "max error"
+    assert cli.main(["demo", "--latent", "1", "1", "1", "--heads", "1", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    accuracy = next(ln for ln in out.splitlines() if "max |error|" in ln)
+    assert "nan" not in accuracy.lower() and "nan" not in out.lower()
+
+
+def test_bad_option_from_the_console_has_no_traceback():
+    result = subprocess.run(
+        [sys.executable, "-m", "vsa_core.cli", "demo", "--heads", "-2", "--device", "cpu"],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 2
+    assert result.stderr == "vsa demo: --heads: a positive integer, got '-2'\n"
+    assert result.stdout == ""
+
+
+def test_version_lists_the_installed_packages(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--version"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out.strip()
+    assert out.startswith("vsa-core 0.1.0")
+    assert out == cli.versions_line()
+
+
+@pytest.mark.parametrize(
+    ("runtime", "driver", "warns", "minor_note"),
+    [
+        ("13.0", (12, 9), True, False),  # a new major version needs a new driver
+        ("12.8", (12, 4), True, True),  # minor version compatibility: run, but not JIT
+        ("12.8", (12, 8), False, False),
+        ("12.8", (13, 0), False, False),
+        (None, (12, 8), False, False),  # a CPU build of torch
+        ("12.8", None, False, False),  # no driver found
+        ("weird", (12, 8), False, False),
+    ],
+)
+def test_driver_warning(runtime, driver, warns, minor_note):
+    text = cli.driver_warning(runtime, driver)
+    assert (text is not None) == warns
+    if warns:
+        assert f"built for CUDA {runtime}" in text
+        assert f"supports CUDA up to {driver[0]}.{driver[1]}" in text
+        assert ("minor version compatibility" in text) == minor_note
+
+
+def test_info_reports_the_driver_and_warns_when_it_is_too_old(capsys, monkeypatch):
+    found = cli.driver_cuda_version()
+    assert found is None or (isinstance(found, tuple) and len(found) == 2)
+    monkeypatch.setattr(cli, "driver_cuda_version", lambda: (12, 2))
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    assert cli.main(["info", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["cuda_driver"] == "12.2" and len(info["warnings"]) == 1
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "CUDA driver: 12.2" in out
+    assert "warning: torch " in out and "built for CUDA 13.0" in out
+    monkeypatch.setattr(cli, "driver_cuda_version", lambda: None)
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "CUDA driver: none found" in out and "warning:" not in out
 
 
 def test_attention_mass_captured_is_one_with_all_tiles_selected():

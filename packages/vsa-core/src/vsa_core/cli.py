@@ -1,18 +1,25 @@
-"""The ``vsa`` command: ``vsa info`` and ``vsa demo``."""
+"""The ``vsa`` command: ``vsa info``, ``vsa demo`` and ``vsa --version``.
+
+A bad option never ends in a traceback: it gives one line on stderr, ``vsa demo: <option>:
+<what was expected>``, and exit status 2 (argparse's convention for usage errors).
+"""
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import math
+import os
 import platform
 import sys
 import time
 from importlib.metadata import PackageNotFoundError, version
+from typing import NoReturn
 
 import torch
 
-from vsa_core.backends import AttentionCall, backend_entries, select_backend
+from vsa_core.backends import OVERRIDE_ENV, AttentionCall, backend_entries, select_backend
 from vsa_core.coarse import pool_tiles, select_topk
 from vsa_core.layout import BlockSparseLayout
 from vsa_core.ops import block_sparse_attn, video_sparse_attn
@@ -23,8 +30,23 @@ THIRD_PARTY = ("torch", "triton", "flash-attn-4", "nvidia-cutlass-dsl")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with every usage error as one line ``<prog>: <option>: <message>`` (exit 2)
+    instead of the usage text and ``error: argument <option>: ...``."""
+
+    def error(self, message: str) -> NoReturn:
+        message = message.removeprefix("argument ")
+        self.exit(2, f"{self.prog}: {message}\n")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="vsa", description="Video Sparse Attention tools")
+    parser = _Parser(prog="vsa", description="Video Sparse Attention tools")
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=versions_line(),
+        help="print the versions of the installed vsa packages and exit",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     info = sub.add_parser("info", help="versions, GPU and the state of every backend")
     info.add_argument("--json", action="store_true", help="print JSON instead of text")
@@ -38,9 +60,65 @@ def main(argv: list[str] | None = None) -> int:
     return run_demo(args)
 
 
+def versions_line() -> str:
+    """``vsa-core 0.1.0, vsa-triton 0.1.0, ...``: the installed ones of our packages."""
+    installed = [(name, _version(name)) for name in OUR_PACKAGES]
+    return ", ".join(f"{name} {ver}" for name, ver in installed if ver is not None)
+
+
 # ---- vsa info --------------------------------------------------------------------------------
+def driver_cuda_version() -> tuple[int, int] | None:
+    """The newest CUDA version the installed NVIDIA driver supports, as (major, minor), or
+    None when no driver is found (a CPU-only machine). Asks the driver itself
+    (``cuDriverGetVersion``, which needs no GPU context), so it works where torch cannot use
+    the GPU, e.g. because the driver is too old for torch's CUDA runtime."""
+    names = {"win32": ("nvcuda.dll",), "darwin": ()}.get(
+        sys.platform, ("libcuda.so.1", "libcuda.so")
+    )
+    for name in names:
+        try:
+            lib = ctypes.CDLL(name)
+            number = ctypes.c_int(0)
+            if lib.cuDriverGetVersion(ctypes.byref(number)) == 0 and number.value > 0:
+                return number.value // 1000, number.value % 1000 // 10
+        except (OSError, AttributeError):
+            continue
+    return None
+
+
+def parse_cuda_version(text: str | None) -> tuple[int, int] | None:
+    """``"12.8"`` -> (12, 8); None for None or anything unreadable."""
+    try:
+        major, minor = str(text).split(".")[:2]
+        return int(major), int(minor)
+    except (TypeError, ValueError):
+        return None
+
+
+def driver_warning(runtime: str | None, driver: tuple[int, int] | None) -> str | None:
+    """Why torch's CUDA runtime ``runtime`` (``torch.version.cuda``) cannot trust a driver
+    that supports CUDA up to ``driver``, or None when it is new enough (or either is unknown,
+    e.g. a CPU build of torch, or no driver)."""
+    needed = parse_cuda_version(runtime)
+    if needed is None or driver is None or driver >= needed:
+        return None
+    have = f"{driver[0]}.{driver[1]}"
+    text = (
+        f"torch {torch.__version__} is built for CUDA {runtime}, but the NVIDIA driver "
+        f"supports CUDA up to {have}: install a driver for CUDA {runtime} or newer, or a "
+        f"torch built for CUDA {have} or older"
+    )
+    if driver[0] == needed[0]:
+        text += (
+            " (within one major version, minor version compatibility may run prebuilt "
+            "kernels, not code compiled at run time such as Triton's)"
+        )
+    return text
+
+
 def collect_info() -> dict:
     """Everything ``vsa info`` reports, as plain data."""
+    driver = driver_cuda_version()
     devices = []
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
@@ -76,6 +154,8 @@ def collect_info() -> dict:
         "packages": {name: _version(name) for name in OUR_PACKAGES},
         "dependencies": {name: _version(name) for name in THIRD_PARTY},
         "torch_cuda": torch.version.cuda,
+        "cuda_driver": None if driver is None else f"{driver[0]}.{driver[1]}",
+        "warnings": [w for w in (driver_warning(torch.version.cuda, driver),) if w],
         "devices": devices,
         "typical_call": "bfloat16, head_dim 128, 64x64 blocks, with gradients, on " + str(device),
         "auto_picks": select_backend(call).name,
@@ -160,6 +240,10 @@ def run_info(as_json: bool = False) -> int:
         print(f"  {name:<20} {ver or 'not installed'}")
     cuda = info["torch_cuda"] or "none (CPU build)"
     print(f"torch CUDA runtime: {cuda}")
+    driver = info["cuda_driver"]
+    print(f"CUDA driver: {driver or 'none found'}")
+    for warning in info["warnings"]:
+        print(f"warning: {warning}")
     if info["devices"]:
         for d in info["devices"]:
             print(f"GPU {d['index']}: {d['name']} ({d['capability']})")
@@ -184,31 +268,88 @@ def _version(dist: str) -> str | None:
 
 
 # ---- vsa demo --------------------------------------------------------------------------------
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"a positive integer, got {text!r}")
+    return value
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"an integer, got {text!r}") from None
+
+
+def _sparsity(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"a number in [0, 1), got {text!r}")
+    return value
+
+
+def _device_name(text: str) -> str:
+    if text in ("auto", "cpu", "cuda") or (text.startswith("cuda:") and text[5:].isdigit()):
+        return text
+    raise argparse.ArgumentTypeError(f"cpu, cuda, cuda:N or auto, got {text!r}")
+
+
+def _backend_name(text: str) -> str:
+    known = sorted(["auto", *backend_entries()])
+    if text not in known:
+        raise argparse.ArgumentTypeError(f"one of {', '.join(known)}, got {text!r}")
+    return text
+
+
 def _add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--latent",
-        type=int,
+        type=_positive_int,
         nargs=3,
         metavar=("T", "H", "W"),
         help="latent shape (default: 9 22 30 on CPU, 21 30 52 = Wan 480p on GPU)",
     )
-    p.add_argument("--tile", type=int, nargs=3, default=(4, 4, 4), metavar=("t", "h", "w"))
-    p.add_argument("--heads", type=int, help="default: 4 on CPU, 12 on GPU")
-    p.add_argument("--head-dim", type=int, help="default: 64 on CPU, 128 on GPU")
+    p.add_argument(
+        "--tile", type=_positive_int, nargs=3, default=(4, 4, 4), metavar=("t", "h", "w")
+    )
+    p.add_argument("--heads", type=_positive_int, help="default: 4 on CPU, 12 on GPU")
+    p.add_argument("--head-dim", type=_positive_int, help="default: 64 on CPU, 128 on GPU")
     p.add_argument(
         "--sparsity",
-        type=float,
+        type=_sparsity,
         default=0.875,
-        help="share of key tiles each query tile skips (default 0.875)",
+        help="share of key tiles each query tile skips, in [0, 1) (default 0.875)",
     )
-    p.add_argument("--topk", type=int, help="key tiles per query tile (overrides --sparsity)")
-    p.add_argument("--backend", default="auto")
-    p.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
+    p.add_argument(
+        "--topk", type=_positive_int, help="key tiles per query tile (overrides --sparsity)"
+    )
+    p.add_argument(
+        "--backend",
+        type=_backend_name,
+        default="auto",
+        help=f"a backend name or auto (default; the {OVERRIDE_ENV} variable may replace it)",
+    )
+    p.add_argument(
+        "--device", type=_device_name, default="auto", help="cpu, cuda, cuda:N or auto (default)"
+    )
     p.add_argument(
         "--dtype", choices=sorted(DTYPES), help="default: float32 on CPU, bfloat16 on GPU"
     )
-    p.add_argument("--repeats", type=int, default=3, help="timed runs after one warm-up")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=_positive_int, default=3, help="timed runs after one warm-up")
+    p.add_argument("--seed", type=_int, default=0)
+
+
+def _demo_error(option: str, expected: str) -> NoReturn:
+    """A bad option found after parsing: one line, exit status 2 (as for argparse's)."""
+    print(f"vsa demo: {option}: {expected}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -220,14 +361,9 @@ def run_demo(args: argparse.Namespace) -> int:
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if on_gpu else torch.float32)
     tiling = VideoTiling(latent, tuple(args.tile))
     n = tiling.num_tiles
-    if args.topk is not None:
-        topk = args.topk
-    else:
-        if not 0 <= args.sparsity < 1:
-            raise SystemExit(f"vsa demo: --sparsity must lie in [0, 1), got {args.sparsity}")
-        topk = max(1, round((1 - args.sparsity) * n))
+    topk = args.topk if args.topk is not None else max(1, round((1 - args.sparsity) * n))
     if not 1 <= topk <= n:
-        raise SystemExit(f"vsa demo: --topk must lie in [1, {n}] (the number of tiles), got {topk}")
+        _demo_error("--topk", f"an integer in [1, {n}] (the number of tiles), got {topk}")
 
     _say(
         f"latent {latent}, tile {tiling.tile_shape}: {n} tiles, {tiling.seq_len} tokens "
@@ -245,7 +381,12 @@ def run_demo(args: argparse.Namespace) -> int:
     layout = select_topk(
         pool_tiles(q, valid), pool_tiles(k, valid), valid, topk, tiling.tile_tokens
     )
-    backend = select_backend(AttentionCall.describe(q, k, v, layout), args.backend)
+    try:
+        backend = select_backend(AttentionCall.describe(q, k, v, layout), args.backend)
+    except ValueError as exc:
+        from_env = args.backend == "auto" and os.environ.get(OVERRIDE_ENV, "").strip()
+        what = f"a backend that runs {dtype} on {device} with {tiling.tile_tokens}-token tiles"
+        _demo_error(OVERRIDE_ENV if from_env else "--backend", f"{what}; {exc}")
     _say(f"backend: {backend.name}")
 
     seconds = _time_op(
@@ -260,7 +401,7 @@ def run_demo(args: argparse.Namespace) -> int:
     ref, _ = block_sparse_attn(*(t.double() for t in (q, k, v)), layout, backend="reference")
     real = tiling.indices(device).nonpad_index
     diff = (out.double() - ref)[:, real]
-    rel_l2 = (diff.norm() / ref[:, real].norm()).item()
+    rel_l2 = (diff.norm() / ref[:, real].norm().clamp(min=1e-300)).item()
     _say(
         f"fine attention vs float64 reference: max |error| {diff.abs().max().item():.2e}, "
         f"relative L2 {rel_l2:.2e}"
@@ -289,7 +430,9 @@ def synthetic_video_qkv(
         field, size=latent, mode="trilinear", align_corners=True
     )
     tokens = field.flatten(2).transpose(1, 2)[0]  # [S, C]
-    tokens = (tokens - tokens.mean(0)) / tokens.std(0)
+    tokens = tokens - tokens.mean(0)
+    if tokens.shape[0] > 1:  # one token has no spread (std would be NaN): leave it at 0
+        tokens = tokens / tokens.std(0).clamp(min=1e-12)
     proj = torch.randn(channels, heads * head_dim, generator=gen) / math.sqrt(channels)
     noise = [torch.randn(tokens.shape[0], heads * head_dim, generator=gen) for _ in range(3)]
     # Matching q/k logits reach about sharpness**2 * sqrt(D) = 9: peaked, not one-hot.
@@ -355,9 +498,14 @@ def _time_op(fn, device: torch.device, repeats: int) -> float:
 def _demo_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit("vsa demo: --device cuda asked for, but no CUDA device is visible")
-    return torch.device(name)
+    device = torch.device(name)
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            _demo_error("--device", f"cpu or auto: no CUDA device is visible, got {name!r}")
+        if device.index is not None and device.index >= count:
+            _demo_error("--device", f"cuda:0 to cuda:{count - 1} ({count} visible), got {name!r}")
+    return device
 
 
 def _say(message: str) -> None:
