@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from vsa_core.backends.custom_ops import register_block_sparse_autograd
+from vsa_core.backends.custom_ops import block_sparse_eager, register_block_sparse_autograd
 from vsa_core.rotation import rotation_width
 from vsa_fa4 import launch
 from vsa_fa4.metadata import (
@@ -145,6 +145,7 @@ def _(
 
 
 register_block_sparse_autograd(block_sparse_fwd, block_sparse_bwd)
+_eager_or_op = block_sparse_eager(block_sparse_fwd, forward_impl, backward_impl)
 
 
 def attention(
@@ -160,12 +161,13 @@ def attention(
     kv_blocks_full: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Block-sparse attention of a logical layout's lists under ``plan`` (BSHD views in and
-    out). Plain tensor ops and the custom op only, so it traces whole under torch.compile.
+    out). Plain tensor ops and the custom op only, so it traces whole under torch.compile; in
+    eager mode the op's functions run without the custom-op dispatcher (`EagerOrOp`).
     ``kv_blocks_full`` (a layout's flag) drops the partial-block mask_mod from the kernels."""
     kv_indices, kv_counts, kv_valid_sizes = physical_lists(
         kv_indices, kv_counts, kv_valid_sizes, plan, q_group_size
     )
-    return block_sparse_fwd(
+    return _eager_or_op(
         q, k, v, kv_indices, kv_counts, kv_valid_sizes, scale, plan.q_tile, plan.kv_tile,
         not kv_blocks_full,
     )  # fmt: skip

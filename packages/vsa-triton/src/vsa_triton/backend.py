@@ -70,9 +70,9 @@ class TritonBackend(Backend):
         layout: BlockSparseLayout,
         scale: float,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        from vsa_triton.ops import block_sparse_fwd
+        from vsa_triton.ops import attention
 
-        return block_sparse_fwd(
+        return attention(
             q, k, v, layout.kv_indices, layout.kv_counts, layout.kv_valid_sizes,
             scale, layout.q_block, layout.kv_block,
         )  # fmt: skip

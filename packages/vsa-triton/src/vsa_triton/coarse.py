@@ -26,6 +26,7 @@ from typing import ClassVar
 
 import torch
 
+from vsa_core.backends.custom_ops import EagerOrOp
 from vsa_core.coarse import CoarseStage
 from vsa_triton.backend import interpreting
 
@@ -60,8 +61,7 @@ def _pooled_like(x: torch.Tensor, num_tiles: int) -> torch.Tensor:
     return x.new_empty((batch, num_tiles, heads, dim))
 
 
-@torch.library.custom_op("vsa_triton::pool_qkv", mutates_args=())
-def pool_qkv(
+def _pool(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid_sizes: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Means of q, k and v ([B, N * T, H, D], tile order) over each tile's real tokens:
@@ -82,14 +82,16 @@ def pool_qkv(
     return tuple(pooled)
 
 
-@pool_qkv.register_fake
+pool_op = torch.library.custom_op("vsa_triton::pool_qkv", _pool, mutates_args=())
+
+
+@pool_op.register_fake
 def _(q, k, v, valid_sizes):
     num_tiles = valid_sizes.shape[0]
     return tuple(_pooled_like(t, num_tiles) for t in (q, k, v))
 
 
-@torch.library.custom_op("vsa_triton::unpool_qkv", mutates_args=())
-def unpool_qkv(
+def _unpool(
     gq: torch.Tensor,
     gk: torch.Tensor,
     gv: torch.Tensor,
@@ -114,7 +116,10 @@ def unpool_qkv(
     return tuple(grads)
 
 
-@unpool_qkv.register_fake
+unpool_op = torch.library.custom_op("vsa_triton::unpool_qkv", _unpool, mutates_args=())
+
+
+@unpool_op.register_fake
 def _(gq, gk, gv, valid_sizes, seq_len):
     batch, _, heads, dim = gq.shape
     return tuple(g.new_empty((batch, seq_len, heads, dim)) for g in (gq, gk, gv))
@@ -126,19 +131,38 @@ def _pool_setup(ctx, inputs, output):
     ctx.seq_len = q.shape[1]
 
 
-def _pool_backward(ctx, gq, gk, gv):
+def _pool_grads(ctx, grads, unpool):
     (valid_sizes,) = ctx.saved_tensors
-    present = next(g for g in (gq, gk, gv) if g is not None)
-    grads = [torch.zeros_like(present) if g is None else g for g in (gq, gk, gv)]
-    dq, dk, dv = unpool_qkv(*grads, valid_sizes, ctx.seq_len)
-    return dq, dk, dv, None
+    present = next(g for g in grads if g is not None)
+    grads = [torch.zeros_like(present) if g is None else g for g in grads]
+    return (*unpool(*grads, valid_sizes, ctx.seq_len), None)
 
 
-pool_qkv.register_autograd(_pool_backward, setup_context=_pool_setup)
+pool_op.register_autograd(
+    lambda ctx, gq, gk, gv: _pool_grads(ctx, (gq, gk, gv), unpool_op), setup_context=_pool_setup
+)
 
 
-@torch.library.custom_op("vsa_triton::select_topk", mutates_args=())
-def select_topk(
+class _PoolFunction(torch.autograd.Function):
+    """`pool_op`'s autograd in eager mode, on the plain functions."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, valid_sizes):
+        output = _pool(q, k, v, valid_sizes)
+        _pool_setup(ctx, (q, k, v, valid_sizes), output)
+        return output
+
+    @staticmethod
+    def backward(ctx, gq, gk, gv):
+        return _pool_grads(ctx, (gq, gk, gv), _unpool)
+
+
+pool_qkv = EagerOrOp(pool_op, _pool, _PoolFunction)
+"""Pool q, k and v (`_pool`): ``torch.ops.vsa_triton.pool_qkv`` under torch.compile, the plain
+functions in eager mode (`vsa_core.backends.custom_ops.EagerOrOp`)."""
+
+
+def _select(
     q_pooled: torch.Tensor, k_pooled: torch.Tensor, valid_sizes: torch.Tensor, topk: int
 ) -> torch.Tensor:
     """[B, H, N, topk] int32: per (batch, head, query tile) the ``topk`` key tiles of highest
@@ -167,10 +191,16 @@ def select_topk(
     return out
 
 
-@select_topk.register_fake
+select_op = torch.library.custom_op("vsa_triton::select_topk", _select, mutates_args=())
+
+
+@select_op.register_fake
 def _(q_pooled, k_pooled, valid_sizes, topk):
     batch, num_tiles, heads, _ = q_pooled.shape
     return q_pooled.new_empty((batch, heads, num_tiles, topk), dtype=torch.int32)
+
+
+select_topk = EagerOrOp(select_op, _select)
 
 
 class TritonCoarse(CoarseStage):

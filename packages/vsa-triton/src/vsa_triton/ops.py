@@ -2,7 +2,8 @@
 
 Registered with `torch.library.custom_op`, with fake (meta) implementations and autograd, so
 that `torch.compile(fullgraph=True)` traces through them and CUDA graphs capture them: nothing
-here reads device data on the host. Triton is imported on first use, not with this module.
+here reads device data on the host. In eager mode the backend calls the same functions without
+the custom-op dispatcher (`attention`). Triton is imported on first use, not with this module.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import math
 
 import torch
 
-from vsa_core.backends.custom_ops import register_block_sparse_autograd
+from vsa_core.backends.custom_ops import block_sparse_eager, register_block_sparse_autograd
 from vsa_core.rotation import rotation_width
 from vsa_triton.config import backward_config, forward_config
 
@@ -41,8 +42,7 @@ def _head_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-@torch.library.custom_op("vsa_triton::fwd", mutates_args=())
-def block_sparse_fwd(
+def forward_impl(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -53,7 +53,8 @@ def block_sparse_fwd(
     q_block: int,
     kv_block: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block-sparse attention forward on [B, S, H, D] views; returns (out, lse [B, H, S])."""
+    """Block-sparse attention forward on [B, S, H, D] views; returns (out, lse [B, H, S]). The
+    body of ``torch.ops.vsa_triton.fwd`` (`block_sparse_fwd`)."""
     q, k, v = (_head_dim_contiguous(t) for t in (q, k, v))
     batch, seq_q, heads, dim = q.shape
     out = torch.empty_like(q)
@@ -97,14 +98,16 @@ def rotate_lists(
     return rotated
 
 
+block_sparse_fwd = torch.library.custom_op("vsa_triton::fwd", forward_impl, mutates_args=())
+
+
 @block_sparse_fwd.register_fake
 def _(q, k, v, kv_indices, kv_counts, kv_valid_sizes, scale, q_block, kv_block):
     batch, seq_q, heads, _ = q.shape
     return torch.empty_like(q), q.new_empty((batch, heads, seq_q), dtype=torch.float32)
 
 
-@torch.library.custom_op("vsa_triton::bwd", mutates_args=())
-def block_sparse_bwd(
+def backward_impl(
     dout: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
@@ -118,7 +121,8 @@ def block_sparse_bwd(
     q_block: int,
     kv_block: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients (dq, dk, dv): dK/dV owned per key block, dQ per query block, no atomics."""
+    """Gradients (dq, dk, dv): dK/dV owned per key block, dQ per query block, no atomics (the
+    body of ``torch.ops.vsa_triton.bwd``)."""
     from vsa_core.layout import transpose_kv_lists
 
     dout, q, k, v, out = (_head_dim_contiguous(t) for t in (dout, q, k, v, out))
@@ -164,12 +168,18 @@ def block_sparse_bwd(
     return dq, dk, dv
 
 
+block_sparse_bwd = torch.library.custom_op("vsa_triton::bwd", backward_impl, mutates_args=())
+
+
 @block_sparse_bwd.register_fake
 def _(dout, q, k, v, out, lse, kv_indices, kv_counts, kv_valid_sizes, scale, q_block, kv_block):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 register_block_sparse_autograd(block_sparse_fwd, block_sparse_bwd)
+attention = block_sparse_eager(block_sparse_fwd, forward_impl, backward_impl)
+"""What the backend calls: ``torch.ops.vsa_triton.fwd`` under torch.compile, its plain
+functions in eager mode (`vsa_core.backends.custom_ops.EagerOrOp`)."""
 
 
 def triton_next_pow2(n: int) -> int:

@@ -7,31 +7,87 @@ returns ``(dq, dk, dv)``, where ``extra`` are further non-tensor arguments of th
 (passed through unchanged). `register_block_sparse_autograd` connects the two: it saves
 what the backward needs and marks ``lse`` non-differentiable (no backend propagates a gradient
 through it, so a gradient there would otherwise be dropped silently).
+
+`EagerOrOp` is how backends call such ops: under ``torch.compile`` the custom op (traceable,
+with its fake implementation), in eager mode the op's plain functions, because the custom-op
+dispatcher costs 30-80 us of host time per call (measured on this project's CPU machines,
+2026-11-30), which a latency-bound caller pays on every layer.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
+
+import torch
 
 NUM_QKV = 3
 NUM_SAVED_INPUTS = 6  # q, k, v, kv_indices, kv_counts, kv_valid_sizes
 
 
+def _save(ctx, inputs, output) -> None:
+    q, k, v, kv_indices, kv_counts, kv_valid_sizes = inputs[:NUM_SAVED_INPUTS]
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, kv_indices, kv_counts, kv_valid_sizes)
+    ctx.attrs = tuple(inputs[NUM_SAVED_INPUTS:])  # scale, q_block, kv_block, *extra
+    ctx.mark_non_differentiable(lse)
+
+
+def _gradients(ctx, dout, backward: Callable) -> tuple:
+    saved = ctx.saved_tensors  # q, k, v, out, lse, kv_indices, kv_counts, kv_valid_sizes
+    dq, dk, dv = backward(dout, *saved, *ctx.attrs)
+    return dq, dk, dv, *([None] * (NUM_SAVED_INPUTS - NUM_QKV + len(ctx.attrs)))
+
+
 def register_block_sparse_autograd(forward_op, backward_op: Callable) -> None:
     """Register autograd for ``forward_op`` (a `torch.library.custom_op`) via ``backward_op``."""
 
-    def setup_context(ctx, inputs, output):
-        q, k, v, kv_indices, kv_counts, kv_valid_sizes = inputs[:NUM_SAVED_INPUTS]
-        out, lse = output
-        ctx.save_for_backward(q, k, v, out, lse, kv_indices, kv_counts, kv_valid_sizes)
-        ctx.attrs = tuple(inputs[NUM_SAVED_INPUTS:])  # scale, q_block, kv_block, *extra
-        ctx.mark_non_differentiable(lse)
-
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse, kv_indices, kv_counts, kv_valid_sizes = ctx.saved_tensors
-        dq, dk, dv = backward_op(
-            dout, q, k, v, out, lse, kv_indices, kv_counts, kv_valid_sizes, *ctx.attrs
-        )
-        return dq, dk, dv, *([None] * (NUM_SAVED_INPUTS - NUM_QKV + len(ctx.attrs)))
+        return _gradients(ctx, dout, backward_op)
 
-    forward_op.register_autograd(backward, setup_context=setup_context)
+    forward_op.register_autograd(backward, setup_context=_save)
+
+
+class EagerOrOp:
+    """Call a custom op, or in eager mode its plain functions (same results, less host time).
+
+    ``op`` is the `torch.library.custom_op`; ``forward`` its body; ``function`` an optional
+    `torch.autograd.Function` that runs ``forward`` with the op's gradient (used when an input
+    requires grad; None for ops without one). Under ``torch.compile`` (dynamo tracing) the op
+    itself runs, so graphs see one opaque, traceable node."""
+
+    def __init__(
+        self, op: Any, forward: Callable, function: type[torch.autograd.Function] | None = None
+    ) -> None:
+        self.op, self.forward, self.function = op, forward, function
+
+    def __call__(self, *args: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return self.op(*args)
+        if self.function is not None and _needs_grad(args):
+            return self.function.apply(*args)
+        return self.forward(*args)
+
+
+def _needs_grad(args: tuple) -> bool:
+    return torch.is_grad_enabled() and any(
+        isinstance(a, torch.Tensor) and a.requires_grad for a in args
+    )
+
+
+def block_sparse_eager(forward_op, forward_impl: Callable, backward_impl: Callable) -> EagerOrOp:
+    """`EagerOrOp` of a block-sparse forward op (see module doc) whose eager backward calls
+    ``backward_impl`` directly."""
+
+    class BlockSparseFunction(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *inputs):
+            output = forward_impl(*inputs)
+            _save(ctx, inputs, output)
+            return output
+
+        @staticmethod
+        def backward(ctx, dout, _dlse):
+            return _gradients(ctx, dout, backward_impl)
+
+    return EagerOrOp(forward_op, forward_impl, BlockSparseFunction)
