@@ -7,6 +7,10 @@ decides what to benchmark; it times, checks, describes the machine and writes re
 
 - `time_fn`: median of N repetitions, CUDA events on a GPU (warm-up excluded), perf_counter on
   the CPU; an optional per-repetition ``setup`` runs outside the timed region.
+- `time_interleaved` / `time_paced` / `time_views`: arms timed call by call in alternation
+  (`interleaved_turns`, the order rotated per round); `time_views` gives each arm's
+  back-to-back (device throughput) and one-call-then-synchronize (latency) times and the host
+  time to issue one call.
 - `masked_attention_reference`: float32 attention (and its gradients) under a block mask, by
   query-row chunks, written independently of vsa-core: the correctness gate's ground truth.
 - `gate_check`: finite, and max abs error under max(1e-2, 8 x the input dtype's rounding floor).
@@ -65,6 +69,7 @@ DISTRIBUTIONS = (
     "vsa-triton",
     "vsa-fa4",
     "flash-attn-4-vsa",
+    "fastvideo-kernel",
     "matplotlib",
 )
 ENV_NAMES = (
@@ -280,36 +285,139 @@ def time_interleaved(
     each call's time (events around ``fn``, the setup's work enqueued before the start event)
     is its device time, its host cost hidden as long as the host keeps ahead of the device.
     """
+    interleaved_turns(arms, device, rounds=warmup, record=False)
+    done = interleaved_turns(arms, device, rounds=max(1, reps))
+    return {name: [t.device_ms for t in turns] for name, turns in done.items()}
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One arm's turn in a round of `interleaved_turns`, per call: ``device_ms`` between the
+    CUDA events around the turn's calls (perf_counter on the CPU), ``host_ms`` the wall clock
+    from the first call to the last one's return (no synchronization inside)."""
+
+    device_ms: float
+    host_ms: float
+
+
+def interleaved_turns(
+    arms: dict[str, tuple[Callable[[Any], Any], Callable[[], Any] | None]],
+    device: torch.device,
+    *,
+    rounds: int,
+    calls: int | dict[str, int] = 1,
+    synchronized: bool = False,
+    record: bool = True,
+) -> dict[str, list[Turn]]:
+    """``rounds`` rounds in which every arm takes one turn, the order rotated by one per round.
+
+    ``arms`` maps a name to ``(fn, setup)``. A turn makes ``calls`` calls ``fn(setup())`` of its
+    arm (an int, or per arm name) between two CUDA events (perf_counter marks on the CPU), the
+    setups made before the start event; its `Turn` is per call (divided by ``calls``). With
+    ``synchronized`` the device is synchronized before the start event and after the end event
+    of every turn (nothing of another arm runs inside it, and host time before the first kernel
+    launch counts in full); without, nothing synchronizes until the end (the host runs ahead
+    and device time is what the events measure). Returns every recorded turn per arm, in order
+    (empty lists with ``record=False``: warm-up rounds).
+    """
     names = list(arms)
-
-    def rounds(count: int, record: bool) -> list[tuple[str, Any, Any]]:
-        done = []
-        for i in range(count):
-            for name in names[i % len(names) :] + names[: i % len(names)]:
-                fn, setup = arms[name]
-                state = setup() if setup is not None else None
-                if device.type == "cuda":
-                    start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-                    start.record()
-                    fn(state)
-                    end.record()
-                else:
-                    start = time.perf_counter()
-                    fn(state)
-                    end = time.perf_counter()
-                if record:
-                    done.append((name, start, end))
-                del state
-        return done
-
-    rounds(warmup, record=False)
-    done = rounds(max(1, reps), record=True)
+    done: list[tuple[str, int, Any, Any, float]] = []
+    for i in range(max(0, rounds)):
+        for name in names[i % len(names) :] + names[: i % len(names)]:
+            fn, setup = arms[name]
+            n = max(1, calls[name] if isinstance(calls, dict) else calls)
+            states = [setup() if setup is not None else None for _ in range(n)]
+            if synchronized:
+                synchronize(device)
+            if device.type == "cuda":
+                start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+                start.record()
+            h0 = time.perf_counter()
+            for state in states:
+                fn(state)
+            h1 = time.perf_counter()
+            if device.type == "cuda":
+                end.record()
+            else:
+                start, end = h0, h1
+            if synchronized:
+                synchronize(device)
+            if record:
+                done.append((name, n, start, end, h1 - h0))
+            del states
     synchronize(device)
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for name, start, end in done:
+    turns: dict[str, list[Turn]] = {name: [] for name in names}
+    for name, n, start, end, host_s in done:
         ms = float(start.elapsed_time(end)) if device.type == "cuda" else (end - start) * 1e3
-        times[name].append(ms)
-    return times
+        turns[name].append(Turn(ms / n, host_s * 1e3 / n))
+    return turns
+
+
+@dataclass
+class ArmViews:
+    """One arm's times from `time_views` (ms per call)."""
+
+    back_to_back: Timing
+    once: Timing
+    host: Timing
+    calls_per_turn: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "back_to_back": self.back_to_back.as_dict(),
+            "once": self.once.as_dict(),
+            "host": self.host.as_dict(),
+            "calls_per_turn": self.calls_per_turn,
+        }
+
+
+def time_views(
+    runners: dict[str, Runner],
+    device: torch.device,
+    settings: TimingSettings,
+    *,
+    max_calls: int = 10,
+    turn_ms: float = 20.0,
+) -> dict[str, ArmViews]:
+    """Every runner timed in alternation with the others (`interleaved_turns`), in two views.
+
+    - ``once`` (latency): one call per turn, synchronized before and after; CUDA events around
+      the call, so host time before its first kernel launch shows up in full. ``host``: the
+      wall clock of those same calls from the call to its return (no synchronization inside),
+      the time the host needs to issue one call.
+    - ``back_to_back`` (device throughput): each turn makes N calls between two CUDA events,
+      nothing synchronizes, the host runs ahead; time per call = elapsed / N. N is enough calls
+      for about ``turn_ms`` of the arm's own once-time, at least 1, at most ``max_calls``.
+
+    After ``settings.warmup`` unrecorded rounds, one synchronized round estimates each arm's
+    time; the rounds of each view are then capped so that both views together take about
+    ``settings.budget_s`` per arm (never fewer than 3 rounds, at most ``settings.reps``). The
+    once rounds run first, then one unrecorded back-to-back round refills the queue.
+    """
+    arms = {name: (r.run, r.setup) for name, r in runners.items()}
+    interleaved_turns(arms, device, rounds=settings.warmup, record=False)
+    estimate = interleaved_turns(arms, device, rounds=1, synchronized=True)
+    est_ms = {name: max(turns[0].device_ms, 1e-6) for name, turns in estimate.items()}
+    calls = {name: max(1, min(max_calls, math.ceil(turn_ms / ms))) for name, ms in est_ms.items()}
+    round_s = sum(ms * (1 + calls[name]) for name, ms in est_ms.items()) / 1e3
+    reps = reps_within_budget(settings.reps, settings.budget_s * len(arms), round_s)
+    once = interleaved_turns(arms, device, rounds=reps, synchronized=True)
+    interleaved_turns(arms, device, rounds=1, calls=calls, record=False)
+    b2b = interleaved_turns(arms, device, rounds=reps, calls=calls)
+    warmed = settings.warmup + 1
+
+    def timing(times: list[float]) -> Timing:
+        return Timing(statistics.median(times), min(times), max(times), reps, warmed, times)
+
+    return {
+        name: ArmViews(
+            back_to_back=timing([t.device_ms for t in b2b[name]]),
+            once=timing([t.device_ms for t in once[name]]),
+            host=timing([t.host_ms for t in once[name]]),
+            calls_per_turn=calls[name],
+        )
+        for name in arms
+    }
 
 
 def peak_extra_mib(fn: Callable[[], Any], device: torch.device) -> float | None:

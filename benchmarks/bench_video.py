@@ -7,18 +7,34 @@ tile (4,4,4), D=128, at 87.5% and 90% sparsity (top-k = round((1 - sparsity) * t
 baseline is FA4 ``flash_attn_func`` when available, else PyTorch SDPA (cuDNN, else flash), on
 the real (unpadded) tokens.
 
-Reported per cell: op and dense median times, speedup, the padding-limited ideal speedup
-((real tokens / padded tokens)^2 / kept fraction) and the fraction of it reached, the time of
-the op's pieces (pool_tiles x3, coarse_attention, select_topk, fine attention) and the share of
-coarse+select in the op, and the peak GPU memory of op vs dense (max_memory_allocated beyond
-what was allocated before the call; forward under no_grad, forward+backward including grads).
+Arms (--arms): our op with each fine backend named (auto, fa4, triton, reference, ...), and
+FastVideo's published op (`fastvideo_arm.py`: ``fastvideo``, its Triton composition, and
+``fastvideo_tk``, its ThunderKittens sm_90 kernels where its compiled extension loads), all on
+the same inputs; dense is always there. All arms of one cell are timed call by call in
+alternation (round robin, the order rotated per round: `bench_common.time_views`), in two
+views: back to back (N calls of an arm between two CUDA events, nothing synchronized, the host
+runs ahead: device throughput) and once (CUDA events around one call, then a synchronize, the
+median over calls: latency, with the host time before the first kernel launch in full), plus
+the host time to issue one call (wall clock from the call to its return, no synchronization).
 
-Correctness gates, before timing: the op's output (and q/k/v gradients) on real tokens against
+Reported per cell and arm: both times, the host time, the speedup over dense in both views,
+the padding-limited ideal speedup ((real tokens / padded tokens)^2 / kept fraction) and the
+fraction of it reached, the time of our op's pieces (pool_tiles x3, coarse_attention,
+select_topk, fine attention; timed apart, back to back) and the share of coarse+select, and
+the peak GPU memory against dense's (max_memory_allocated beyond what was allocated before the
+call; forward under no_grad, forward+backward including grads).
+
+Correctness gates, before timing: our op's output (and q/k/v gradients) on real tokens against
 a float32 composition of the same stages on the same selection (vsa-core's reference fine
-attention); the dense baseline's output on 128 sampled query rows against float32 attention,
-its gradients for finiteness. On a CPU it runs the reference backend on a tiny latent.
+attention); FastVideo's against the float32 composition on its own selection (its pooling and
+top-k functions on its inputs), with a relative-L2 fallback recorded as such; the dense
+baseline's output on 128 sampled query rows against float32 attention, its gradients for
+finiteness. An arm that fails its gate is not timed. On a CPU it runs the reference backend on
+a tiny latent.
 
     python benchmarks/bench_video.py --out results/bench_video.json
+    python benchmarks/bench_video.py --shapes wan480p --arms auto fa4 triton fastvideo \
+        --sparsities 0.875 --out results/bench_video_arms.json
 
 Sequence parallel (--sequence-parallel, under torchrun): every rank runs vsa-core's Ulysses
 `sequence_parallel_video_sparse_attn` on its tile-aligned slice of the sequence (NCCL on GPUs,
@@ -54,8 +70,9 @@ if __package__ in (None, ""):
 
 import bench_common as bc
 import bench_vsa
+import fastvideo_arm as fva
 
-from vsa_core import VideoTiling, block_sparse_attn, video_sparse_attn
+from vsa_core import BlockSparseLayout, VideoTiling, block_sparse_attn, video_sparse_attn
 from vsa_core.backends import AttentionCall, get_backend, select_backend
 from vsa_core.coarse import coarse_attention, pool_tiles, select_topk
 from vsa_core.distributed import (
@@ -77,12 +94,37 @@ GPU_DEFAULTS = {
     "warmup": 3,
     "reps": 10,
     "budget_s": 3.0,
+    "b2b_calls": 10,
 }
-CPU_DEFAULTS = {"shapes": ["tiny"], "head_dim": 32, "warmup": 1, "reps": 3, "budget_s": 1.0}
+CPU_DEFAULTS = {
+    "shapes": ["tiny"],
+    "head_dim": 32,
+    "warmup": 1,
+    "reps": 3,
+    "budget_s": 1.0,
+    "b2b_calls": 2,
+}
 DENSE_SAMPLE_ROWS = 128
+DENSE = "dense"  # the dense baseline's arm name
 
-KEY_FIELDS = ("shape", "heads", "sparsity", "mode")
-VALUE_FIELDS = (
+KEY_FIELDS = ("shape", "heads", "sparsity", "mode", "arm")
+VALUE_FIELDS = ("b2b_ms", "once_ms", "host_ms", "peak_mib", "pool_ms", "coarse_ms", "select_ms",
+                "fine_ms")  # fmt: skip
+DERIVED_FIELDS = (
+    "dense_b2b_ms",
+    "dense_once_ms",
+    "dense_peak_mib",
+    "speedup_b2b",
+    "speedup_once",
+    "fraction_of_ideal_b2b",
+    "fraction_of_ideal_once",
+    "coarse_select_ms",
+    "coarse_select_share",
+    "peak_mem_ratio",
+)
+# The sequence-parallel run's records: one per cell (the single-GPU op, dense and the SP op).
+SP_KEY_FIELDS = ("shape", "heads", "sparsity", "mode")
+SP_VALUE_FIELDS = (
     "op_ms",
     "dense_ms",
     "pool_ms",
@@ -144,9 +186,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="fractions of key tiles skipped (default: 0.875 0.9)",
     )
     g.add_argument(
+        "--arms",
+        nargs="+",
+        default=["auto"],
+        metavar="ARM",
+        help="the arms besides dense, timed in alternation: our op with a fine backend (auto, "
+        "fa4, triton, reference, ...), fastvideo (FastVideo's Triton composition), fastvideo_tk "
+        "(its ThunderKittens sm_90 kernels); default: auto",
+    )
+    g.add_argument(
         "--backend",
-        default="auto",
-        help="fine-attention backend: auto, reference, triton, fa4, ... (default auto)",
+        dest="arms",
+        type=lambda name: [name],
+        default=argparse.SUPPRESS,
+        help="one fine backend of our op alone: the same as --arms NAME",
     )
     g.add_argument(
         "--modes",
@@ -184,7 +237,30 @@ def build_parser() -> argparse.ArgumentParser:
     t = p.add_argument_group("timing")
     t.add_argument("--warmup", type=int, help="default 3 (CPU: 1)")
     t.add_argument("--reps", type=int, help="timed calls, at most (default 10; CPU: 3)")
-    t.add_argument("--budget-s", type=float, help="about this many seconds per timing (default 3)")
+    t.add_argument(
+        "--budget-s",
+        type=float,
+        help="about this many seconds of timed calls per arm and cell, both views together, "
+        "and per piece (default 3)",
+    )
+    t.add_argument(
+        "--b2b-calls",
+        type=int,
+        help="back-to-back view: at most this many calls of an arm between two CUDA events "
+        "(default 10; CPU: 2)",
+    )
+    t.add_argument(
+        "--b2b-turn-ms",
+        type=float,
+        default=20.0,
+        help="back-to-back view: enough calls per turn for about this many ms of the arm's own "
+        "time (default 20)",
+    )
+    t.add_argument(
+        "--no-pieces",
+        action="store_true",
+        help="do not time our op's pieces (pool, coarse, select, fine) apart",
+    )
     t.add_argument(
         "--time-budget-min",
         type=float,
@@ -203,7 +279,7 @@ class Config:
     batch: int
     tile: tuple[int, int, int]
     sparsities: list[float]
-    backend: str
+    arms: list[str]
     modes: list[str]
     dense: str
     coarse_gate: bool
@@ -217,6 +293,14 @@ class Config:
     replica_timeout_s: float
     sequence_parallel: bool = False
     fa4_variant: tuple[str, ...] = ()
+    b2b_calls: int = 10
+    b2b_turn_ms: float = 20.0
+    pieces: bool = True
+
+    @property
+    def backend(self) -> str:
+        """The one fine backend of a sequence-parallel run (its only arm)."""
+        return self.arms[0]
 
     def fa4_variant_context(self) -> contextlib.AbstractContextManager[Any]:
         """Around each op cell: the fa4 forwards' variant (`--fa4-variant`), if any."""
@@ -235,7 +319,7 @@ class Config:
             "batch": self.batch,
             "tile": list(self.tile),
             "sparsities": self.sparsities,
-            "backend": self.backend,
+            "arms": self.arms,
             "modes": self.modes,
             "dense": self.dense,
             "coarse_gate": self.coarse_gate,
@@ -248,7 +332,10 @@ class Config:
             "fa4_variant": list(self.fa4_variant),
         }
         if self.sequence_parallel:
-            fields["sequence_parallel"] = True
+            fields.update(sequence_parallel=True, backend=self.backend)
+        else:
+            fields.update(b2b_calls=self.b2b_calls, b2b_turn_ms=self.b2b_turn_ms,
+                          pieces=self.pieces)  # fmt: skip
         return fields
 
 
@@ -268,6 +355,13 @@ def make_config(args: argparse.Namespace, device: torch.device) -> Config:
     if any(m == "bwd" for m in args.modes):
         raise SystemExit("bench_video runs fwd and fwd+bwd (the op's backward needs its forward)")
     sp = bool(args.sequence_parallel)
+    arms = list(dict.fromkeys(args.arms))
+    if sp and (len(arms) != 1 or arms[0] in fva.ARMS or arms[0] == DENSE):
+        raise SystemExit("--sequence-parallel runs one fine backend of our op: --arms NAME")
+    if DENSE in arms:
+        raise SystemExit("dense always runs (--dense picks it): leave it out of --arms")
+    if args.b2b_calls is not None and args.b2b_calls < 1:
+        raise SystemExit("--b2b-calls must be at least 1")
     if args.dtype is not None:
         dtype = bc.DTYPES[args.dtype]
     else:  # sequence parallel on a CPU: float32, so that its gate is tight
@@ -278,7 +372,7 @@ def make_config(args: argparse.Namespace, device: torch.device) -> Config:
         batch=args.batch,
         tile=tuple(args.tile),
         sparsities=list(dict.fromkeys(args.sparsities)),
-        backend=args.backend,
+        arms=arms,
         modes=list(dict.fromkeys(args.modes)),
         dense=args.dense,
         coarse_gate=not args.no_coarse_gate,
@@ -292,6 +386,9 @@ def make_config(args: argparse.Namespace, device: torch.device) -> Config:
         replica_timeout_s=args.replica_timeout_s,
         sequence_parallel=sp,
         fa4_variant=_checked_fa4_variant(args.fa4_variant),
+        b2b_calls=pick("b2b_calls"),
+        b2b_turn_ms=args.b2b_turn_ms,
+        pieces=not args.no_pieces,
     )
 
 
@@ -306,8 +403,43 @@ def ideal_speedup(tokens_real: int, tokens_padded: int, kept_fraction: float) ->
     return (tokens_real / tokens_padded) ** 2 / kept_fraction
 
 
+def _num(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def cell_key(rec: dict[str, Any]) -> tuple[Any, ...]:
+    return tuple(rec.get(f) for f in SP_KEY_FIELDS)
+
+
+def derive_arms(results: list[dict[str, Any]]) -> None:
+    """Each arm against the dense arm of its cell (in place): dense's times from the same
+    rounds and the speedup over it in both views, the fraction of the ideal speedup reached,
+    our op's coarse+select share (of its back-to-back time) and the peak memory ratio."""
+    dense = {cell_key(r): r for r in results if r.get("arm") == DENSE and r.get("status") == "ok"}
+    for r in results:
+        if r.get("status") != "ok":
+            continue
+        pieces = [r.get(k) for k in ("pool_ms", "coarse_ms", "select_ms")]
+        if all(_num(p) for p in pieces) and _num(r.get("b2b_ms")):
+            r["coarse_select_ms"] = sum(pieces)
+            r["coarse_select_share"] = r["coarse_select_ms"] / r["b2b_ms"]
+        base = dense.get(cell_key(r))
+        if base is None or r.get("arm") == DENSE:
+            continue
+        for view in ("b2b", "once"):
+            mine, theirs = r.get(f"{view}_ms"), base.get(f"{view}_ms")
+            if _num(mine) and _num(theirs) and mine > 0:
+                r[f"dense_{view}_ms"] = theirs
+                r[f"speedup_{view}"] = theirs / mine
+                r[f"fraction_of_ideal_{view}"] = r[f"speedup_{view}"] / r["ideal_speedup"]
+        r["dense_peak_mib"] = base.get("peak_mib")
+        if _num(r.get("peak_mib")) and _num(r["dense_peak_mib"]) and r["dense_peak_mib"] > 0:
+            r["peak_mem_ratio"] = r["peak_mib"] / r["dense_peak_mib"]
+
+
 def derive(rec: dict[str, Any]) -> None:
-    """Speedup, fraction of ideal, coarse+select share, memory ratio (in place)."""
+    """A sequence-parallel run's cell: speedup, fraction of ideal, coarse+select share,
+    memory ratio of its single-GPU op (in place)."""
     op, dense = rec.get("op_ms"), rec.get("dense_ms")
     if rec.get("status") == "ok" and isinstance(op, (int, float)):
         pieces = [rec.get(k) for k in ("pool_ms", "coarse_ms", "select_ms")]
@@ -334,6 +466,10 @@ class OpInputs:
 
 
 def make_op_inputs(cfg: Config, tiling: VideoTiling, heads: int, device: torch.device) -> OpInputs:
+    """Random tile-order inputs, padding slots included (no arm may read them, except as zeros:
+    FastVideo's get them zeroed), and an output gradient that is zero at the padding slots, as
+    in a model that drops the padding after the op (so no arm's key gradients depend on what
+    the padding rows' outputs are)."""
     gen = torch.Generator().manual_seed(cfg.seed * 7919 + tiling.padded_len * 31 + heads)
     shape = (cfg.batch, tiling.padded_len, heads, cfg.head_dim)
 
@@ -342,14 +478,29 @@ def make_op_inputs(cfg: Config, tiling: VideoTiling, heads: int, device: torch.d
 
     q, k, v, dout = rand(), rand(), rand(), rand()
     gate = rand() if cfg.coarse_gate else None
+    valid = tiling.valid_sizes(device)
+    real = torch.arange(tiling.tile_tokens, device=device) < valid.view(-1, 1)
+    dout = torch.where(real.view(1, -1, 1, 1), dout, dout.new_zeros(()))
     return OpInputs(q, k, v, gate, dout, cfg.head_dim**-0.5)
 
 
-def attn_runner(inputs: OpInputs, mode: str, attn: Callable[..., Any]) -> bc.Runner:
-    """``attn(q, k, v, coarse_gate=gate, scale=scale)`` on ``inputs`` as a runner of ``mode``
-    (the gradients: dq, dk, dv and, with a gate, dgate)."""
+def op_leaves(inputs: OpInputs, mode: str) -> list[torch.Tensor]:
+    """q, k, v (and the gate) as the leaves of ``mode`` (copies that require grad, except in
+    fwd); runners may share them, since each call takes its gradients with autograd.grad."""
     tensors = [inputs.q, inputs.k, inputs.v] + ([inputs.gate] if inputs.gate is not None else [])
-    leaves = bc.make_leaves(tensors, mode, lambda t: t)
+    return bc.make_leaves(tensors, mode, lambda t: t)
+
+
+def attn_runner(
+    inputs: OpInputs,
+    mode: str,
+    attn: Callable[..., Any],
+    leaves: list[torch.Tensor] | None = None,
+) -> bc.Runner:
+    """``attn(q, k, v, coarse_gate=gate, scale=scale)`` on ``inputs`` as a runner of ``mode``
+    (the gradients: dq, dk, dv and, with a gate, dgate), on ``leaves`` (`op_leaves`, made here
+    when None)."""
+    leaves = op_leaves(inputs, mode) if leaves is None else leaves
     scale = inputs.scale
 
     def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *gate: torch.Tensor) -> Any:
@@ -379,24 +530,40 @@ def _checked_fa4_variant(options: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def op_runner(
-    inputs: OpInputs, tiling: VideoTiling, topk: int, backend: str, mode: str
+    inputs: OpInputs,
+    tiling: VideoTiling,
+    topk: int,
+    backend: str,
+    mode: str,
+    leaves: list[torch.Tensor] | None = None,
 ) -> bc.Runner:
     attn = partial(video_sparse_attn, tiling=tiling, topk=topk, backend=backend, validate=False)
-    return attn_runner(inputs, mode, attn)
+    return attn_runner(inputs, mode, attn, leaves)
+
+
+def op_selection(inputs: OpInputs, tiling: VideoTiling, topk: int) -> BlockSparseLayout:
+    """The op's own selection: the top-k of its coarse scores (torch path)."""
+    valid = tiling.valid_sizes(inputs.q.device)
+    with torch.no_grad():
+        q_pooled, k_pooled = pool_tiles(inputs.q, valid), pool_tiles(inputs.k, valid)
+        return select_topk(q_pooled, k_pooled, valid, topk, tiling.tile_tokens)
 
 
 def op_reference(
-    inputs: OpInputs, tiling: VideoTiling, topk: int, need_grads: bool
+    inputs: OpInputs,
+    tiling: VideoTiling,
+    topk: int,
+    need_grads: bool,
+    layout: BlockSparseLayout | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Float32 composition of the op on the op's own selection (the same bf16 coarse scores,
-    hence the same top-k): reference fine attention + coarse attention, combined."""
+    """Float32 composition of the op on ``layout`` (default: the op's own selection, from the
+    same bf16 pooled tiles, hence the same top-k): reference fine attention + coarse attention
+    over the real tokens, combined with the gate."""
     device = inputs.q.device
     valid = tiling.valid_sizes(device)
     tile_tokens = tiling.tile_tokens
-    with torch.no_grad():
-        layout = select_topk(
-            pool_tiles(inputs.q, valid), pool_tiles(inputs.k, valid), valid, topk, tile_tokens
-        )
+    if layout is None:
+        layout = op_selection(inputs, tiling, topk)
     q32, k32, v32 = (
         t.detach().float().requires_grad_(need_grads) for t in (inputs.q, inputs.k, inputs.v)
     )
@@ -419,9 +586,10 @@ def op_reference(
 
 
 def piece_runners(
-    inputs: OpInputs, tiling: VideoTiling, topk: int, backend: str, mode: str
+    inputs: OpInputs, tiling: VideoTiling, topk: int, backends: Sequence[str], mode: str
 ) -> dict[str, bc.Runner]:
-    """The op's stages as separate runners: pool (q, k, v), coarse, select, fine."""
+    """The op's stages as separate runners: pool (q, k, v), coarse, select, and the fine
+    attention of each backend (``fine:NAME``)."""
     device = inputs.q.device
     valid = tiling.valid_sizes(device)
     tile_tokens, scale = tiling.tile_tokens, inputs.scale
@@ -432,17 +600,18 @@ def piece_runners(
     def select(_: Any) -> dict[str, torch.Tensor]:
         return {"indices": select_topk(pooled[0], pooled[1], valid, topk, tile_tokens).kv_indices}
 
-    def fine(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return block_sparse_attn(q, k, v, layout, backend=backend, scale=scale)[0]
-
     def coarse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return coarse_attention(q, k, v, valid, scale)
 
     runners = {"select": bc.Runner(select)}
     qkv = (inputs.q, inputs.k, inputs.v)
-    runners["fine"] = bc.autograd_runner(
-        fine, bc.make_leaves(qkv, mode, lambda t: t), inputs.dout, mode
-    )
+    fine_leaves = bc.make_leaves(qkv, mode, lambda t: t)
+    for backend in dict.fromkeys(backends):
+
+        def fine(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: str = backend) -> Any:
+            return block_sparse_attn(q, k, v, layout, backend=b, scale=scale)[0]
+
+        runners[f"fine:{backend}"] = bc.autograd_runner(fine, fine_leaves, inputs.dout, mode)
     d_pooled = torch.randn_like(pooled[0])
     runners["coarse"] = bc.autograd_runner(
         coarse, bc.make_leaves(pooled, mode, lambda t: t), d_pooled, mode
@@ -494,11 +663,12 @@ def dense_arms(choice: str, device: torch.device) -> list[bench_vsa.Arm]:
     return {"fa4": [fa4], "sdpa": [sdpa]}.get(choice, [fa4, sdpa])
 
 
-def run_dense(
+def prepare_dense(
     cfg: Config, shape: Shape, tokens: int, mode: str, device: torch.device
-) -> dict[str, Any]:
+) -> tuple[bc.Runner | None, dict[str, Any]]:
     """Dense attention on the real tokens: the first arm that is available and passes its
-    gate is timed. Returns a record with dense_ms, dense_peak_mib, the arm and its gate."""
+    gate. Returns (its runner, fields naming the arm, its gate and the arms passed over), or
+    (None, fields saying why none could run)."""
     gen = torch.Generator().manual_seed(cfg.seed * 7919 + tokens * 17 + shape.heads + 1)
     dims = (cfg.batch, tokens, shape.heads, cfg.head_dim)
     q, k, v, dout = (
@@ -531,23 +701,38 @@ def run_dense(
             if not gate.passed:
                 tried.append(f"{arm.name}: failed its gate ({gate.reason})")
                 continue
-            timing = bc.time_runner(runner, device, cfg)
-            return {
+            fields = {
                 "dense_status": "ok",
                 "dense_arm": arm.name,
                 "dense_info": runner.info,
                 "dense_gate": gate.as_dict(),
-                "dense_ms": timing.median_ms,
-                "dense_timing": timing.as_dict(),
-                "dense_peak_mib": bc.peak_extra_mib(runner.once, device),
                 "dense_tried": tried,
             }
+            return runner, fields
         except Exception as exc:
             tried.append(f"{arm.name}: {bc.error_text(exc, 500)}")
+            runner = None
             bc.recover_after_error(device)
-        finally:
-            del runner
-    return {"dense_status": "unavailable", "dense_tried": tried}
+    return None, {"dense_status": "unavailable", "dense_tried": tried}
+
+
+def run_dense(
+    cfg: Config, shape: Shape, tokens: int, mode: str, device: torch.device
+) -> dict[str, Any]:
+    """`prepare_dense`, then its arm timed on its own (the sequence-parallel run's baseline):
+    a record with dense_ms, dense_peak_mib, the arm and its gate."""
+    runner, fields = prepare_dense(cfg, shape, tokens, mode, device)
+    if runner is None:
+        return fields
+    try:
+        timing = bc.time_runner(runner, device, cfg)
+        fields.update(dense_ms=timing.median_ms, dense_timing=timing.as_dict(),
+                      dense_peak_mib=bc.peak_extra_mib(runner.once, device))  # fmt: skip
+    except Exception as exc:
+        fields["dense_tried"].append(f"{fields.pop('dense_arm')}: {bc.error_text(exc, 500)}")
+        fields["dense_status"] = "unavailable"
+        bc.recover_after_error(device)
+    return fields
 
 
 # ---- the run --------------------------------------------------------------------------------
@@ -570,61 +755,260 @@ def base_record(cfg: Config, shape: Shape, tiling: VideoTiling, sparsity: float,
         "tokens_real": tiling.seq_len,
         "tokens_padded": tiling.padded_len,
         "ideal_speedup": ideal_speedup(tiling.seq_len, tiling.padded_len, kept),
-        "backend": cfg.backend,
         "coarse_gate": cfg.coarse_gate,
         "status": None,
     }
 
 
-def run_op_cell(
-    cfg: Config,
-    rec: dict[str, Any],
-    inputs: OpInputs,
-    tiling: VideoTiling,
-    device: torch.device,
-    log: Callable[[str], None],
-) -> None:
-    """Gate, time, measure and split one op cell into ``rec`` (in place); never raises."""
-    mode, topk = rec["mode"], rec["topk"]
-    fine, why = resolve_fine_backend(cfg.backend, device, cfg.dtype, cfg.head_dim, tiling, mode)
+def arm_kind(name: str) -> str:
+    return DENSE if name == DENSE else ("fastvideo" if name in fva.ARMS else "vsa")
+
+
+class ArmFailed(Exception):
+    """An arm's call raised while the arms were timed together."""
+
+    def __init__(self, arm: str, exc: BaseException) -> None:
+        super().__init__(f"{arm}: {bc.error_text(exc)}")
+        self.arm, self.cause = arm, exc
+
+
+def _tagged(name: str, runner: bc.Runner) -> bc.Runner:
+    """``runner`` whose calls raise `ArmFailed` naming ``name``."""
+
+    def run(state: Any) -> Any:
+        try:
+            return runner.run(state)
+        except Exception as exc:
+            raise ArmFailed(name, exc) from exc
+
+    return bc.Runner(run, runner.setup, runner.info)
+
+
+@dataclass
+class CellContext:
+    """What every arm of one cell shares."""
+
+    cfg: Config
+    inputs: OpInputs
+    tiling: VideoTiling
+    topk: int
+    mode: str
+    device: torch.device
+    log: Callable[[str], None]
+
+    @property
+    def wanted(self) -> tuple[str, ...]:
+        return ("out",) if self.mode == "fwd" else ("out", "dq", "dk", "dv")
+
+    def gate(
+        self, runner: bc.Runner, ref: dict[str, torch.Tensor]
+    ) -> tuple[bc.GateResult, dict[str, torch.Tensor]]:
+        """One call of ``runner`` against ``ref`` on the real tokens; returns (the gate, the
+        outputs checked)."""
+        outputs = runner.once()
+        bc.synchronize(self.device)
+        got = {n: outputs[n] for n in self.wanted}
+        rows = self.tiling.indices(self.device).nonpad_index
+        return bc.gate_check(got, ref, self.cfg.dtype, rows=rows), got
+
+
+def gate_our_arm(
+    ctx: CellContext, rec: dict[str, Any], name: str, shared: dict[str, Any]
+) -> bc.Runner | None:
+    """Our op with backend ``name``: resolved, gated against the float32 composition on its
+    selection (computed once per cell in ``shared``); its runner, or None (``rec`` says why)."""
+    cfg = ctx.cfg
+    fine, why = resolve_fine_backend(name, ctx.device, cfg.dtype, cfg.head_dim, ctx.tiling,
+                                     ctx.mode)  # fmt: skip
     rec["fine_backend"] = fine
     if fine is None:
         rec.update(status="skipped", reason=why)
-        return
-    runner = None
-    try:
-        log("gate")
-        need_grads = mode != "fwd"
-        ref = op_reference(inputs, tiling, topk, need_grads)
-        runner = op_runner(inputs, tiling, topk, fine, mode)
-        outputs = runner.once()
-        bc.synchronize(device)
-        wanted = ("out", "dq", "dk", "dv") if need_grads else ("out",)
-        rows = tiling.indices(device).nonpad_index
-        gate = bc.gate_check({n: outputs[n] for n in wanted}, ref, cfg.dtype, rows=rows)
-        del outputs, ref
-        rec["op_gate"] = gate.as_dict()
-        if not gate.passed:
+        return None
+    ctx.log(f"{name}: gate")
+    if "reference" not in shared:
+        shared["reference"] = op_reference(ctx.inputs, ctx.tiling, ctx.topk, ctx.mode != "fwd",
+                                           shared["layout"])  # fmt: skip
+    if "leaves" not in shared:
+        shared["leaves"] = op_leaves(ctx.inputs, ctx.mode)
+    runner = op_runner(ctx.inputs, ctx.tiling, ctx.topk, fine, ctx.mode, shared["leaves"])
+    gate, _ = ctx.gate(runner, shared["reference"])
+    rec["gate"] = gate.as_dict()
+    if not gate.passed:
+        rec.update(status="failed", reason=f"correctness gate: {gate.reason}")
+        return None
+    return runner
+
+
+def compare_selection(theirs: torch.Tensor, ours: BlockSparseLayout) -> dict[str, Any]:
+    """How a [B, H, N, N] bool selection differs from our op's."""
+    mine = ours.to_block_mask()
+    counts = theirs.sum(-1)
+    return {
+        "rows": int(counts.numel()),
+        "rows_identical_to_ours": float((mine == theirs).all(-1).float().mean()),
+        "tiles_differing_per_row": float((mine != theirs).sum(-1).float().mean() / 2),
+        "count_min": int(counts.min()),
+        "count_max": int(counts.max()),
+    }
+
+
+def gate_fastvideo_arm(
+    ctx: CellContext,
+    rec: dict[str, Any],
+    name: str,
+    pkg: fva.Package | None,
+    shared: dict[str, Any],
+) -> bc.Runner | None:
+    """FastVideo's arm ``name`` on our inputs (converted once), gated against the float32
+    composition on its own selection (`fastvideo_arm.selection`); where the max-abs gate fails
+    but the relative L2 errors of `bench_common.match_check` (bf16: 1e-2 out, 2e-2 gradients)
+    pass, it is timed with ``gate_level`` saying so. Its runner, or None (``rec`` says why)."""
+    why = fva.NOT_INSTALLED if pkg is None else pkg.why_not(name)
+    if pkg is not None:
+        rec["fastvideo"] = {**pkg.info, "unavailable": pkg.unavailable,
+                            "tk_unavailable": pkg.tk_unavailable}  # fmt: skip
+    tile = ctx.tiling.tile_tokens
+    if why is None and tile != fva.BLOCK:
+        why = f"FastVideo's Triton / ThunderKittens path takes {fva.BLOCK}-token tiles, not {tile}"
+    if why is None and ctx.inputs.scale != ctx.cfg.head_dim**-0.5:
+        why = "FastVideo's op has no scale argument (it uses 1/sqrt(D))"
+    if why is not None:
+        rec.update(status="skipped", reason=why)
+        return None
+    assert pkg is not None
+    ctx.log(f"{name}: gate (its own selection)")
+    inputs, device = ctx.inputs, ctx.device
+    valid = ctx.tiling.valid_sizes(device)
+    prepared = fva.prepare(pkg, name, inputs.q, inputs.k, inputs.v, inputs.gate, inputs.dout,
+                           valid, ctx.tiling.tile_shape, ctx.topk, ctx.mode)  # fmt: skip
+    rec["info"] = prepared.runner.info
+    mask = fva.selection(pkg, prepared, ctx.topk)
+    rec["selection"] = compare_selection(mask, shared["layout"])
+    width = max(1, rec["selection"]["count_max"])
+    layout = BlockSparseLayout.from_block_mask(mask, valid, (tile, tile), width=width)
+    del mask
+    ref = op_reference(inputs, ctx.tiling, ctx.topk, ctx.mode != "fwd", layout)
+    gate, got = ctx.gate(prepared.runner, ref)
+    rec["gate"] = gate.as_dict()
+    rec["gate_level"] = "max_abs"
+    if not gate.passed:
+        rows = ctx.tiling.indices(device).nonpad_index
+        loose = bc.match_check(got, ref, ctx.cfg.dtype, rows=rows)
+        rec["gate_rel_l2"] = loose.as_dict()
+        if not loose.passed:
             rec.update(status="failed", reason=f"correctness gate: {gate.reason}")
-            return
-        log("time op")
-        timing = bc.time_runner(runner, device, cfg)
-        rec["op_ms"] = timing.median_ms
-        rec["op_timing"] = timing.as_dict()
-        rec["op_peak_mib"] = bc.peak_extra_mib(runner.once, device)
-        del runner
-        runner = None
-        log("time pieces")
-        pieces = piece_runners(inputs, tiling, topk, fine, mode)
-        for name, piece in pieces.items():
-            rec[f"{name}_ms"] = bc.time_runner(piece, device, cfg).median_ms
-        del pieces
-        rec["status"] = "ok"
+            return None
+        rec["gate_level"] = f"rel_l2 only (max-abs gate failed: {gate.reason})"
+    return prepared.runner
+
+
+def time_arms(
+    ctx: CellContext, recs: dict[str, dict[str, Any]], runners: dict[str, bc.Runner]
+) -> None:
+    """The gated arms timed together in alternation (`bench_common.time_views`), then each
+    one's peak memory, into ``recs``. An arm whose call raises is reported as an error and the
+    others are timed again without it."""
+    timed = {name: _tagged(name, r) for name, r in runners.items()}
+    while timed:
+        ctx.log(f"time {', '.join(timed)} in alternation")
+        try:
+            views = bc.time_views(timed, ctx.device, ctx.cfg, max_calls=ctx.cfg.b2b_calls,
+                                  turn_ms=ctx.cfg.b2b_turn_ms)  # fmt: skip
+            break
+        except ArmFailed as exc:
+            recs[exc.arm].update(status="error", **bc.error_fields(exc.cause))
+            del timed[exc.arm]
+            bc.recover_after_error(ctx.device)
+    else:
+        return
+    for name, view in views.items():
+        recs[name].update(
+            status="ok",
+            b2b_ms=view.back_to_back.median_ms,
+            once_ms=view.once.median_ms,
+            host_ms=view.host.median_ms,
+            b2b_calls=view.calls_per_turn,
+            timing=view.as_dict(),
+        )
+        try:
+            recs[name]["peak_mib"] = bc.peak_extra_mib(runners[name].once, ctx.device)
+        except Exception as exc:
+            recs[name]["peak_mib_error"] = bc.error_text(exc, 500)
+            bc.recover_after_error(ctx.device)
+
+
+def time_pieces(ctx: CellContext, recs: dict[str, dict[str, Any]], shared: dict[str, Any]) -> None:
+    """Our op's pieces timed apart (back to back), once per cell and fine backend, into the
+    records of our arms that were timed."""
+    ours = [n for n, r in recs.items() if r["arm_kind"] == "vsa" and r["status"] == "ok"]
+    if not ours or not ctx.cfg.pieces:
+        return
+    ctx.log("time pieces")
+    fines = [recs[n]["fine_backend"] for n in ours]
+    try:
+        pieces = piece_runners(ctx.inputs, ctx.tiling, ctx.topk, fines, ctx.mode)
+        times = {n: bc.time_runner(p, ctx.device, ctx.cfg).median_ms for n, p in pieces.items()}
     except Exception as exc:
-        rec.update(status="error", **bc.error_fields(exc))
-        bc.recover_after_error(device)
-    finally:
-        del runner
+        for n in ours:
+            recs[n]["pieces_error"] = bc.error_text(exc, 500)
+        bc.recover_after_error(ctx.device)
+        return
+    for n in ours:
+        fine = times[f"fine:{recs[n]['fine_backend']}"]
+        recs[n].update(pool_ms=times["pool"], coarse_ms=times["coarse"],
+                       select_ms=times["select"], fine_ms=fine)  # fmt: skip
+
+
+def run_cell(
+    ctx: CellContext,
+    base: dict[str, Any],
+    dense: tuple[bc.Runner | None, dict[str, Any]],
+    fastvideo: fva.Package | None,
+) -> list[dict[str, Any]]:
+    """Every arm of one cell, dense first, then ``--arms`` in their order: each gated (our
+    arms, then FastVideo's), the gated ones timed together (`time_arms`), our op's pieces
+    apart; one record per arm. Never raises."""
+    names = [DENSE, *ctx.cfg.arms]
+    recs = {n: {**base, "arm": n, "arm_kind": arm_kind(n), "status": None} for n in names}
+    runners: dict[str, bc.Runner] = {}
+    dense_runner, dense_fields = dense
+    recs[DENSE].update(dense_fields)
+    if dense_runner is None:
+        tried = "; ".join(dense_fields.get("dense_tried") or [])
+        recs[DENSE].update(status="skipped", reason=f"no dense arm could run: {tried}")
+    else:
+        runners[DENSE] = dense_runner
+    shared: dict[str, Any] = {}
+    order = [n for n in ctx.cfg.arms if n not in fva.ARMS]
+    order += [n for n in ctx.cfg.arms if n in fva.ARMS]  # our float32 reference freed by then
+    try:
+        shared["layout"] = op_selection(ctx.inputs, ctx.tiling, ctx.topk)
+        for name in order:
+            if name in fva.ARMS:
+                shared.pop("reference", None)
+            try:
+                if name in fva.ARMS:
+                    runner = gate_fastvideo_arm(ctx, recs[name], name, fastvideo, shared)
+                else:
+                    runner = gate_our_arm(ctx, recs[name], name, shared)
+            except Exception as exc:
+                recs[name].update(status="error", **bc.error_fields(exc))
+                bc.recover_after_error(ctx.device)
+                continue
+            if runner is not None:
+                runners[name] = runner
+        shared.pop("reference", None)
+        time_arms(ctx, recs, runners)
+        time_pieces(ctx, recs, shared)
+    except Exception as exc:  # outside any one arm (the selection): every arm not yet done
+        for rec in recs.values():
+            if rec["status"] is None:
+                rec.update(status="error", **bc.error_fields(exc))
+        bc.recover_after_error(ctx.device)
+    for rec in recs.values():
+        if rec["status"] is None:  # gated but never timed (another arm's failure)
+            rec.update(status="error", reason="not timed")
+    return [recs[n] for n in names]
 
 
 def cell_label(number: int, total: int, shape: Shape, sparsity: float, mode: str) -> str:
@@ -642,34 +1026,50 @@ def run_benchmark(
     total = len(cfg.shapes) * len(cfg.modes) * len(cfg.sparsities)
     results: list[dict[str, Any]] = []
     started = time.monotonic()
+    fastvideo = None
+    if any(name in fva.ARMS for name in cfg.arms):
+        fastvideo = fva.probe(device)
+        found = fastvideo.unavailable or (
+            f"{fastvideo.info.get('version')}, ThunderKittens: "
+            f"{fastvideo.tk_unavailable or 'loads'}"
+        )
+        bc.log(f"fastvideo-kernel: {found}", replica=replica)
+    cells = 0
     for shape in cfg.shapes:
         tiling = VideoTiling(shape.latent, cfg.tile)
         inputs: OpInputs | None = None
         for mode in cfg.modes:
-            dense: dict[str, Any] | None = None
+            dense: tuple[bc.Runner | None, dict[str, Any]] | None = None
             for sparsity in cfg.sparsities:
-                rec = base_record(cfg, shape, tiling, sparsity, mode)
-                label = cell_label(len(results) + 1, total, shape, sparsity, mode)
+                cells += 1
+                base = base_record(cfg, shape, tiling, sparsity, mode)
+                label = cell_label(cells, total, shape, sparsity, mode)
 
                 def log(step: str, label: str = label) -> None:
                     bc.log(f"{label}: {step}", replica=replica)
 
                 if bc.budget_spent(cfg.time_budget_min, started):
-                    bc.mark_not_run(rec, cfg.time_budget_min)
+                    recs = [{**base, "arm": n, "arm_kind": arm_kind(n)}
+                            for n in [DENSE, *cfg.arms]]  # fmt: skip
+                    for rec in recs:
+                        bc.mark_not_run(rec, cfg.time_budget_min)
                 else:
                     if dense is None:
-                        log(f"dense baseline on {tiling.seq_len} real tokens")
-                        dense = run_dense(cfg, shape, tiling.seq_len, mode, device)
-                    rec.update(dense)
+                        log(f"dense baseline on {tiling.seq_len} real tokens: gate")
+                        dense = prepare_dense(cfg, shape, tiling.seq_len, mode, device)
                     if inputs is None:
                         inputs = make_op_inputs(cfg, tiling, shape.heads, device)
+                    ctx = CellContext(cfg, inputs, tiling, base["topk"], mode, device, log)
                     with cfg.fa4_variant_context():
-                        run_op_cell(cfg, rec, inputs, tiling, device, log)
-                derive(rec)
-                results.append(rec)
-                log(summary_line(rec))
+                        recs = run_cell(ctx, base, dense, fastvideo)
+                results.extend(recs)
+                derive_arms(recs)
+                for rec in recs:
+                    log(arm_summary(rec))
                 if on_result is not None:
                     on_result(results)
+            del dense
+            bc.recover_after_error(device)
         del inputs
         bc.recover_after_error(device)
     return results
@@ -865,7 +1265,7 @@ def run_sequence_parallel(
             dense: dict[str, Any] | None = None
             for sparsity in cfg.sparsities:
                 rec = base_record(cfg, shape, tiling, sparsity, mode)
-                rec.update(world_size=world, process_group=process_group)
+                rec.update(backend=cfg.backend, world_size=world, process_group=process_group)
                 label = cell_label(len(results) + 1, total, shape, sparsity, mode)
                 label += f", {world} ranks"
 
@@ -906,6 +1306,22 @@ def run_sequence_parallel(
     return results
 
 
+def arm_summary(rec: dict[str, Any]) -> str:
+    """One arm's progress line."""
+    name = rec["arm"]
+    if rec.get("fine_backend") and rec["fine_backend"] != name:
+        name += f" ({rec['fine_backend']})"
+    if rec["status"] != "ok":
+        return f"{name}: {rec['status']}: {bc.first_line(rec.get('reason'), 200)}"
+    text = (
+        f"{name}: back to back {rec['b2b_ms']:.3f} ms, once {rec['once_ms']:.3f} ms, "
+        f"host {rec['host_ms']:.3f} ms"
+    )
+    if "speedup_once" in rec:
+        text += f"; over dense {rec['speedup_b2b']:.2f}x / {rec['speedup_once']:.2f}x"
+    return text
+
+
 def summary_line(rec: dict[str, Any]) -> str:
     if rec["status"] != "ok":
         return f"{rec['status']}: {bc.first_line(rec.get('reason'), 200)}"
@@ -932,71 +1348,147 @@ def _fmt(value: Any, spec: str, suffix: str = "") -> str:
     return "" if not isinstance(value, (int, float)) else f"{value:{spec}}{suffix}"
 
 
+def _latent(r: dict[str, Any]) -> str:
+    return "x".join(str(x) for x in r["latent"])
+
+
+def _sparsity(r: dict[str, Any]) -> str:
+    return f"{r['sparsity'] * 100:g}% (k={r['topk']}/{r['num_tiles']})"
+
+
+def _status(r: dict[str, Any], limit: int = 200) -> str:
+    status = r["status"] if r["status"] == "ok" else f"{r['status']}: {r.get('reason', '')}"
+    return bc.first_line(status, limit)
+
+
+def _gate_word(r: dict[str, Any]) -> str:
+    gate = r.get("gate") or r.get("dense_gate")
+    if not gate:
+        return ""
+    if not gate.get("passed") and r.get("gate_level", "").startswith("rel_l2"):
+        return "rel-L2 only"
+    return "pass" if gate.get("passed") else "fail"
+
+
+def speedup_table(results: list[dict[str, Any]], arms: list[str]) -> str:
+    """One row per cell: dense's times, each arm's speedup over dense (once / back to back)
+    and the ideal."""
+    headers = ["latent", "heads", "sparsity", "mode", "dense ms once / b2b", *arms, "ideal"]
+    cells: dict[tuple[Any, ...], dict[str, dict[str, Any]]] = {}
+    for r in results:
+        cells.setdefault(cell_key(r), {})[r["arm"]] = r
+    rows = []
+    for by_arm in cells.values():
+        first = next(iter(by_arm.values()))
+        dense = by_arm.get(DENSE, {})
+        dense_text = dense.get("status") or ""
+        if dense.get("status") == "ok":
+            dense_text = f"{dense['once_ms']:.2f} / {dense['b2b_ms']:.2f}"
+        row = [_latent(first), first["heads"], _sparsity(first), first["mode"], dense_text]
+        for name in arms:
+            r = by_arm.get(name)
+            if r is None:
+                row.append("")
+            elif "speedup_once" in r:
+                text = f"{r['speedup_once']:.2f}x / {r['speedup_b2b']:.2f}x"
+                if r.get("fine_backend") and r["fine_backend"] != name:
+                    text += f" ({r['fine_backend']})"
+                row.append(text)
+            else:
+                row.append(r["status"] if r["status"] != "ok" else "ok, no dense")
+        row.append(_fmt(first.get("ideal_speedup"), ".2f", "x"))
+        rows.append(row)
+    return bc.markdown_table(headers, rows)
+
+
 def render_markdown(doc: dict[str, Any]) -> str:
     meta, cfg, results = doc["metadata"], doc["config"], doc["results"]
     dev = meta["device"]
+    arms = list(cfg.get("arms") or [])
     lines = [
-        "# bench_video: video_sparse_attn vs dense attention",
+        "# bench_video: video_sparse_attn and FastVideo vs dense attention",
         "",
         f"- device: {dev.get('name')} ({dev.get('type')}), driver "
         f"{meta['driver'].get('driver_version')}",
         f"- date (UTC): {meta['date_utc']}; seed {meta['seed']}",
         f"- command: `{meta['command']}`",
         f"- tile {tuple(cfg['tile'])}, D={cfg['head_dim']}, B={cfg['batch']}, {cfg['dtype']}, "
-        f"coarse gate: {cfg['coarse_gate']}; fine backend requested: {cfg['backend']}"
-        + _variant_note(cfg),
-        "- speedup = dense time / op time; ideal = (real/padded tokens)^2 / kept fraction; "
-        "coarse+select = pool_tiles x3 + coarse_attention + select_topk, timed apart; "
-        "peak = max_memory_allocated beyond the inputs",
+        f"coarse gate: {cfg['coarse_gate']}; arms: dense, {', '.join(arms)}" + _variant_note(cfg),
+        "- all arms of a cell timed call by call in alternation (order rotated per round), "
+        "medians over the rounds. **once** = CUDA events around one call, then a synchronize "
+        "(latency; host time before the first kernel launch included); **b2b** = back to back, "
+        f"N calls of an arm (enough for ~{cfg.get('b2b_turn_ms')} ms, at most "
+        f"{cfg.get('b2b_calls')}) between two CUDA events, nothing synchronized, ms per call "
+        "(device throughput); **host** = wall clock from the call to its return, no sync",
+        "- speedup = dense time / arm time, same view, same rounds; ideal = (real/padded "
+        "tokens)^2 / kept fraction; coarse+select = pool_tiles x3 + coarse_attention + "
+        "select_topk timed apart, share of the b2b time; peak = max_memory_allocated beyond "
+        "the inputs",
+        "",
+        "## Speedup over dense (once / back to back)",
+        "",
+        speedup_table(results, arms),
+        "",
+        "## Every arm",
         "",
     ]
-    headers = [
-        "latent",
-        "heads",
-        "sparsity",
-        "mode",
-        "fine",
-        "op ms",
-        "dense ms",
-        "speedup",
-        "ideal",
-        "of ideal",
-        "coarse+select",
-        "peak MiB op / dense",
-        "status",
-    ]
+    headers = ["latent", "heads", "sparsity", "mode", "arm", "fine", "once ms", "b2b ms", "N",
+               "host ms", "vs dense once", "vs dense b2b", "of ideal (once)", "coarse+select",
+               "peak MiB (vs dense)", "gate", "status"]  # fmt: skip
     rows = []
     for r in results:
-        mem = ""
-        if isinstance(r.get("op_peak_mib"), (int, float)):
-            mem = f"{r['op_peak_mib']:.0f} / {_fmt(r.get('dense_peak_mib'), '.0f')}"
-            if "peak_mem_ratio" in r:
-                mem += f" ({r['peak_mem_ratio']:.2f}x)"
-        dense = _fmt(r.get("dense_ms"), ".3f")
-        if dense and r.get("dense_arm"):
-            dense += f" ({r['dense_arm']})"
-        status = r["status"] if r["status"] == "ok" else f"{r['status']}: {r.get('reason', '')}"
+        mem = _fmt(r.get("peak_mib"), ".0f")
+        if mem and "peak_mem_ratio" in r:
+            mem += f" ({r['peak_mem_ratio']:.2f}x)"
+        fine = r.get("fine_backend") or r.get("dense_arm") or (r.get("info") or {}).get("impl")
         rows.append(
             [
-                "x".join(str(x) for x in r["latent"]),
+                _latent(r),
                 r["heads"],
-                f"{r['sparsity'] * 100:g}% (k={r['topk']}/{r['num_tiles']})",
+                _sparsity(r),
                 r["mode"],
-                r.get("fine_backend") or "",
-                _fmt(r.get("op_ms"), ".3f"),
-                dense,
-                _fmt(r.get("speedup"), ".2f", "x"),
-                _fmt(r.get("ideal_speedup"), ".2f", "x"),
-                _fmt(r.get("fraction_of_ideal"), ".0%"),
+                r["arm"],
+                fine or "",
+                _fmt(r.get("once_ms"), ".3f"),
+                _fmt(r.get("b2b_ms"), ".3f"),
+                r.get("b2b_calls", ""),
+                _fmt(r.get("host_ms"), ".3f"),
+                _fmt(r.get("speedup_once"), ".2f", "x"),
+                _fmt(r.get("speedup_b2b"), ".2f", "x"),
+                _fmt(r.get("fraction_of_ideal_once"), ".0%"),
                 _fmt(r.get("coarse_select_share"), ".1%"),
                 mem,
-                bc.first_line(status, 200),
+                _gate_word(r),
+                _status(r),
             ]
         )
     lines.append(bc.markdown_table(headers, rows))
+    notes = []
     unavailable = {"; ".join(r.get("dense_tried") or []) for r in results if r.get("dense_tried")}
     if unavailable:
-        lines += ["", "Dense arms passed over: " + " | ".join(sorted(unavailable))]
+        notes.append("Dense arms passed over: " + " | ".join(sorted(unavailable)))
+    for r in results:
+        sel = r.get("selection")
+        if sel and r.get("status") in ("ok", "failed"):
+            notes.append(
+                f"{r['arm']} at {_latent(r)} {r['mode']}: its selection equals ours on "
+                f"{sel['rows_identical_to_ours']:.1%} of (batch, head, query tile) rows "
+                f"({sel['tiles_differing_per_row']:.2f} tiles differ per row on average); "
+                f"gated against the float32 composition on its own selection "
+                f"({r.get('gate_level', '')})"
+            )
+    fastvideo = next((r["fastvideo"] for r in results if r.get("fastvideo")), None)
+    if fastvideo and fastvideo.get("unavailable"):
+        notes.append(f"fastvideo-kernel {fastvideo.get('version')}: {fastvideo['unavailable']}")
+    elif fastvideo:
+        notes.append(
+            f"fastvideo-kernel {fastvideo.get('version')} (requires "
+            f"{fastvideo.get('torch_requirement')}); ThunderKittens: "
+            f"{fastvideo.get('tk_unavailable') or 'loaded'}"
+            + (f"; {fastvideo['sm90_probe']}" if fastvideo.get("sm90_probe") else "")
+        )
+    if notes:
+        lines += ["", *[f"- {n}" for n in notes]]
     return "\n".join(lines) + "\n"
 
 
@@ -1087,10 +1579,12 @@ def render_markdown_sp(doc: dict[str, Any]) -> str:
 
 def finish_doc(doc: dict[str, Any], out: Path | None) -> str:
     sequence_parallel = bool(doc.get("sequence_parallel"))
-    for rec in doc["results"]:
-        derive(rec)
-        if sequence_parallel:
+    if sequence_parallel:
+        for rec in doc["results"]:
+            derive(rec)
             derive_sp(rec)
+    else:
+        derive_arms(doc["results"])
     text = render_markdown_sp(doc) if sequence_parallel else render_markdown(doc)
     if out is not None:
         bc.write_json_and_markdown(out, doc, text)
@@ -1120,13 +1614,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         replica_timeout_s=cfg.replica_timeout_s,
         key_fields=KEY_FIELDS,
         value_fields=VALUE_FIELDS,
-        drop_fields=(
-            "speedup",
-            "fraction_of_ideal",
-            "coarse_select_ms",
-            "coarse_select_share",
-            "peak_mem_ratio",
-        ),
+        drop_fields=DERIVED_FIELDS,
     )
 
 
@@ -1194,8 +1682,8 @@ def main_sequence_parallel(args: argparse.Namespace, argv: Sequence[str] | None)
             out=cfg.out,
             replica=None,  # one report: rank 0 holds every rank's numbers already
             replica_timeout_s=cfg.replica_timeout_s,
-            key_fields=KEY_FIELDS,
-            value_fields=VALUE_FIELDS,
+            key_fields=SP_KEY_FIELDS,
+            value_fields=SP_VALUE_FIELDS,
         )
         # The other ranks wait here while rank 0 writes the report, so that no rank tears its
         # process group down while a peer still holds it open (once, on the two-core CI

@@ -457,34 +457,225 @@ def test_bench_video_runs_the_reference_on_a_tiny_latent(tmp_path):
     assert bench_video.main(argv) == 0
     doc = json.loads(out.read_text())
     assert doc["complete"] and doc["metadata"]["versions"]["vsa-core"]
-    assert len(doc["results"]) == 4  # tiny latent x 2 sparsities x 2 modes
-    for r in doc["results"]:
-        assert r["status"] == "ok", r.get("reason")
-        assert r["fine_backend"] == "reference" and r["dense_arm"] == "sdpa"
-        assert any("fa4_dense" in t and "CUDA" in t for t in r["dense_tried"])
-        assert r["op_gate"]["passed"] and r["dense_gate"]["passed"]
-        assert set(r["op_gate"]["tensors"]) == (
+    assert doc["config"]["arms"] == ["auto"] and doc["config"]["b2b_calls"] == 2
+    assert len(doc["results"]) == 8  # tiny latent x 2 sparsities x 2 modes x (dense, auto)
+    for dense, r in zip(doc["results"][::2], doc["results"][1::2], strict=True):
+        assert (dense["arm"], dense["arm_kind"], r["arm"], r["arm_kind"]) == (
+            "dense", "dense", "auto", "vsa")  # fmt: skip
+        assert bench_video.cell_key(dense) == bench_video.cell_key(r)
+        assert dense["status"] == r["status"] == "ok", r.get("reason")
+        assert r["fine_backend"] == "reference" and dense["dense_arm"] == "sdpa"
+        assert any("fa4_dense" in t and "CUDA" in t for t in dense["dense_tried"])
+        assert r["gate"]["passed"] and dense["dense_gate"]["passed"]
+        assert set(r["gate"]["tensors"]) == (
             {"out"} if r["mode"] == "fwd" else {"out", "dq", "dk", "dv"}
         )
         assert r["tokens_real"] == 6 * 7 * 9 and r["tokens_padded"] == 12 * 64
         kept = r["topk"] / r["num_tiles"]
         assert r["ideal_speedup"] == pytest.approx((378 / 768) ** 2 / kept)
-        assert r["speedup"] == pytest.approx(r["dense_ms"] / r["op_ms"])
-        assert r["fraction_of_ideal"] == pytest.approx(r["speedup"] / r["ideal_speedup"])
+        for rec in (dense, r):
+            views = rec["timing"]
+            assert rec["b2b_ms"] == views["back_to_back"]["median_ms"] > 0
+            assert rec["once_ms"] == views["once"]["median_ms"] > 0
+            assert rec["host_ms"] == views["host"]["median_ms"] > 0
+            assert rec["b2b_calls"] == views["calls_per_turn"] in (1, 2)
+            assert len(views["once"]["times_ms"]) == len(views["back_to_back"]["times_ms"]) >= 3
+        for view in ("b2b", "once"):  # against dense of the same cell, same rounds
+            assert r[f"dense_{view}_ms"] == dense[f"{view}_ms"]
+            assert r[f"speedup_{view}"] == pytest.approx(dense[f"{view}_ms"] / r[f"{view}_ms"])
+            assert r[f"fraction_of_ideal_{view}"] == pytest.approx(
+                r[f"speedup_{view}"] / r["ideal_speedup"]
+            )
         pieces = r["pool_ms"] + r["coarse_ms"] + r["select_ms"]
-        assert r["coarse_select_share"] == pytest.approx(pieces / r["op_ms"])
+        assert r["coarse_select_share"] == pytest.approx(pieces / r["b2b_ms"])
         assert r["fine_ms"] > 0 and math.isfinite(r["coarse_select_share"])
-        assert r["op_peak_mib"] is None and r["dense_peak_mib"] is None
+        assert r["peak_mib"] is None and dense["peak_mib"] is None  # CPU: no CUDA stats
     text = out.with_suffix(".md").read_text()
-    assert "| latent | heads | sparsity | mode |" in text and "| 6x7x9 | 2 |" in text
+    assert "## Speedup over dense (once / back to back)" in text
+    assert "| latent | heads | sparsity | mode | dense ms once / b2b | auto | ideal |" in text
+    assert "| 6x7x9 | 2 | 87.5% (k=2/12) | fwd | dense | sdpa |" in text
+    assert "| 6x7x9 | 2 | 87.5% (k=2/12) | fwd | auto | reference |" in text
 
 
 def test_bench_video_skips_a_refusing_backend(tmp_path):
     out = tmp_path / "video.json"
     argv = ["--device", "cpu", *FAST, "--out", str(out), "--backend", "fa4", "--modes", "fwd"]
+    assert bench_video.main([*argv, "--sparsities", "0.875"]) == 0
+    dense, fa4 = json.loads(out.read_text())["results"]
+    assert dense["status"] == "ok" and "speedup_once" not in dense
+    assert fa4["status"] == "skipped" and fa4["reason"].startswith("fa4 backend refuses")
+
+
+def _video_config(*argv: str) -> bench_video.Config:
+    args = bench_video.build_parser().parse_args(["--device", "cpu", *argv])
+    return bench_video.make_config(args, CPU)
+
+
+def test_bench_video_arms_and_timing_options():
+    assert _video_config().arms == ["auto"]
+    cfg = _video_config("--arms", "auto", "fa4", "triton", "fastvideo", "fa4", "fastvideo_tk")
+    assert cfg.arms == ["auto", "fa4", "triton", "fastvideo", "fastvideo_tk"]
+    assert cfg.as_dict()["arms"] == cfg.arms
+    assert _video_config("--backend", "triton").arms == ["triton"]  # the old spelling
+    cfg = _video_config("--b2b-calls", "4", "--b2b-turn-ms", "5", "--no-pieces")
+    assert (cfg.b2b_calls, cfg.b2b_turn_ms, cfg.pieces) == (4, 5.0, False)
+    assert (_video_config().b2b_calls, _video_config().pieces) == (2, True)  # CPU default
+    with pytest.raises(SystemExit, match="dense always runs"):
+        _video_config("--arms", "auto", "dense")
+    with pytest.raises(SystemExit, match="at least 1"):
+        _video_config("--b2b-calls", "0")
+    for arms in (["auto", "fa4"], ["fastvideo"]):
+        with pytest.raises(SystemExit, match="one fine backend"):
+            _video_config("--sequence-parallel", "--arms", *arms)
+    sp = _video_config("--sequence-parallel", "--backend", "triton")
+    assert sp.backend == "triton" and sp.as_dict()["backend"] == "triton"
+
+
+def test_bench_video_fastvideo_arms_report_not_installed(tmp_path, monkeypatch):
+    import importlib.util
+
+    import fastvideo_arm
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == fastvideo_arm.MODULE else real(name, *a),
+    )
+    pkg = fastvideo_arm.probe(CPU)
+    assert pkg.unavailable == fastvideo_arm.NOT_INSTALLED and pkg.module is None
+    assert pkg.why_not("fastvideo") == pkg.why_not("fastvideo_tk") == pkg.unavailable
+    out = tmp_path / "video.json"
+    argv = ["--device", "cpu", *FAST, "--modes", "fwd", "--sparsities", "0.875"]
+    argv += ["--arms", "reference", "fastvideo", "fastvideo_tk", "--out", str(out)]
     assert bench_video.main(argv) == 0
-    for r in json.loads(out.read_text())["results"]:
-        assert r["status"] == "skipped" and r["reason"].startswith("fa4 backend refuses")
+    doc = json.loads(out.read_text())
+    by_arm = {r["arm"]: r for r in doc["results"]}
+    assert list(by_arm) == ["dense", "reference", "fastvideo", "fastvideo_tk"]
+    assert by_arm["dense"]["status"] == by_arm["reference"]["status"] == "ok"
+    for name in ("fastvideo", "fastvideo_tk"):
+        assert by_arm[name]["status"] == "skipped"
+        assert by_arm[name]["reason"].startswith("not installed: fastvideo-kernel")
+        assert by_arm[name]["arm_kind"] == "fastvideo"
+    text = out.with_suffix(".md").read_text()
+    assert "| reference | fastvideo | fastvideo_tk |" in text and "not installed" in text
+
+
+FAKE_FASTVIDEO = {
+    "__init__.py": "from fastvideo_kernel.ops import video_sparse_attn\n",
+    "_C/__init__.py": "",  # no compiled extension: the ThunderKittens arm must say so
+    "block_sparse_attn.py": """
+def _get_sm90_ops():
+    try:
+        from fastvideo_kernel._C import fastvideo_kernel_ops
+    except Exception:
+        return None, None
+    return fastvideo_kernel_ops.block_sparse_fwd, fastvideo_kernel_ops.block_sparse_bwd
+""",
+    "ops.py": """
+import math
+import torch
+
+
+def fused_block_mean(x, sizes, block):
+    b, h, s, d = x.shape
+    summed = x.float().view(b, h, s // block, block, d).sum(3)
+    return (summed / sizes.float().view(1, 1, -1, 1)).to(x.dtype)
+
+
+def fused_topk_mask(scores, topk):  # the LOWEST scores: a selection unlike ours
+    picks = torch.topk(scores.float(), topk, dim=-1, largest=False).indices
+    return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, picks, True)
+
+
+def video_sparse_attn(q, k, v, sizes, q_sizes, topk, block_size, gate=None):
+    block = math.prod(block_size)
+    qc, kc, vc = (fused_block_mean(t, sizes, block) for t in (q, k, v))
+    scores = torch.matmul(qc, kc.transpose(-2, -1)) / (q.shape[-1] ** 0.5)
+    coarse = (torch.softmax(scores.float(), -1) @ vc.float()).repeat_interleave(block, 2)
+    mask = fused_topk_mask(scores, topk).repeat_interleave(block, 2)
+    real = torch.arange(block) < sizes.view(-1, 1)
+    keep = mask.repeat_interleave(block, 3) & real.view(-1)
+    logits = (q.float() @ k.float().transpose(-1, -2)) / q.shape[-1] ** 0.5
+    fine = torch.softmax(logits.masked_fill(~keep, float("-inf")), -1) @ v.float()
+    return (fine + coarse * (1 if gate is None else gate.float())).to(q.dtype)
+""",
+}
+
+
+@pytest.fixture
+def fake_fastvideo(tmp_path, monkeypatch):
+    """A stand-in fastvideo_kernel (torch, FastVideo's call and layout, no `_C`) on sys.path,
+    with distribution metadata that pins torch 9.9.9."""
+    root = tmp_path / "site"
+    for name, text in FAKE_FASTVIDEO.items():
+        path = root / "fastvideo_kernel" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    meta = root / "fastvideo_kernel-0.0.1.dist-info"
+    meta.mkdir()
+    meta.joinpath("METADATA").write_text(
+        "Metadata-Version: 2.1\nName: fastvideo-kernel\nVersion: 0.0.1\n"
+        "Requires-Dist: torch==9.9.9\n"
+    )
+    monkeypatch.syspath_prepend(str(root))
+    yield root
+    for name in [n for n in sys.modules if n.split(".")[0] == "fastvideo_kernel"]:
+        del sys.modules[name]
+
+
+def test_bench_video_fastvideo_arm_runs_and_is_gated_on_its_own_selection(
+    tmp_path, monkeypatch, fake_fastvideo
+):
+    import functools
+
+    import fastvideo_arm
+
+    real_probe = fastvideo_arm.probe
+    monkeypatch.setattr(fastvideo_arm, "probe", functools.partial(real_probe, require_cuda=False))
+    out = tmp_path / "video.json"
+    argv = ["--device", "cpu", *FAST, "--sparsities", "0.875", "--no-pieces", "--out", str(out)]
+    assert bench_video.main([*argv, "--arms", "reference", "fastvideo", "fastvideo_tk"]) == 0
+    results = json.loads(out.read_text())["results"]
+    assert [r["arm"] for r in results] == ["dense", "reference", "fastvideo", "fastvideo_tk"] * 2
+    for r in results:
+        if r["arm"] == "fastvideo_tk":
+            assert r["status"] == "skipped"
+            assert "`_C` extension does not load" in r["reason"] and "torch==9.9.9" in r["reason"]
+            continue
+        assert r["status"] == "ok", r.get("reason")
+        if r["arm"] != "fastvideo":
+            continue
+        assert r["gate"]["passed"] and r["gate_level"] == "max_abs"
+        assert set(r["gate"]["tensors"]) == (
+            {"out"} if r["mode"] == "fwd" else {"out", "dq", "dk", "dv"}
+        )
+        # its (bottom-k) selection is not ours, yet it passes: gated on its own selection
+        assert r["selection"]["rows_identical_to_ours"] < 0.5
+        assert r["selection"]["count_min"] == r["selection"]["count_max"] == r["topk"]
+        assert r["info"]["impl"] == "triton" and r["info"]["environment"] == {}
+        assert r["fastvideo"]["version"] == "0.0.1" and "sm90_probe" in r["fastvideo"]
+        assert r["speedup_once"] == pytest.approx(r["dense_once_ms"] / r["once_ms"])
+    routing = sys.modules["fastvideo_kernel.block_sparse_attn"]
+    assert routing._get_sm90_ops() == (None, None)  # its failed `_C` probe, answered once
+    text = out.with_suffix(".md").read_text()
+    assert "fastvideo at 6x7x9 fwd: its selection equals ours on" in text
+
+
+def test_fastvideo_inputs_are_bhsd_with_zeroed_padding():
+    import fastvideo_arm
+
+    x = torch.arange(2 * 4 * 3 * 2, dtype=torch.float32).view(2, 4, 3, 2) + 1
+    real = torch.tensor([True, False, True, True])
+    y = fastvideo_arm.to_fastvideo(x, real)
+    assert y.shape == (2, 3, 4, 2) and y.is_contiguous()
+    assert torch.equal(y[:, :, 1], torch.zeros(2, 3, 2))
+    assert torch.equal(y.transpose(1, 2)[:, real], x[:, real])
+    pkg = fastvideo_arm.Package(tk_unavailable="no _C")
+    assert fastvideo_arm.routing_env(pkg, "fastvideo") == {}  # Triton is its only path
+    pkg.tk_unavailable = None
+    with_tk = fastvideo_arm.routing_env(pkg, "fastvideo")
+    assert with_tk in ({"FASTVIDEO_VSA_TRITON": "1"}, {})  # {} only if already set
 
 
 def _sp_env() -> dict[str, str]:
@@ -618,6 +809,53 @@ def test_time_paced_alternates_the_arm_with_its_pacer_and_caps_reps_by_the_budge
     assert all(sorted(r) == ["arm", "dense"] for r in rounds)  # each round calls both once
 
 
+def test_time_views_alternates_arms_in_both_views_and_keeps_setup_untimed():
+    calls: list[str] = []
+
+    def runner(name: str, sleep_s: float) -> bc.Runner:
+        def run(state):
+            assert state == f"{name}-state"
+            calls.append(name)
+            time.sleep(sleep_s)
+
+        setup = lambda: (calls.append("setup"), time.sleep(0.005), f"{name}-state")[2]  # noqa: E731
+        return bc.Runner(run, setup)
+
+    settings = SimpleNamespace(warmup=1, reps=4, budget_s=10.0)
+    views = bc.time_views({"a": runner("a", 0.002), "b": runner("b", 0.012)}, CPU, settings,
+                          max_calls=5, turn_ms=10.0)  # fmt: skip
+    a, b = views["a"], views["b"]
+    assert 3 <= a.calls_per_turn <= 5 and b.calls_per_turn == 1  # ~10 ms of calls per turn
+    for v in (a, b):
+        assert v.once.reps == v.back_to_back.reps == 4
+        assert len(v.once.times_ms) == len(v.back_to_back.times_ms) == len(v.host.times_ms) == 4
+        assert v.host.times_ms == v.once.times_ms  # on the CPU the wall clock is both
+        assert set(v.as_dict()) == {"back_to_back", "once", "host", "calls_per_turn"}
+    # the 5 ms setups are not timed; back to back is per call
+    assert min(b.once.times_ms) >= 12.0 and max(a.once.times_ms) < 12.0
+    assert min(b.back_to_back.times_ms) >= 12.0 and max(a.back_to_back.times_ms) < 12.0
+    runs = [c for c in calls if c != "setup"]
+    n = a.calls_per_turn
+    # warm-up round, estimate round, then the once rounds alternate, the order rotated
+    assert runs[:12] == ["a", "b", "a", "b", "a", "b", "b", "a", "a", "b", "b", "a"]
+    # then back-to-back turns: n calls of a, one of b (a refill round, then 4 rotated rounds)
+    b2b = runs[12:]
+    assert (
+        b2b == (["a"] * n + ["b"]) * 2 + ["b"] + ["a"] * n + ["a"] * n + ["b"] + ["b"] + ["a"] * n
+    )
+
+
+def test_time_views_caps_rounds_by_the_budget_and_interleaved_turns_can_synchronize():
+    settings = SimpleNamespace(warmup=0, reps=50, budget_s=0.02)
+    fn = bc.Runner(lambda _: time.sleep(0.004))
+    views = bc.time_views({"x": fn, "y": fn}, CPU, settings, max_calls=2, turn_ms=1.0)
+    assert views["x"].once.reps == 3 and views["x"].calls_per_turn == 1  # at least 3 rounds
+    arms = {"x": (lambda _: time.sleep(0.001), None)}
+    assert bc.interleaved_turns(arms, CPU, rounds=2, record=False) == {"x": []}
+    turns = bc.interleaved_turns(arms, CPU, rounds=2, calls=3, synchronized=True)["x"]
+    assert len(turns) == 2 and all(1.0 <= t.device_ms < 5.0 and t.host_ms > 0 for t in turns)
+
+
 class CpuDenseArm(bench_vsa.SdpaArm):
     """SDPA (math) on the CPU under fa4_dense's name: the pacer and baseline of a CPU run."""
 
@@ -683,10 +921,10 @@ def test_bench_video_fa4_variant_is_checked_recorded_and_entered(tmp_path, monke
     with pytest.raises(SystemExit, match="--fa4-variant"):
         bench_video.main(["--device", "cpu", "--fa4-variant", "fast"])
     seen = []
-    real = bench_video.run_op_cell
+    real = bench_video.run_cell
     monkeypatch.setattr(
         bench_video,
-        "run_op_cell",
+        "run_cell",
         lambda *a, **k: (seen.append(launch.current_forward_variant()), real(*a, **k))[1],
     )
     out = tmp_path / "v.json"
