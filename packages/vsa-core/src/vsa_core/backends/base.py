@@ -34,12 +34,19 @@ class AttentionCall:
     """Every key block is known to be full (the layout's ``kv_blocks_full``): backends whose
     kernels skip key masking then may rank themselves by it."""
 
-    @property
-    def capability(self) -> tuple[int, int] | None:
-        """CUDA compute capability of the device, or None off CUDA."""
-        if self.device.type != "cuda":
-            return None
-        return torch.cuda.get_device_capability(self.device)
+    capability: tuple[int, int] | None = None
+    """CUDA compute capability of the device (read from the device when not given), None off
+    CUDA (and for a CUDA description on a machine without a driver). A field, not a lookup,
+    so that the call's description (a cache key of `vsa_core.backends.select_backend`) says
+    which architecture it is for."""
+
+    def __post_init__(self) -> None:
+        if self.capability is None and self.device.type == "cuda":
+            try:
+                capability = tuple(torch.cuda.get_device_capability(self.device))
+            except (RuntimeError, AssertionError):  # no driver: a description only
+                return
+            object.__setattr__(self, "capability", capability)
 
     @classmethod
     def describe(

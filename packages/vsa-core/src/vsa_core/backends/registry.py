@@ -33,6 +33,7 @@ class BackendEntry:
 
 
 _registered: dict[str, Backend] = {}
+_generation = [0]  # bumped whenever the registered backends change: selections are cached
 
 
 def register_backend(backend: Backend) -> None:
@@ -41,10 +42,12 @@ def register_backend(backend: Backend) -> None:
     if not isinstance(backend, Backend) or not backend.name:
         raise ValueError("backend must be a Backend instance with a non-empty name")
     _registered[backend.name] = backend
+    _generation[0] += 1
 
 
 def unregister_backend(name: str) -> None:
     _registered.pop(name, None)
+    _generation[0] += 1
 
 
 @functools.lru_cache(maxsize=1)
@@ -102,12 +105,22 @@ def explain(call: AttentionCall) -> list[tuple[str, str | None]]:
 
 
 def select_backend(call: AttentionCall, backend: str = "auto") -> Backend:
-    """The backend that will run ``call``: see the module doc for the rules."""
+    """The backend that will run ``call``: see the module doc for the rules.
+
+    Decided once per (call description, ``backend``, ``VSA_BACKEND``, registered backends) and
+    cached: every op call asks, and asking every backend again costs host time on each layer.
+    Backends' ``supports`` and ``priority_for`` must therefore depend on the call alone."""
     if not isinstance(backend, str):
         raise ValueError(f"backend must be a backend name or 'auto', got {backend!r}")
+    override = os.environ.get(OVERRIDE_ENV, "").strip()
+    return _select(call, backend, override, _generation[0])
+
+
+@functools.lru_cache(maxsize=256)
+def _select(call: AttentionCall, backend: str, override: str, _generation: int) -> Backend:
     requested, source = backend, "backend"
-    if backend == "auto" and os.environ.get(OVERRIDE_ENV, "").strip():
-        requested, source = os.environ[OVERRIDE_ENV].strip(), OVERRIDE_ENV
+    if backend == "auto" and override:
+        requested, source = override, OVERRIDE_ENV
     if requested != "auto":
         chosen = get_backend(requested, source=source)
         reason = chosen.supports(call)
