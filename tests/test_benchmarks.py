@@ -3,6 +3,8 @@
 Tiny grids, reference arm only (every CUDA arm is skipped with a reason on a CPU): the JSON
 structure, the correctness gate (a wrong arm is reported failing and is not timed), exact256
 masks, the TFLOP/s formula, the markdown table, plots, torchrun replica files, bench_video's
+arms and its two timing views (alternated turns, back to back and once), its FastVideo arms
+(not installed; a stand-in package with FastVideo's call, gated on its own selection), its
 sequence-parallel mode on two gloo processes, and the Python paths of the FlexAttention / SDPA /
 FA4 arms that can run (or be checked) without a GPU.
 """
@@ -822,10 +824,10 @@ def test_time_views_alternates_arms_in_both_views_and_keeps_setup_untimed():
         return bc.Runner(run, setup)
 
     settings = SimpleNamespace(warmup=1, reps=4, budget_s=10.0)
-    views = bc.time_views({"a": runner("a", 0.002), "b": runner("b", 0.012)}, CPU, settings,
-                          max_calls=5, turn_ms=10.0)  # fmt: skip
+    views = bc.time_views({"a": runner("a", 0.001), "b": runner("b", 0.012)}, CPU, settings,
+                          max_calls=3, turn_ms=10.0)  # fmt: skip
     a, b = views["a"], views["b"]
-    assert 3 <= a.calls_per_turn <= 5 and b.calls_per_turn == 1  # ~10 ms of calls per turn
+    assert a.calls_per_turn == 3 and b.calls_per_turn == 1  # ~10 ms of calls, at most 3
     for v in (a, b):
         assert v.once.reps == v.back_to_back.reps == 4
         assert len(v.once.times_ms) == len(v.back_to_back.times_ms) == len(v.host.times_ms) == 4
