@@ -199,6 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
         dest="arms",
         type=lambda name: [name],
         default=argparse.SUPPRESS,
+        metavar="NAME",
         help="one fine backend of our op alone: the same as --arms NAME",
     )
     g.add_argument(
@@ -236,7 +237,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t = p.add_argument_group("timing")
     t.add_argument("--warmup", type=int, help="default 3 (CPU: 1)")
-    t.add_argument("--reps", type=int, help="timed calls, at most (default 10; CPU: 3)")
+    t.add_argument(
+        "--reps",
+        type=int,
+        help="timed rounds per view (per piece: calls), at most (default 10; CPU: 3)",
+    )
     t.add_argument(
         "--budget-s",
         type=float,
