@@ -24,6 +24,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
+from vsa_core.host_cache import resolved_once
 from vsa_core.layout import BlockSparseLayout, _full_on_host
 
 # Scores of the torch path's top-k selection are computed a group of heads at a time, within
@@ -110,7 +111,7 @@ def coarse_stage(name: str, x: torch.Tensor) -> CoarseStage:
     return _resolve_stage(name, x.device.type, x.dtype, x.shape[-1], interpreting)
 
 
-@functools.lru_cache(maxsize=64)
+@resolved_once
 def _resolve_stage(
     name: str, device_type: str, dtype: torch.dtype, head_dim: int, _interpreting: str
 ) -> CoarseStage:
@@ -219,18 +220,21 @@ def select_topk(
     key masking.
     """
     indices = topk_indices(q_pooled, k_pooled, valid_sizes, topk)
-    return layout_from_selection(indices, valid_sizes, tile_tokens, all_full=all_full)
+    return layout_from_selection(indices, valid_sizes, tile_tokens, all_full=all_full or None)
 
 
 def layout_from_selection(
-    indices: torch.Tensor, valid_sizes: torch.Tensor, tile_tokens: int, *, all_full: bool
+    indices: torch.Tensor, valid_sizes: torch.Tensor, tile_tokens: int, *, all_full: bool | None
 ) -> BlockSparseLayout:
     """The layout of a `CoarseStage.select` result (ascending, every slot used): no sort, no
-    device sync."""
+    device sync. ``all_full``: whether every tile is full, when the caller knows (a tiling
+    does); None reads CPU valid sizes (never under torch.compile, where that would be a
+    data-dependent branch) and otherwise assumes partial tiles, which is always correct."""
     counts = torch.full(
         indices.shape[:-1], indices.shape[-1], dtype=torch.int32, device=indices.device
     )
-    full = all_full or _full_on_host(valid_sizes, tile_tokens)
+    if all_full is None:
+        all_full = not torch.compiler.is_compiling() and _full_on_host(valid_sizes, tile_tokens)
     return BlockSparseLayout(
-        indices, counts, valid_sizes.to(torch.int32), (tile_tokens, tile_tokens), 1, full
+        indices, counts, valid_sizes.to(torch.int32), (tile_tokens, tile_tokens), 1, all_full
     )

@@ -12,12 +12,15 @@ Both take BSHD tensors ([batch, seq, heads, head_dim], the native format) or BHS
 from __future__ import annotations
 
 import math
+import os
 from typing import Literal
 
 import torch
 
 from vsa_core.backends import AttentionCall, select_backend
+from vsa_core.backends.registry import OVERRIDE_ENV, registry_generation
 from vsa_core.coarse import coarse_attention, coarse_stage, layout_from_selection
+from vsa_core.host_cache import resolved_once
 from vsa_core.layout import BlockSparseLayout
 from vsa_core.tiling import VideoTiling
 from vsa_core.validation import check_coarse_gate, check_int_tensor, check_qkv, check_range
@@ -141,7 +144,7 @@ def video_sparse_attn(
     )
     with torch.no_grad():
         indices = stage.select(q_pooled, k_pooled, valid_sizes, topk)
-    all_full = tiling is not None and not tiling.has_padding
+    all_full = None if tiling is None else not tiling.has_padding
     layout = layout_from_selection(indices, valid_sizes, tile_tokens, all_full=all_full)
     fine, _ = _run_fine(q, k, v, layout, backend, scale)
     out = _combine(fine, coarse, gate, tile_tokens)
@@ -154,8 +157,28 @@ def video_sparse_attn(
 
 # ---- helpers ---------------------------------------------------------------------------------
 def _run_fine(q, k, v, layout, backend, scale):
-    call = AttentionCall.describe(q, k, v, layout)
-    return select_backend(call, backend).forward(q, k, v, layout, scale)
+    requires_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if not isinstance(backend, str):
+        raise ValueError(f"backend must be a backend name or 'auto', got {backend!r}")
+    chosen = _fine_backend(
+        backend, os.environ.get(OVERRIDE_ENV, "").strip(), registry_generation(),
+        q.device, q.dtype, q.shape[-1], layout.block_shape, requires_grad,
+        layout.q_group_size, layout.kv_blocks_full,
+    )  # fmt: skip
+    return chosen.forward(q, k, v, layout, scale)
+
+
+@resolved_once
+def _fine_backend(
+    backend, _override, _generation, device, dtype, head_dim, block_shape, requires_grad,
+    q_group_size, kv_blocks_full,
+):  # fmt: skip
+    """The backend `select_backend` picks for a call so described (decided once per
+    description; the override variable and the registered backends are part of the key)."""
+    call = AttentionCall(
+        device, dtype, head_dim, block_shape, requires_grad, q_group_size, kv_blocks_full
+    )
+    return select_backend(call, backend)
 
 
 def _combine(

@@ -10,13 +10,13 @@ kernel masks key position ``j`` of a tile exactly when ``j >= valid_size``.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
+from vsa_core.host_cache import resolved_once
 from vsa_core.validation import check_positive_triple
 
 QKVFormat = Literal["bshd", "bhsd"]
@@ -149,7 +149,7 @@ def _check_seq_len(name: str, x: torch.Tensor, dim: int, expected: int, what: st
         )
 
 
-@functools.lru_cache(maxsize=64)
+@resolved_once  # built once per (shape, tile, device), also under torch.compile
 def _tiling_indices(
     latent_shape: tuple[int, int, int], tile_shape: tuple[int, int, int], device: torch.device
 ) -> TilingIndices:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from vsa_core.backends.base import AttentionCall, Backend
+from vsa_core.host_cache import resolved_once
 from vsa_fa4.schedule import (
     ARCHS,
     BLOCK_SHAPES,
@@ -167,17 +168,39 @@ class FA4Backend(Backend):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         from vsa_fa4.ops import attention
 
-        call = AttentionCall.describe(q, k, v, layout)
-        reason = self._call_refusal(call)
-        plan = None
-        if reason is None:
-            plan = self.plan(layout, schedule)
-            reason = plan_refusal(call.capability, call.head_dim, plan, call.requires_grad)
-        if reason is not None:
-            where = "" if plan is None else f" with physical blocks {_shape(plan.block_size)}"
-            raise ValueError(f"the fa4 backend cannot run this call{where}: {reason}")
-        assert plan is not None
+        requires_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        plan = _checked_plan(
+            self.schedule if schedule is None else schedule, q.device, q.dtype, q.shape[-1],
+            layout.block_shape, layout.q_group_size, layout.num_q_blocks, requires_grad,
+        )  # fmt: skip
         return attention(
             q, k, v, layout.kv_indices, layout.kv_counts, layout.kv_valid_sizes, scale, plan,
             layout.q_group_size, layout.kv_blocks_full,
         )  # fmt: skip
+
+
+@resolved_once
+def _checked_plan(
+    schedule: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    head_dim: int,
+    block_shape: tuple[int, int],
+    q_group_size: int,
+    num_q_blocks: int,
+    requires_grad: bool,
+) -> Plan:
+    """The physical plan of a call so described, or ValueError with the reason fa4 cannot run
+    it (decided once per description: every forward asks)."""
+    call = AttentionCall(device, dtype, head_dim, block_shape, requires_grad, q_group_size)
+    backend = FA4Backend(schedule)
+    reason = backend._call_refusal(call)
+    plan = None
+    if reason is None:
+        plan = make_plan(block_shape, q_group_size, num_q_blocks, schedule)
+        reason = plan_refusal(call.capability, head_dim, plan, requires_grad)
+    if reason is not None:
+        where = "" if plan is None else f" with physical blocks {_shape(plan.block_size)}"
+        raise ValueError(f"the fa4 backend cannot run this call{where}: {reason}")
+    assert plan is not None
+    return plan

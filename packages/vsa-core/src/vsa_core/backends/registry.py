@@ -50,6 +50,12 @@ def unregister_backend(name: str) -> None:
     _generation[0] += 1
 
 
+def registry_generation() -> int:
+    """A number that changes whenever backends are registered or unregistered (a cache key
+    for decisions that depend on the set of backends)."""
+    return _generation[0]
+
+
 @functools.lru_cache(maxsize=1)
 def _discovered() -> dict[str, BackendEntry]:
     found: dict[str, BackendEntry] = {}
