@@ -365,15 +365,17 @@ def test_good_input_is_accepted(row):
     assert row.call() is not False
 
 
+@WIRING
 def test_the_ops_agree_on_numbers_of_every_kind():
-    # numpy / tensor numbers give exactly the Python number's result
+    # NumPy / 0-d tensor numbers give exactly the Python number's result
     q = torch.randn(1, 128, 2, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     want = _vsa(q, topk=3, scale=0.5)
-    try:
-        got = _vsa(q, topk=np.int64(3), scale=np.float32(0.5))
-    except ValueError:
-        pytest.xfail("needs ops.py wiring")
-    assert torch.equal(got, want)
+    for topk, scale in ((np.int64(3), np.float32(0.5)), (torch.tensor(3), torch.tensor(0.5))):
+        assert torch.equal(_vsa(q, topk=topk, scale=scale), want)
+    k = torch.randn(1, 12, 2, 4, dtype=torch.float64)
+    out, lse = _bsa(q[:, :8], k, scale=0.5)
+    got, got_lse = _bsa(q[:, :8], k, scale=np.float64(0.5))
+    assert torch.equal(got, out) and torch.equal(got_lse, lse)
 
 
 _SIGNAL_CHILD = """
