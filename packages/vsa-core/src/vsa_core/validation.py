@@ -36,6 +36,8 @@ def _is_bool(value: object) -> bool:
 
 def _integer(value: object) -> int | None:
     """``value`` as a Python int if it is an integer (see module doc), else None."""
+    if type(value) is int:  # the common case, first (cheap, and plain under torch.compile)
+        return value
     if _is_bool(value):
         return None
     if isinstance(value, torch.Tensor):
@@ -52,6 +54,8 @@ def _integer(value: object) -> int | None:
 
 def _real(value: object) -> float | None:
     """``value`` as a Python float if it is a real number (see module doc), else None."""
+    if type(value) in (float, int):  # the common case, first
+        return float(value)
     if _is_bool(value):
         return None
     if isinstance(value, torch.Tensor):
@@ -194,7 +198,12 @@ def check_qkv(
         )
     if v.shape[3] != q.shape[3]:
         raise ValueError(f"v must have q's head dim {q.shape[3]}, got {v.shape[3]}")
-    fmt = qkv_format.upper()
+    if 0 in (q.shape[head_dim_], q.shape[3], q.shape[seq_dim], k.shape[seq_dim]):
+        _refuse_degenerate(q, k, seq_dim, head_dim_, qkv_format.upper())
+    return q.shape[0], q.shape[seq_dim], k.shape[seq_dim], q.shape[head_dim_], q.shape[3]
+
+
+def _refuse_degenerate(q, k, seq_dim: int, head_dim_: int, fmt: str) -> None:
     for name, t, dim, what in (
         ("q", q, head_dim_, "at least one head"),
         ("q", q, 3, "a head dim of at least 1"),
@@ -203,7 +212,6 @@ def check_qkv(
     ):
         if t.shape[dim] == 0:
             raise ValueError(f"{name} must have {what} (dim {dim} of {fmt}), got {tuple(t.shape)}")
-    return q.shape[0], q.shape[seq_dim], k.shape[seq_dim], q.shape[head_dim_], q.shape[3]
 
 
 def empty_batch_result(q: torch.Tensor, *inputs: torch.Tensor | None) -> torch.Tensor:
