@@ -200,6 +200,7 @@ BAD = [
     Row("refine to True", lambda: _layout().refine((True, 1)), "block_shape"),
     Row("rows_share_kv_lists 1.0", lambda: _layout().rows_share_kv_lists(1.0), "group"),
     Row("to_padded width 1.5", lambda: _layout().kv_to_q.to_padded(1.5), "width"),
+    Row("layout to 'gpu0'", lambda: _layout().to("gpu0"), "device"),
     # ---- tiling (rows 5, 7) ------------------------------------------------------------------
     Row("latent 4.5", lambda: VideoTiling((4.5, 4, 4)), "latent_shape"),
     Row("latent 4.0", lambda: VideoTiling((4.0, 4, 4)), "latent_shape"),

@@ -148,6 +148,12 @@ class BlockSparseLayout:
         return self.kv_indices.device
 
     def to(self, device: torch.device | str) -> BlockSparseLayout:
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError):
+            raise ValueError(
+                f"device must be a torch.device or a device name such as 'cuda', got {device!r}"
+            ) from None
         return BlockSparseLayout(
             self.kv_indices.to(device),
             self.kv_counts.to(device),
