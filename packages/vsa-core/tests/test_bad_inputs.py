@@ -32,6 +32,10 @@ TILING = VideoTiling((3, 4, 8), (2, 2, 2))  # 16 tiles of 8 slots, 128 padded to
 # helpers; until then those rows are strict xfails (they turn into plain tests by themselves).
 WIRED = all(hasattr(ops, n) for n in ("check_topk", "check_scale", "empty_batch_result"))
 WIRING = pytest.mark.xfail(not WIRED, strict=True, reason="needs ops.py wiring")
+# Unwired, an empty batch fails inside the reference backend's torch.utils.checkpoint, and a
+# traceback kept alive (pytest keeps an xfail's) leaves checkpoint's saved-tensor hooks active
+# in this process, breaking later tests' autograd: those rows are skipped until the wiring.
+EMPTY_WIRING = pytest.mark.skipif(not WIRED, reason="needs ops.py wiring")
 
 
 def _x(*shape, dtype=torch.float64):
@@ -358,10 +362,10 @@ GOOD = [
         marks=(WIRING,),
     ),
     Row("bsa scale numpy", lambda: _bsa(_x(1, 8, 2, 4), scale=np.float32(0.5)), marks=(WIRING,)),
-    Row("vsa empty batch", lambda: _empty_vsa("bshd"), marks=(WIRING,)),
-    Row("vsa empty batch bhsd", lambda: _empty_vsa("bhsd"), marks=(WIRING,)),
-    Row("bsa empty batch", lambda: _empty_bsa("bshd"), marks=(WIRING,)),
-    Row("bsa empty batch bhsd", lambda: _empty_bsa("bhsd"), marks=(WIRING,)),
+    Row("vsa empty batch", lambda: _empty_vsa("bshd"), marks=(EMPTY_WIRING,)),
+    Row("vsa empty batch bhsd", lambda: _empty_vsa("bhsd"), marks=(EMPTY_WIRING,)),
+    Row("bsa empty batch", lambda: _empty_bsa("bshd"), marks=(EMPTY_WIRING,)),
+    Row("bsa empty batch bhsd", lambda: _empty_bsa("bhsd"), marks=(EMPTY_WIRING,)),
 ]
 
 
