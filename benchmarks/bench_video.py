@@ -74,7 +74,13 @@ import fastvideo_arm as fva
 
 from vsa_core import BlockSparseLayout, VideoTiling, block_sparse_attn, video_sparse_attn
 from vsa_core.backends import AttentionCall, get_backend, select_backend
-from vsa_core.coarse import coarse_attention, pool_tiles, select_topk
+from vsa_core.coarse import (
+    coarse_attention,
+    coarse_stage,
+    layout_from_selection,
+    pool_tiles,
+    select_topk,
+)
 from vsa_core.distributed import (
     gather_sequence,
     sequence_parallel_video_sparse_attn,
@@ -547,11 +553,19 @@ def op_runner(
 
 
 def op_selection(inputs: OpInputs, tiling: VideoTiling, topk: int) -> BlockSparseLayout:
-    """The op's own selection: the top-k of its coarse scores (torch path)."""
+    """The op's own selection: the top-k of its coarse scores, from the coarse stage the op
+    runs (``coarse_backend="auto"``: the Triton kernels on CUDA). The torch path agrees
+    except between key tiles whose scores tie to float32 rounding (a few rows in 10^4 at Wan
+    720p), and one such row moves the output by more than bf16 rounding: the gate must see
+    the op's own choice."""
     valid = tiling.valid_sizes(inputs.q.device)
     with torch.no_grad():
-        q_pooled, k_pooled = pool_tiles(inputs.q, valid), pool_tiles(inputs.k, valid)
-        return select_topk(q_pooled, k_pooled, valid, topk, tiling.tile_tokens)
+        stage = coarse_stage("auto", inputs.q)
+        q_pooled, k_pooled, _ = stage.pool(inputs.q, inputs.k, inputs.v, valid)
+        indices = stage.select(q_pooled, k_pooled, valid, topk)
+    return layout_from_selection(
+        indices, valid, tiling.tile_tokens, all_full=not tiling.has_padding
+    )
 
 
 def op_reference(

@@ -386,7 +386,6 @@ BSA_ERRORS = [
     ({"scale": float("inf")}, "scale must be a positive"),
     ({"scale": "0.5"}, "scale must be a positive float"),
     ({"scale": True}, "scale must be a positive float"),
-    ({"scale": torch.tensor(0.5)}, "scale must be a positive float"),
     ({"qkv_format": "sbhd"}, "qkv_format must be 'bshd' or 'bhsd'"),
     ({"qkv_format": "BSHD"}, "qkv_format must be 'bshd' or 'bhsd'"),
 ]

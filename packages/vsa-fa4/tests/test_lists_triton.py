@@ -45,6 +45,8 @@ def random_lists(seed: int, num_q: int, num_kv: int, width: int, kv_tile: int, h
         rest = 1 + torch.rand(1, heads, num_q, num_kv - 1, generator=gen).argsort(-1)
         order = torch.cat([torch.zeros_like(rest[..., :1]), rest], -1)[..., :width]
         counts = torch.clamp(counts, min=1)
+    if width == 0:  # lists that can select nothing (from_indices refuses them; layouts may not)
+        return order.to(I32), counts.to(I32), sizes.to(I32)
     layout = BlockSparseLayout.from_indices(
         order.sort(-1).values.to(I32),
         counts.to(I32),

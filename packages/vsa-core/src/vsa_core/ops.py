@@ -11,7 +11,6 @@ Both take BSHD tensors ([batch, seq, heads, head_dim], the native format) or BHS
 
 from __future__ import annotations
 
-import math
 import os
 from typing import Literal
 
@@ -23,7 +22,16 @@ from vsa_core.coarse import coarse_attention, coarse_stage, layout_from_selectio
 from vsa_core.host_cache import resolved_once
 from vsa_core.layout import BlockSparseLayout
 from vsa_core.tiling import VideoTiling
-from vsa_core.validation import check_coarse_gate, check_int_tensor, check_qkv, check_range
+from vsa_core.validation import (
+    check_coarse_gate,
+    check_int_tensor,
+    check_qkv,
+    check_range,
+    check_scale,
+    check_topk,
+    empty_batch_lse,
+    empty_batch_result,
+)
 
 QKVFormat = Literal["bshd", "bhsd"]
 TokenOrder = Literal["tiled", "raster"]
@@ -50,13 +58,16 @@ def block_sparse_attn(
         qkv_format: ``"bshd"`` or ``"bhsd"``.
 
     Returns:
-        ``(out, lse)``: out in q's format and dtype; lse [B, H, Sq] float32, natural log, -inf
-        for query rows that see no real key (their out is 0).
+        ``(out, lse)``: out in q's format and dtype; lse [B, H, Sq] in float32 (float64 for
+        float64 inputs), natural log, -inf for query rows that see no real key (their out is 0).
     """
-    check_qkv(q, k, v, qkv_format)
+    batch, q_len, _, heads, _ = check_qkv(q, k, v, qkv_format)
     q, k, v = (_as_bshd(t, qkv_format) for t in (q, k, v))
     _check_layout_matches(layout, q, k)
-    scale = _resolve_scale(scale, q.shape[-1])
+    scale = check_scale(scale, q.shape[-1])
+    if batch == 0:  # nothing to attend: empty results, out in q's format (differentiable)
+        out = _from_bshd(empty_batch_result(q, k, v), qkv_format)
+        return out, empty_batch_lse(q, heads, q_len)
     out, lse = _run_fine(q, k, v, layout, backend, scale)
     return _from_bshd(out, qkv_format), lse
 
@@ -113,7 +124,7 @@ def video_sparse_attn(
     Memory: the coarse output is never expanded to tokens. Without autograd the combine runs
     in place on the fine output; with autograd it is one fused multiply-add.
     """
-    _, seq, kv_seq, _, dim = check_qkv(q, k, v, qkv_format)
+    batch, seq, kv_seq, _, dim = check_qkv(q, k, v, qkv_format)
     if seq != kv_seq:
         raise ValueError(f"k must have q's sequence length {seq} (self-attention), got {kv_seq}")
     if token_order not in ("tiled", "raster"):
@@ -121,13 +132,11 @@ def video_sparse_attn(
     valid_sizes, tile_tokens = _resolve_tiles(
         tiling, kv_valid_sizes, seq, token_order, q.device, validate
     )
-    num_tiles = valid_sizes.shape[0]
-    if isinstance(topk, bool) or not isinstance(topk, int) or not 1 <= topk <= num_tiles:
-        raise ValueError(
-            f"topk must be an integer in [1, {num_tiles}] (the number of tiles), got {topk!r}"
-        )
+    topk = check_topk(topk, valid_sizes.shape[0])
     gate = check_coarse_gate(coarse_gate, q)
-    scale = _resolve_scale(scale, dim)
+    scale = check_scale(scale, dim)
+    if batch == 0:  # nothing to attend: an empty output in q's format (differentiable)
+        return empty_batch_result(q, k, v, gate)
 
     gate = None if gate is None else _as_bshd(gate.expand(q.shape), qkv_format)
     q, k, v = (_as_bshd(t, qkv_format) for t in (q, k, v))
@@ -252,14 +261,6 @@ def _check_layout_matches(layout: BlockSparseLayout, q: torch.Tensor, k: torch.T
             raise ValueError(f"layout must have {what} = {want} to match q/k, got {have}")
     if layout.device != q.device:
         raise ValueError(f"layout must be on q's device {q.device}, got {layout.device}")
-
-
-def _resolve_scale(scale: float | None, head_dim: int) -> float:
-    if scale is None:
-        return head_dim**-0.5
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < math.inf:
-        raise ValueError(f"scale must be a positive float or None, got {scale!r}")
-    return float(scale)
 
 
 def _as_bshd(x: torch.Tensor, qkv_format: str) -> torch.Tensor:
