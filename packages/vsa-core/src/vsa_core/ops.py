@@ -68,7 +68,11 @@ def block_sparse_attn(
     if batch == 0:  # nothing to attend: empty results, out in q's format (differentiable)
         out = _from_bshd(empty_batch_result(q, k, v), qkv_format)
         return out, empty_batch_lse(q, heads, q_len)
-    out, lse = _run_fine(q, k, v, layout, backend, scale)
+    chosen = _backend_for(q, k, v, layout, backend)
+    if not (chosen.key_padding_safe or layout.kv_blocks_full):
+        real = _real_slots(layout.kv_valid_sizes, layout.kv_block)
+        k, v = _zero_padding(k, real), _zero_padding(v, real)
+    out, lse = chosen.forward(q, k, v, layout, scale)
     return _from_bshd(out, qkv_format), lse
 
 
@@ -134,6 +138,8 @@ def video_sparse_attn(
     )
     topk = check_topk(topk, valid_sizes.shape[0])
     gate = check_coarse_gate(coarse_gate, q)
+    seq_dim = 1 if qkv_format == "bshd" else 2
+    seq_gate = gate is not None and gate.dim() == q.dim() and gate.shape[seq_dim] == seq
     scale = check_scale(scale, dim)
     if batch == 0:  # nothing to attend: an empty output in q's format (differentiable)
         return empty_batch_result(q, k, v, gate)
@@ -155,7 +161,13 @@ def video_sparse_attn(
         indices = stage.select(q_pooled, k_pooled, valid_sizes, topk)
     all_full = None if tiling is None else not tiling.has_padding
     layout = layout_from_selection(indices, valid_sizes, tile_tokens, all_full=all_full)
-    fine, _ = _run_fine(q, k, v, layout, backend, scale)
+    chosen = _backend_for(q, k, v, layout, backend)
+    if not all_full:
+        real = tiling.indices(q.device).real_slots if tiling is not None else None
+        q, k, v, gate = _padding_zeroed(
+            q, k, v, gate, valid_sizes, real, chosen.key_padding_safe, seq_gate
+        )
+    fine, _ = chosen.forward(q, k, v, layout, scale)
     out = _combine(fine, coarse, gate, tile_tokens)
 
     if token_order == "raster":
@@ -165,16 +177,50 @@ def video_sparse_attn(
 
 
 # ---- helpers ---------------------------------------------------------------------------------
-def _run_fine(q, k, v, layout, backend, scale):
-    requires_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+def _backend_for(q, k, v, layout, backend):
+    requires_grad = _requires_grad(q, k, v)
     if not isinstance(backend, str):
         raise ValueError(f"backend must be a backend name or 'auto', got {backend!r}")
-    chosen = _fine_backend(
+    return _fine_backend(
         backend, os.environ.get(OVERRIDE_ENV, "").strip(), registry_generation(),
         q.device, q.dtype, q.shape[-1], layout.block_shape, requires_grad,
         layout.q_group_size, layout.kv_blocks_full,
     )  # fmt: skip
-    return chosen.forward(q, k, v, layout, scale)
+
+
+def _requires_grad(*tensors: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def _padding_zeroed(q, k, v, gate, valid_sizes, real_slots, key_padding_safe, seq_gate):
+    """q, k, v and the gate as the fine backend and the combine may see them: padding slots
+    zeroed where they could reach a real output or gradient. When gradients flow, query
+    padding rows feed dK and dV in every backend's backward, and a per-token gate's padding
+    the coarse output's gradient (0 * NaN is NaN), so both are cleaned; key padding only for
+    backends that multiply it by zero probabilities (``key_padding_safe`` False). Pooling
+    never reads padding, so the coarse stage takes the inputs as given. Each clean is one
+    elementwise copy (a read and a write of the tensor)."""
+    training = _requires_grad(q, k, v) or (gate is not None and _requires_grad(gate))
+    if not training and key_padding_safe:
+        return q, k, v, gate
+    if real_slots is None:
+        real_slots = _real_slots(valid_sizes, q.shape[1] // valid_sizes.shape[0])
+    if training:
+        q = _zero_padding(q, real_slots)
+        gate = _zero_padding(gate, real_slots) if seq_gate else gate
+    if not key_padding_safe:
+        k, v = _zero_padding(k, real_slots), _zero_padding(v, real_slots)
+    return q, k, v, gate
+
+
+def _real_slots(valid_sizes: torch.Tensor, block: int) -> torch.Tensor:
+    """[N * block] bool: the slots below each block's valid size."""
+    slots = torch.arange(block, device=valid_sizes.device)
+    return (slots < valid_sizes.unsqueeze(-1)).flatten()
+
+
+def _zero_padding(x: torch.Tensor, real_slots: torch.Tensor) -> torch.Tensor:
+    return torch.where(real_slots.view(1, -1, 1, 1), x, 0)
 
 
 @resolved_once

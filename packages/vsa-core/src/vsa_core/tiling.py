@@ -34,6 +34,8 @@ class TilingIndices:
     """[seq_len] int64: the tile-order slots that hold real tokens, ascending."""
     valid_sizes: torch.Tensor
     """[num_tiles] int32: number of real tokens in each tile."""
+    real_slots: torch.Tensor
+    """[padded_len] bool: which tile-order slots hold real tokens (False for padding)."""
 
 
 @dataclass(frozen=True)
@@ -177,4 +179,5 @@ def _tiling_indices(
         tile_to_raster=tile_to_raster.to(device),
         nonpad_index=nonpad_index.to(device),
         valid_sizes=valid.to(device),
+        real_slots=(tile_to_raster >= 0).to(device),
     )

@@ -32,6 +32,7 @@ class TritonBackend(Backend):
     """Block-sparse attention forward and backward in Triton (CUDA, sm_80 and newer)."""
 
     name: ClassVar[str] = "triton"
+    key_padding_safe: ClassVar[bool] = True  # masked loads: padding rows are never read
     priority: ClassVar[int] = 10
 
     def availability(self) -> str | None:

@@ -73,6 +73,10 @@ class Backend:
 
     name: ClassVar[str] = ""
     priority: ClassVar[int] = 0
+    key_padding_safe: ClassVar[bool] = False
+    """True when the padding slots of partial key blocks never reach a real output or
+    gradient whatever they hold (NaN and inf included): the kernels never read them. Where
+    False, `video_sparse_attn` hands the backend copies of k and v with zeroed padding."""
 
     def supports(self, call: AttentionCall) -> str | None:
         """Return None when this backend can run ``call``, else the reason it cannot."""

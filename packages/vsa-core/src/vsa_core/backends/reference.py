@@ -17,6 +17,7 @@ class ReferenceBackend(Backend):
 
     name = "reference"
     priority = 0
+    key_padding_safe = True  # masked with torch.where, never multiplied by 0
 
     def supports(self, call: AttentionCall) -> str | None:
         return None
