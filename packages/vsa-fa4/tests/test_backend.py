@@ -229,13 +229,18 @@ def test_forward_refuses_what_supports_refuses():
         FA4Backend().forward(q, q, q, layout, 1.0)
 
 
-def test_auto_ranks_fa4_below_triton_for_training_unpaired_64_row_blocks_on_sm90(gpu):
+def test_auto_ranks_fa4_below_triton_for_large_training_unpaired_64_row_blocks_on_sm90(gpu):
     backend = gpu((9, 0))
-    unpaired = call((64, 64), grad=True)
+    rows = backend_module.TRITON_FIRST_FROM_QUERY_ROWS
+    unpaired = dataclasses.replace(call((64, 64), grad=True), query_rows=rows)
     paired = dataclasses.replace(unpaired, q_group_size=4)
     assert backend.priority_for(unpaired) == 5 < 10 < backend.priority_for(paired) == 20
+    assert "below triton" in backend.ranking_note(unpaired)
+    assert backend.ranking_note(paired) is None
     assert backend.priority_for(dataclasses.replace(unpaired, q_group_size=3)) == 5
-    assert backend.priority_for(dataclasses.replace(unpaired, kv_blocks_full=True)) == 5
+    # measured faster on fa4: all key blocks full (aligned latents), smaller problems
+    assert backend.priority_for(dataclasses.replace(unpaired, kv_blocks_full=True)) == 20
+    assert backend.priority_for(dataclasses.replace(unpaired, query_rows=rows - 1)) == 20
     # inference: fa4's two-CTA forward is ahead, with or without partial key blocks
     for full in (False, True):
         inference = dataclasses.replace(unpaired, requires_grad=False, kv_blocks_full=full)

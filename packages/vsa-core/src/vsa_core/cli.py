@@ -163,17 +163,20 @@ def collect_info() -> dict:
     }
 
 
-INFO_SHAPES: tuple[tuple[tuple[int, int], int, bool], ...] = (
-    ((64, 64), 1, False),
-    ((64, 64), 1, True),
-    ((64, 64), 2, False),
-    ((128, 64), 1, False),
-    ((128, 128), 1, False),
-    ((256, 256), 1, False),
+WAN_480P_ROWS = 12 * 39_936  # 12 heads x Wan 2.1 480p's padded tile-order tokens
+WAN_720P_ROWS = 40 * 92_160  # 40 heads x Wan 2.1 720p's
+INFO_SHAPES: tuple[tuple[tuple[int, int], int, bool, int], ...] = (
+    ((64, 64), 1, False, WAN_480P_ROWS),
+    ((64, 64), 1, False, WAN_720P_ROWS),
+    ((64, 64), 1, True, WAN_720P_ROWS),
+    ((64, 64), 2, False, WAN_720P_ROWS),
+    ((128, 64), 1, False, WAN_720P_ROWS),
+    ((128, 128), 1, False, WAN_720P_ROWS),
+    ((256, 256), 1, False, WAN_720P_ROWS),
 )
-"""(block shape, q_group_size, kv_blocks_full) rows of ``vsa info``'s table: 64x64 three
-times, since a layout whose aligned query-block pairs share key lists (refined from a coarser
-one), or whose key blocks are all full (a tile-aligned latent), may rank differently."""
+"""(block shape, q_group_size, kv_blocks_full, query rows) rows of ``vsa info``'s table: 64x64
+at two problem sizes, and with pairs sharing key lists (refined from a coarser layout) or all
+key blocks full (a tile-aligned latent), since backends may rank those differently."""
 
 
 def _shape_table(device: torch.device) -> list[dict]:
@@ -185,17 +188,22 @@ def _shape_table(device: torch.device) -> list[dict]:
         if entry.backend is not None and entry.backend.availability() is None
     }
     rows = []
-    for block_shape, group, full in INFO_SHAPES:
+    for block_shape, group, full, query_rows in INFO_SHAPES:
         for grad in (False, True):
-            call = AttentionCall(device, torch.bfloat16, 128, block_shape, grad, group, full)
+            call = AttentionCall(
+                device, torch.bfloat16, 128, block_shape, grad, group, full, query_rows=query_rows
+            )
+            notes = {name: b.ranking_note(call) for name, b in usable.items()}
             rows.append(
                 {
                     "block_shape": list(block_shape),
                     "q_group_size": group,
                     "kv_blocks_full": full,
+                    "query_rows": query_rows,
                     "requires_grad": grad,
                     "verdicts": {name: b.supports(call) for name, b in usable.items()},
                     "auto_picks": select_backend(call).name,
+                    "auto_rules": {name: note for name, note in notes.items() if note},
                 }
             )
     return rows
@@ -207,7 +215,7 @@ def _print_shape_table(rows: list[dict]) -> None:
     reasons: dict[str, int] = {}
     by_shape: dict[str, list[dict]] = {}
     for r in rows:
-        label = "x".join(map(str, r["block_shape"]))
+        label = "x".join(map(str, r["block_shape"])) + f" ({r['query_rows'] / 1e6:.1f} M rows)"
         if r["q_group_size"] > 1:
             label += f" (pairs share lists, q_group_size {r['q_group_size']})"
         if r["kv_blocks_full"]:
@@ -225,7 +233,11 @@ def _print_shape_table(rows: list[dict]) -> None:
                     marks.append(f"no[{reasons.setdefault(reason, len(reasons) + 1)}]")
             cells.append(f"{name} {'/'.join(marks)}")
         picks = f"auto: {fwd['auto_picks']} / {bwd['auto_picks']}"
-        print(f"  {label:<44} {'  '.join(cells)}  {picks}")
+        print(f"  {label:<56} {'  '.join(cells)}  {picks}")
+        for r in (fwd, bwd):
+            mode = "training" if r["requires_grad"] else "inference"
+            for name, note in r.get("auto_rules", {}).items():
+                print(f"      rule ({mode}): {name} {note}")
     for reason, number in reasons.items():
         print(f"  [{number}] {reason}")
 

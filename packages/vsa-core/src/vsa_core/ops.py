@@ -184,7 +184,7 @@ def _backend_for(q, k, v, layout, backend):
     return _fine_backend(
         backend, os.environ.get(OVERRIDE_ENV, "").strip(), registry_generation(),
         q.device, q.dtype, q.shape[-1], layout.block_shape, requires_grad,
-        layout.q_group_size, layout.kv_blocks_full,
+        layout.q_group_size, layout.kv_blocks_full, q.shape[0] * q.shape[1] * q.shape[2],
     )  # fmt: skip
 
 
@@ -226,13 +226,14 @@ def _zero_padding(x: torch.Tensor, real_slots: torch.Tensor) -> torch.Tensor:
 @resolved_once
 def _fine_backend(
     backend, _override, _generation, device, dtype, head_dim, block_shape, requires_grad,
-    q_group_size, kv_blocks_full,
+    q_group_size, kv_blocks_full, query_rows,
 ):  # fmt: skip
     """The backend `select_backend` picks for a call so described (decided once per
     description; the override variable and the registered backends are part of the key)."""
     call = AttentionCall(
-        device, dtype, head_dim, block_shape, requires_grad, q_group_size, kv_blocks_full
-    )
+        device, dtype, head_dim, block_shape, requires_grad, q_group_size, kv_blocks_full,
+        query_rows=query_rows,
+    )  # fmt: skip
     return select_backend(call, backend)
 
 

@@ -77,6 +77,29 @@ def _shape(block_shape: tuple[int, int]) -> str:
     return f"{block_shape[0]}x{block_shape[1]}"
 
 
+TRITON_FIRST_FROM_QUERY_ROWS = 1_000_000
+TRAINING_RULE = """Where ``backend="auto"`` puts Triton ahead of fa4: training (forward+backward)
+with 64-token query blocks that cannot pair onto 128-row tiles (the coarse stage's own
+layouts), partial key blocks (a latent whose sides are not multiples of the tile), on sm_90,
+from `TRITON_FIRST_FROM_QUERY_ROWS` query rows (batch x heads x tokens). Everywhere else fa4.
+
+Measured on an H200 (2026-11-30, whole op `video_sparse_attn`, 87.5%, coarse gate, each arm
+called once and waited for, in alternation with dense FA4; `bench_video.py --arms auto fa4
+triton`, benchmarks/results/2026-11-30-h200-bench_video-arms*.json), speedup over dense,
+forward+backward, fa4 / triton:
+
+| latent, heads | query rows | partial tiles | fa4 | triton |
+|---|---|---|---|---|
+| Wan 480p 21x30x52, 12 | 0.48 M | yes | **2.84x** | 2.45x |
+| HunyuanVideo 33x45x80, 24 | 3.3 M | yes | 3.17x | **3.48x** |
+| Wan 720p 21x45x80, 40 | 3.7 M | yes | 3.03x | **3.23x** (issue 19's table) |
+| aligned 20x44x80, 40 | 3.5 M | no | **4.87x** | 4.29x (issue 19's table) |
+
+The threshold lies between the measured 0.48 M and 3.3 M rows. Inference (forward) runs
+faster on fa4 in every measured cell. Regenerate with the command in benchmarks/README.md
+("Auto's rule") and move the threshold if the crossing moves."""
+
+
 class FA4Backend(Backend):
     """Block-sparse attention through FlashAttention-4's CuTe kernels (sm_90, sm_100).
 
@@ -111,26 +134,26 @@ class FA4Backend(Backend):
         )
 
     def priority_for(self, call: AttentionCall) -> int:
-        """Below Triton (10) for training with 64-token query blocks on sm_90 that cannot pair
-        onto 128-row tiles (``q_group_size`` odd, as for the coarse stage's own layouts); else
-        `priority`.
+        """Below Triton (10) where Triton's whole op measured faster (`TRAINING_RULE`), else
+        `priority`."""
+        return 5 if self.ranking_note(call) else self.priority
 
-        Measured on an H200 (2026-11-29, benchmarks/results/, whole VSA op, 40 heads, 87.5%,
-        speedup over dense FA4, fwd / fwd+bwd): at Wan 2.1 720p (21x45x80, 24% of the key
-        tiles partial) fa4 3.23x / 2.95x once the fork masked partial blocks as a column limit
-        (same run, per call: forward 52.3 ms against Triton's 56.0, forward+backward 223.7
-        against 204.4), Triton 3.09x / 3.22x; at a tile-aligned 20x44x80 latent fa4 5.06x /
-        4.39x, Triton 4.13x / 4.43x, with fa4 needing 1.40x of dense attention's memory in
-        training against Triton's 1.02x. Session 6 (backward in head chunks, rotated lists):
-        Wan 720p forward+backward fa4 3.25x at 6,129 MiB peak, Triton 3.20x at 5,593 MiB; a
-        tie in time, so the lower memory decides. So fa4 goes first for unpaired 64-row
-        blocks in inference only. Paired 64-token layouts (refined from coarser blocks) run
-        faster on fa4 (forward 0.89 vs 0.66 of dense, exact256 masks), so they keep fa4
-        first."""
+    def ranking_note(self, call: AttentionCall) -> str | None:
+        """`TRAINING_RULE`'s verdict for ``call``: why fa4 steps behind Triton, or None."""
         unpaired_q64 = call.block_shape[0] == 64 and call.q_group_size % 2
-        if call.capability == (9, 0) and unpaired_q64 and call.requires_grad:
-            return 5
-        return self.priority
+        if (
+            call.capability == (9, 0)
+            and unpaired_q64
+            and call.requires_grad
+            and not call.kv_blocks_full
+            and call.query_rows >= TRITON_FIRST_FROM_QUERY_ROWS
+        ):
+            return (
+                "below triton: training with unpaired 64-row query blocks, partial key blocks "
+                f"and >= {TRITON_FIRST_FROM_QUERY_ROWS:,} query rows on sm_90 "
+                "(whole op measured faster on triton; vsa_fa4.backend.TRAINING_RULE)"
+            )
+        return None
 
     def _call_refusal(self, call: AttentionCall) -> str | None:
         """Refusals that do not depend on the schedule."""

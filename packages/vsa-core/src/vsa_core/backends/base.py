@@ -40,6 +40,10 @@ class AttentionCall:
     so that the call's description (a cache key of `vsa_core.backends.select_backend`) says
     which architecture it is for."""
 
+    query_rows: int = 0
+    """Query token rows of the call (batch x heads x query length), for backends whose
+    ranking depends on the problem size; 0 when unknown."""
+
     def __post_init__(self) -> None:
         if self.capability is None and self.device.type == "cuda":
             try:
@@ -61,6 +65,7 @@ class AttentionCall:
             and (q.requires_grad or k.requires_grad or v.requires_grad),
             q_group_size=layout.q_group_size,
             kv_blocks_full=layout.kv_blocks_full,
+            query_rows=q.shape[0] * q.shape[1] * q.shape[2],
         )
 
 
@@ -86,6 +91,11 @@ class Backend:
         """This backend's rank for ``call`` under ``backend="auto"`` (default: ``priority``).
         Override to step back on calls another backend is measured to run faster."""
         return self.priority
+
+    def ranking_note(self, call: AttentionCall) -> str | None:
+        """Why `priority_for` ranks ``call`` away from ``priority`` (shown by ``vsa info``),
+        or None when it does not."""
+        return None
 
     def forward(
         self,
