@@ -661,12 +661,15 @@ def resolve_fine_backend(
     head_dim: int,
     tiling: VideoTiling,
     mode: str,
+    query_rows: int = 0,
 ) -> tuple[str | None, str | None]:
     """(backend that will run the fine attention, None) or (None, why it cannot). The call is
-    described as the op describes it: key blocks all full when the latent needs no padding."""
+    described as the op describes it: key blocks all full when the latent needs no padding,
+    ``query_rows`` = batch x heads x padded tokens (auto's rule depends on the size)."""
     tile = tiling.tile_tokens
     call = AttentionCall(device, dtype, head_dim, (tile, tile), mode != "fwd",
-                         kv_blocks_full=not tiling.has_padding)  # fmt: skip
+                         kv_blocks_full=not tiling.has_padding,
+                         query_rows=query_rows)  # fmt: skip
     try:
         if name == "auto":
             return select_backend(call, "auto").name, None
@@ -837,8 +840,9 @@ def gate_our_arm(
     """Our op with backend ``name``: resolved, gated against the float32 composition on its
     selection (computed once per cell in ``shared``); its runner, or None (``rec`` says why)."""
     cfg = ctx.cfg
+    rows = ctx.inputs.q.shape[0] * ctx.inputs.q.shape[1] * ctx.inputs.q.shape[2]
     fine, why = resolve_fine_backend(name, ctx.device, cfg.dtype, cfg.head_dim, ctx.tiling,
-                                     ctx.mode)  # fmt: skip
+                                     ctx.mode, rows)  # fmt: skip
     rec["fine_backend"] = fine
     if fine is None:
         rec.update(status="skipped", reason=why)

@@ -36,6 +36,8 @@ class TilingIndices:
     """[num_tiles] int32: number of real tokens in each tile."""
     real_slots: torch.Tensor
     """[padded_len] bool: which tile-order slots hold real tokens (False for padding)."""
+    padding_index: torch.Tensor
+    """[padded_len - seq_len] int64: the tile-order slots that are padding, ascending."""
 
 
 @dataclass(frozen=True)
@@ -180,4 +182,5 @@ def _tiling_indices(
         nonpad_index=nonpad_index.to(device),
         valid_sizes=valid.to(device),
         real_slots=(tile_to_raster >= 0).to(device),
+        padding_index=(tile_to_raster < 0).nonzero().flatten().to(device),
     )
