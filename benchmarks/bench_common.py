@@ -420,6 +420,50 @@ def time_views(
     }
 
 
+def events_ms(fn: Callable[[], Any], calls: int) -> float:
+    """Device ms per call of ``calls`` back-to-back calls between two CUDA events."""
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(calls):
+        fn()
+    stop.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(stop) / calls
+
+
+def call_views(fn: Callable[[], Any], reps: int, b2b_calls: int = 10) -> dict[str, float]:
+    """One arm on its own, both views (medians): ``host_ms`` to issue one call with the queue
+    drained, ``once_ms`` one call between events then a synchronize (latency), ``b2b_ms``
+    calls back to back (device throughput). Three warm-up calls first."""
+    for _ in range(3):
+        fn()
+    host, once = [], []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        host.append((time.perf_counter() - t0) * 1e3)
+        once.append(events_ms(fn, 1))
+    b2b = statistics.median(events_ms(fn, b2b_calls) for _ in range(3))
+    return {"host_ms": statistics.median(host), "once_ms": statistics.median(once), "b2b_ms": b2b}
+
+
+def cuda_graph(fn: Callable[[], Any]) -> tuple[Callable[[], None], Any]:
+    """``fn`` captured in a CUDA graph after three warm-up calls on a side stream: (replay,
+    the captured call's output, whose buffers each replay rewrites)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph.replay, out
+
+
 def peak_extra_mib(fn: Callable[[], Any], device: torch.device) -> float | None:
     """Peak memory allocated during ``fn()`` beyond what was allocated before (MiB); its
     result is held until the peak is read. None off CUDA."""

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 
+import bench_common as bc
 import torch
 from torch import nn
 
@@ -42,43 +42,6 @@ class VSABlock(nn.Module):
             q, k, v, tiling=self.tiling, topk=self.topk, coarse_gate=gate, backend=self.backend
         )
         return self.out(attn.reshape(batch, seq, hidden))
-
-
-def _events_ms(fn, calls: int) -> float:
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(calls):
-        fn()
-    stop.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(stop) / calls
-
-
-def timed(fn, reps: int) -> dict:
-    host, once = [], []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        host.append((time.perf_counter() - t0) * 1e3)
-        once.append(_events_ms(fn, 1))
-    b2b = statistics.median(_events_ms(fn, 5) for _ in range(3))
-    return {"host_ms": statistics.median(host), "once_ms": statistics.median(once), "b2b_ms": b2b}
-
-
-def graphed(fn):
-    """``fn`` captured in a CUDA graph: returns (replay, output buffer)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return graph.replay, out
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -133,7 +96,7 @@ def main() -> None:
                 row = {"backend": backend, "mode": mode, "way": way}
                 try:
                     row["rel_err_vs_eager"] = rel(fn().detach(), reference)
-                    row.update(timed(fn, args.reps))
+                    row.update(bc.call_views(fn, args.reps, b2b_calls=5))
                 except Exception as exc:  # a failure is a finding: record it, go on
                     row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
                 print(json.dumps(row), flush=True)
@@ -141,10 +104,10 @@ def main() -> None:
             if mode == "fwd":
                 row = {"backend": backend, "mode": mode, "way": "cuda_graph"}
                 try:
-                    replay, out = graphed(eager_call)
+                    replay, out = bc.cuda_graph(eager_call)
                     replay()
                     row["rel_err_vs_eager"] = rel(out, reference)
-                    row.update(timed(replay, args.reps))
+                    row.update(bc.call_views(replay, args.reps, b2b_calls=5))
                 except Exception as exc:
                     row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
                 print(json.dumps(row), flush=True)

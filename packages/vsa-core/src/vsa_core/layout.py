@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from vsa_core.validation import (
+    as_device,
     as_int,
     check_block_shape,
     check_int_tensor,
@@ -148,12 +149,7 @@ class BlockSparseLayout:
         return self.kv_indices.device
 
     def to(self, device: torch.device | str) -> BlockSparseLayout:
-        try:
-            device = torch.device(device)
-        except (RuntimeError, TypeError):
-            raise ValueError(
-                f"device must be a torch.device or a device name such as 'cuda', got {device!r}"
-            ) from None
+        device = as_device(device)
         return BlockSparseLayout(
             self.kv_indices.to(device),
             self.kv_counts.to(device),

@@ -17,7 +17,7 @@ from typing import Literal
 import torch
 
 from vsa_core.host_cache import resolved_once
-from vsa_core.validation import check_positive_triple
+from vsa_core.validation import as_device, check_positive_triple
 
 QKVFormat = Literal["bshd", "bhsd"]
 
@@ -122,12 +122,7 @@ class VideoTiling:
 def _canonical(device: torch.device | str) -> torch.device:
     """ "cuda" and "cuda:0" (when current) are one device: give them one cache entry, so that a
     cached tensor is never rebuilt (a host-to-device copy, i.e. a sync) under another name."""
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ValueError(
-            f"device must be a torch.device or a device name such as 'cuda', got {device!r}"
-        ) from None
+    device = as_device(device)
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return device

@@ -306,3 +306,13 @@ def check_coarse_gate(
         expected = expected or f"broadcast to q's shape {tuple(q.shape)}"
         raise ValueError(f"coarse_gate must {expected}, got {tuple(gate.shape)}")
     return gate
+
+
+def as_device(device: object) -> torch.device:
+    """A torch.device from a device or its name; ValueError naming ``device`` otherwise."""
+    try:
+        return torch.device(device)  # type: ignore[arg-type]
+    except (RuntimeError, TypeError):
+        raise ValueError(
+            f"device must be a torch.device or a device name such as 'cuda', got {device!r}"
+        ) from None

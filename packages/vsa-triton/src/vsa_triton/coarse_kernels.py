@@ -29,6 +29,18 @@ def _pool_one(src, dst, offs, mask, out, keep, inv):
 
 
 @triton.jit
+def _tile_program(valid_ptr, heads, SLOTS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  DIM_P2: tl.constexpr):
+    """This program's tile, batch (int64), head, the tile's valid size, slot and dim ranges,
+    and which dims are real."""
+    tile = tl.program_id(0)
+    bh = tl.program_id(1)
+    dims = tl.arange(0, DIM_P2)
+    return (tile, (bh // heads).to(tl.int64), bh % heads, tl.load(valid_ptr + tile),
+            tl.arange(0, SLOTS), dims, dims < HEAD_DIM)
+
+
+@triton.jit
 def pool_fwd_kernel(
     q, k, v, qp, kp, vp, valid_ptr,
     s_qb, s_qs, s_qh, s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, s_pb, s_pn, s_ph,
@@ -37,17 +49,9 @@ def pool_fwd_kernel(
 ):
     """One (tile, batch x head): the means of q, k and v over the tile's real tokens (pooled
     strides s_p* shared by qp, kp and vp)."""
-    tile = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // heads
-    h = bh % heads
-    size = tl.load(valid_ptr + tile)
-    slots = tl.arange(0, SLOTS)
-    dims = tl.arange(0, DIM_P2)
-    keep = dims < HEAD_DIM
+    tile, b, h, size, slots, dims, keep = _tile_program(valid_ptr, heads, SLOTS, HEAD_DIM, DIM_P2)
     mask = (slots < size)[:, None] & keep[None, :]
     rows = (tile.to(tl.int64) * TILE_TOKENS + slots)[:, None]
-    b = b.to(tl.int64)
     inv = 1.0 / tl.maximum(size, 1).to(tl.float32)
     out = b * s_pb + tile * s_pn + h * s_ph + dims
     _pool_one(q, qp, b * s_qb + h * s_qh + rows * s_qs + dims[None, :], mask, out, keep, inv)
@@ -71,18 +75,11 @@ def pool_bwd_kernel(
 ):
     """One (tile, batch x head): each real token's gradient is its tile's pooled gradient over
     the tile's size; padding slots get 0 (every slot is written)."""
-    tile = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // heads
-    h = bh % heads
-    size = tl.load(valid_ptr + tile)
-    slots = tl.arange(0, SLOTS)
-    dims = tl.arange(0, DIM_P2)
-    keep = dims < HEAD_DIM
+    tile, b, h, size, slots, dims, keep = _tile_program(valid_ptr, heads, SLOTS, HEAD_DIM, DIM_P2)
     inv = 1.0 / tl.maximum(size, 1).to(tl.float32)
-    src = b.to(tl.int64) * s_gb + tile * s_gn + h * s_gh + dims
+    src = b * s_gb + tile * s_gn + h * s_gh + dims
     rows = tile.to(tl.int64) * TILE_TOKENS + slots
-    offs = b.to(tl.int64) * s_xb + h * s_xh + rows[:, None] * s_xs + dims[None, :]
+    offs = b * s_xb + h * s_xh + rows[:, None] * s_xs + dims[None, :]
     in_tile = (slots < TILE_TOKENS)[:, None] & keep[None, :]
     real = (slots < size)[:, None]
     _unpool_one(gq, dq, src, offs, keep, in_tile, real, inv)

@@ -1,0 +1,114 @@
+"""Where the whole op's time goes, in both views: host time to issue a call, device time back to
+back, one call waited for, CUDA-graph replay; per (shape, fine backend, coarse backend, mode).
+
+A diagnostic for issue 19 (the comparison users read is `bench_video.py`'s). Prints one JSON
+line per cell and, with ``--profile``, a cProfile table of one forward call. ::
+
+    python3 benchmarks/diagnose_op_host.py --shapes wan480p wan720p --backends fa4 triton \
+        --coarse torch triton --out $OUT/host.jsonl --profile $OUT/host_profile.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import statistics
+import sys
+
+import bench_common as bc
+import torch
+
+from vsa_core import VideoTiling, video_sparse_attn
+
+SHAPES = {
+    "wan480p": ((21, 30, 52), 12),
+    "wan720p": ((21, 45, 80), 40),
+    "hunyuan720p": ((33, 45, 80), 24),
+    "aligned": ((20, 44, 80), 40),
+}
+
+
+def _inputs(tiling: VideoTiling, heads: int, grad: bool):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    shape = (1, tiling.padded_len, heads, 128)
+    qkv = [torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in "qkv"]
+    gate = torch.rand(shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+    return [t.requires_grad_(grad) for t in qkv], gate
+
+
+def graph_ms(fn) -> float | None:
+    """Median replay time of ``fn`` captured in a CUDA graph (None if capture fails)."""
+    try:
+        replay, _ = bc.cuda_graph(fn)
+        return statistics.median(bc.events_ms(replay, 10) for _ in range(3))
+    except Exception as exc:  # capture failures are a finding, not a crash
+        print(f"graph capture failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--shapes", nargs="+", default=["wan480p"])
+    ap.add_argument("--backends", nargs="+", default=["fa4", "triton"])
+    ap.add_argument("--coarse", nargs="+", default=["torch", "triton"])
+    ap.add_argument("--modes", nargs="+", default=["fwd", "fwd+bwd"])
+    ap.add_argument("--sparsity", type=float, default=0.875)
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--profile", default=None, help="cProfile table of one forward call")
+    args = ap.parse_args()
+    out = open(args.out, "a") if args.out else None  # noqa: SIM115
+    profiles = []
+    for name in args.shapes:
+        latent, heads = SHAPES[name]
+        tiling = VideoTiling(latent)
+        topk = max(1, round((1 - args.sparsity) * tiling.num_tiles))
+        for mode in args.modes:
+            grad = mode != "fwd"
+            (q, k, v), gate = _inputs(tiling, heads, grad)
+            for backend in args.backends:
+                for coarse in args.coarse:
+
+                    def call(backend=backend, coarse=coarse, grad=grad, args=(q, k, v, gate)):
+                        q_, k_, v_, gate_ = args
+                        out = video_sparse_attn(
+                            q_, k_, v_, tiling=tiling, topk=topk, coarse_gate=gate_,  # noqa: B023
+                            backend=backend, coarse_backend=coarse,
+                        )  # fmt: skip
+                        if grad:
+                            out.backward(out)
+                        return out
+
+                    row = {"shape": name, "mode": mode, "backend": backend, "coarse": coarse}
+                    try:
+                        with torch.no_grad() if not grad else torch.enable_grad():
+                            row.update(bc.call_views(call, args.reps))
+                            if not grad:
+                                row["graph_ms"] = graph_ms(call)
+                    except Exception as exc:
+                        row["error"] = f"{type(exc).__name__}: {exc}"
+                    line = json.dumps(row)
+                    print(line, flush=True)
+                    if out:
+                        out.write(line + "\n")
+                        out.flush()
+                    if args.profile and not grad and "error" not in row:
+                        prof = cProfile.Profile()
+                        with torch.no_grad():
+                            prof.enable()
+                            call()
+                            prof.disable()
+                        text = io.StringIO()
+                        pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(30)
+                        profiles.append(f"## {name} {backend} coarse={coarse}\n{text.getvalue()}")
+            q.grad = k.grad = v.grad = None
+    if args.profile:
+        with open(args.profile, "w") as f:
+            f.write("\n".join(profiles))
+
+
+if __name__ == "__main__":
+    main()
