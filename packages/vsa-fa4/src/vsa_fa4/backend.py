@@ -10,9 +10,9 @@ it, judged from the logical block shape with the native schedule (the pairing of
 query blocks depends on the layout, which a call description does not carry); every refusal
 names its reason, so ``backend="auto"`` falls back to Triton with an explanation.
 
-One input contract is stricter than vsa-core's: padding slots of *partial* key blocks must hold
-finite values (FA4 masks their scores but multiplies the zero probabilities with V, so a NaN
-there leaks; ``VideoTiling.to_tiles`` writes zeros). No check reads the data for it.
+Padding slots of partial key blocks must hold finite values for FA4's kernels (they mask the
+scores but multiply the zero probabilities with V, and dS with K), so the backend declares
+``key_padding_safe = False`` and vsa-core's ops hand it copies of k and v with zeroed padding.
 """
 
 from __future__ import annotations
@@ -110,6 +110,7 @@ class FA4Backend(Backend):
 
     name: ClassVar[str] = "fa4"
     priority: ClassVar[int] = 20
+    key_padding_safe: ClassVar[bool] = False  # see the module doc
 
     def __init__(self, schedule: str = "auto") -> None:
         if schedule not in SCHEDULES:
