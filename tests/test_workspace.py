@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from importlib import import_module
 from importlib.metadata import entry_points, version
+from pathlib import Path
 
 import pytest
 import torch
+from packaging.specifiers import SpecifierSet
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pytest brings tomli on Python 3.10
+    import tomli as tomllib
 
 from vsa_core.backends.base import AttentionCall, Backend
 
@@ -130,3 +138,86 @@ def test_triton_backend_refuses_a_cpu_call_without_the_interpreter(monkeypatch):
     backend = _load("vsa_triton.backend:TritonBackend")()
     reason = backend.supports(_cpu_call())
     assert isinstance(reason, str) and "CUDA" in reason
+
+
+# --------------------------------------------------------------------------------------------
+# Packaging metadata of each member (what PyPI users get)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Words every full text of each declared license contains.
+LICENSE_TEXT = {
+    "Apache-2.0": ("Apache License", "Version 2.0, January 2004"),
+    "BSD-3-Clause": ("Redistribution and use in source and binary forms", "Neither the name of"),
+}
+
+# The newest Python the packages are classified (and CI-tested) for.
+NEWEST_PYTHON = (3, 13)
+
+
+def _project(dist_name: str) -> tuple[Path, dict]:
+    directory = ROOT / "packages" / dist_name
+    return directory, tomllib.loads((directory / "pyproject.toml").read_text())
+
+
+def test_root_license_is_apache():
+    text = (ROOT / "LICENSE").read_text()
+    assert all(words in text for words in LICENSE_TEXT["Apache-2.0"])
+
+
+@pytest.mark.parametrize(("module_name", "dist_name"), PACKAGES)
+def test_license_file_matches_the_declared_license(module_name, dist_name):
+    directory, pyproject = _project(dist_name)
+    project = pyproject["project"]
+    expression = project["license"]
+    assert isinstance(expression, str) and expression in LICENSE_TEXT, expression
+    assert "LICENSE" in project.get("license-files", []), "LICENSE is not in license-files"
+    for name in project["license-files"]:
+        assert (directory / name).is_file(), f"{dist_name}: license file {name} is missing"
+    text = (directory / "LICENSE").read_text()
+    missing = [words for words in LICENSE_TEXT[expression] if words not in text]
+    assert not missing, f"{dist_name}/LICENSE is not the {expression} text: lacks {missing}"
+    # PEP 639: with a license expression, "License ::" classifiers are deprecated.
+    assert not [c for c in project.get("classifiers", []) if c.startswith("License ::")]
+
+
+@pytest.mark.parametrize(("module_name", "dist_name"), PACKAGES)
+def test_py_typed_is_in_the_wheel_target(module_name, dist_name):
+    directory, pyproject = _project(dist_name)
+    packages = pyproject["tool"]["hatch"]["build"]["targets"]["wheel"]["packages"]
+    assert f"src/{module_name}" in packages, packages
+    assert (directory / "src" / module_name / "py.typed").is_file()
+    assert "Typing :: Typed" in pyproject["project"]["classifiers"]
+
+
+@pytest.mark.parametrize(("module_name", "dist_name"), PACKAGES)
+def test_changelog_has_the_current_version_and_unreleased(module_name, dist_name):
+    directory, pyproject = _project(dist_name)
+    current = pyproject["project"]["version"]
+    changelog = directory / "CHANGELOG.md"
+    assert changelog.is_file(), f"{dist_name} has no CHANGELOG.md"
+    headings = re.findall(r"^## (\S+)", changelog.read_text(), re.MULTILINE)
+    assert "Unreleased" in headings, f"{changelog}: no '## Unreleased' section"
+    assert current in headings, f"{changelog}: no '## {current}' section"
+    assert current == import_module(module_name).__version__
+
+
+@pytest.mark.parametrize(("module_name", "dist_name"), PACKAGES)
+def test_classifiers_cover_requires_python(module_name, dist_name):
+    _, pyproject = _project(dist_name)
+    project = pyproject["project"]
+    allowed = SpecifierSet(project["requires-python"])
+    prefix = "Programming Language :: Python :: 3."
+    classified = sorted(
+        (3, int(c[len(prefix) :])) for c in project["classifiers"] if c.startswith(prefix)
+    )
+    expected = [
+        (3, minor)
+        for minor in range(NEWEST_PYTHON[1] + 1)
+        if allowed.contains(f"3.{minor}", prereleases=True)
+    ]
+    assert expected, f"{dist_name}: requires-python {allowed} admits none of 3.0-3.13"
+    assert classified == expected, (
+        f"{dist_name}: Python classifiers {classified} != the versions requires-python "
+        f"{allowed} admits up to {NEWEST_PYTHON}: {expected}"
+    )
