@@ -24,6 +24,21 @@ backward likewise. The exchange is ``torch.distributed.all_to_all_single`` on on
 buffer, which NCCL implements for CUDA tensors and gloo for CPU tensors (gloo lacks the list
 ``all_to_all``; use NCCL on GPUs), so the CPU tests run the very code path that GPUs run.
 
+Composing with data parallelism (DDP, FSDP) and across hosts: give the op a *sequence-parallel
+subgroup* and let the data-parallel wrapper own the world. With W = dp x sp ranks, rank r trains
+on batch shard r // sp and holds sequence slice r % sp; `torch.distributed.new_group` makes the
+dp groups of sp ranks each (every rank creates every group, in the same order), and each rank
+passes its own as ``group=``. Weights outside the op are replicated on every rank and each
+sequence shard contributes a partial gradient, so their gradients are all-reduced over all W
+ranks (what DDP or FSDP over the default group does; FSDP's sharding group may be the whole
+world or the dp groups). tests/test_distributed_composition.py runs that 2 x 2 mesh on four
+gloo processes and matches one process to 1e-10. Ulysses needs heads divisible by the
+sequence-parallel size: keep sp within a node (NVLink carries the all-to-alls) and scale across
+nodes with data parallelism. Where heads < sp is wanted (long latents, few heads), a hybrid is
+needed: Ulysses inside a node and ring attention (key/value blocks passed around, the top-k
+selection computed once on the gathered pooled tiles) or head replication across nodes; this
+module does not implement it.
+
 Every rank of the group must make the same calls with the same shapes (as for any collective).
 Input checks are local and run before any communication: inputs that are wrong on every rank
 raise everywhere, but a rank whose inputs alone are wrong raises while the others wait in the
