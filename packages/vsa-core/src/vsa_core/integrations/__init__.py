@@ -1,0 +1,1 @@
+"""Integrations of VSA into model libraries (each imports its library lazily, if at all)."""

@@ -1,0 +1,204 @@
+"""VSA in Hugging Face diffusers' Wan transformers: `enable_vsa` / `disable_vsa`.
+
+::
+
+    from vsa_core.integrations.diffusers import enable_vsa
+    enable_vsa(pipe.transformer, sparsity=0.875)   # every block's self-attention runs VSA
+    video = pipe(prompt).frames                     # cross-attention to the text stays dense
+
+`enable_vsa` installs `VSAWanAttnProcessor` on the self-attention (``attn1``) of every block
+of a ``WanTransformer3DModel`` (Wan 2.1 / 2.2) and a forward pre-hook on the transformer that
+records the latent's token grid (frames, height, width after patching) for the processors.
+Each processor computes q, k, v exactly as diffusers' own (projections, RMS norms, rotary
+embedding on raster-order tokens) and calls `vsa_core.video_sparse_attn` with
+``token_order="raster"``: the tokens are tiled and untiled inside each call (copies per
+layer; keeping the whole stack in tile order is the faster layout this module does not do yet).
+
+The coarse branch: VSA adds ``gate * coarse`` to the fine output. ``coarse="gate"`` (the
+default) adds a per-layer gate projection ``attn1.to_gate_compress`` (a ``Linear(dim, dim)``,
+named after FastVideo's VSA layers), zero-initialised so that an untrained model starts from
+fine attention alone; its weights live in the transformer's state dict as
+``blocks.N.attn1.to_gate_compress.{weight,bias}`` and load with ``load_state_dict``.
+``coarse="add"`` adds the coarse output with gate 1, ``coarse="drop"`` leaves it out (gate 0).
+With every tile selected and ``coarse="drop"`` the model computes dense attention, which is how
+the tests check the processor against diffusers' own.
+
+diffusers is an optional dependency (the workspace's ``diffusers`` group); this module does
+not import it: it works with the transformer object it is given.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from vsa_core.ops import video_sparse_attn
+from vsa_core.tiling import VideoTiling
+from vsa_core.validation import as_float, as_int, check_positive_triple
+
+Coarse = Literal["gate", "add", "drop"]
+GATE_NAME = "to_gate_compress"
+_STATE = "_vsa_state"
+
+
+@dataclass
+class VSASettings:
+    """What `enable_vsa` installed: shared by the transformer's processors."""
+
+    tile: tuple[int, int, int]
+    topk: int | None
+    sparsity: float | None
+    backend: str
+    coarse: Coarse
+    grid: tuple[int, int, int] | None = None
+    """The current forward's token grid (frames, height, width after patching)."""
+    originals: dict[int, Any] = field(default_factory=dict)
+    hook: Any = None
+
+    def topk_for(self, tiling: VideoTiling) -> int:
+        if self.topk is not None:
+            return min(self.topk, tiling.num_tiles)
+        assert self.sparsity is not None
+        return max(1, round((1 - self.sparsity) * tiling.num_tiles))
+
+
+def _rotate(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding on interleaved pairs (x[2i], x[2i+1]), as Wan applies it."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+    even, odd = x[..., 0::2].to(acc), x[..., 1::2].to(acc)
+    cos, sin = freqs_cos[..., 0::2], freqs_sin[..., 1::2]
+    rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
+    return rotated.flatten(-2).type_as(x)
+
+
+def _qkv(attn: nn.Module, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    if getattr(attn, "fused_projections", False):
+        return attn.to_qkv(hidden_states).chunk(3, dim=-1)
+    return attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
+
+
+class VSAWanAttnProcessor:
+    """Self-attention of a diffusers Wan block through `video_sparse_attn` (see module doc)."""
+
+    def __init__(self, settings: VSASettings) -> None:
+        self.settings = settings
+
+    def __call__(
+        self,
+        attn: nn.Module,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        settings = self.settings
+        if encoder_hidden_states is not None or attention_mask is not None:
+            raise ValueError(
+                "VSAWanAttnProcessor runs self-attention only (no encoder_hidden_states, no "
+                "attention_mask); enable_vsa installs it on attn1"
+            )
+        if settings.grid is None:
+            raise RuntimeError("the latent grid is unknown: call the transformer, not the block")
+        tiling = VideoTiling(settings.grid, settings.tile)
+        if hidden_states.shape[1] != tiling.seq_len:
+            raise ValueError(
+                f"hidden_states has {hidden_states.shape[1]} tokens, the latent grid "
+                f"{settings.grid} has {tiling.seq_len}"
+            )
+        query, key, value = _qkv(attn, hidden_states)
+        query, key = attn.norm_q(query), attn.norm_k(key)
+        query, key, value = (t.unflatten(2, (attn.heads, -1)) for t in (query, key, value))
+        if rotary_emb is not None:
+            query, key = _rotate(query, *rotary_emb), _rotate(key, *rotary_emb)
+        gate = self._gate(attn, hidden_states, query)
+        out = video_sparse_attn(
+            query, key, value, topk=settings.topk_for(tiling), tiling=tiling,
+            coarse_gate=gate, backend=settings.backend, token_order="raster",
+        )  # fmt: skip
+        out = out.flatten(2, 3).type_as(query)
+        return attn.to_out[1](attn.to_out[0](out))
+
+    def _gate(self, attn: nn.Module, hidden_states: torch.Tensor, query: torch.Tensor):
+        coarse = self.settings.coarse
+        if coarse == "add":
+            return None
+        if coarse == "drop":
+            return query.new_zeros((1, 1, 1, 1))
+        gate = getattr(attn, GATE_NAME)(hidden_states)
+        return gate.unflatten(2, (attn.heads, -1)).type_as(query)
+
+
+def enable_vsa(
+    transformer: nn.Module,
+    *,
+    topk: int | None = None,
+    sparsity: float | None = None,
+    tile: tuple[int, int, int] = (4, 4, 4),
+    backend: str = "auto",
+    coarse: Coarse = "gate",
+) -> VSASettings:
+    """Run every block's self-attention of a diffusers ``WanTransformer3DModel`` with VSA.
+
+    Give exactly one of ``topk`` (key tiles per query tile) and ``sparsity`` (the fraction of
+    key tiles skipped, e.g. 0.875). ``coarse``: see the module doc; ``"gate"`` adds the
+    zero-initialised ``attn1.to_gate_compress`` projections (kept if already there, e.g.
+    loaded). Returns the settings the processors share; `disable_vsa` undoes it all.
+    """
+    if hasattr(transformer, _STATE):
+        raise ValueError("transformer already runs VSA: call disable_vsa first")
+    blocks = getattr(transformer, "blocks", None)
+    patch = getattr(getattr(transformer, "config", None), "patch_size", None)
+    if blocks is None or patch is None or not all(hasattr(b, "attn1") for b in blocks):
+        raise ValueError(
+            "transformer must be a diffusers WanTransformer3DModel (blocks with attn1, "
+            "config.patch_size)"
+        )
+    if (topk is None) == (sparsity is None):
+        raise ValueError("give exactly one of topk= and sparsity=")
+    if topk is not None:
+        topk = as_int("topk", topk, 1, None)
+    if sparsity is not None:
+        sparsity = as_float("sparsity", sparsity)
+        if not 0 <= sparsity < 1:
+            raise ValueError(f"sparsity must lie in [0, 1), got {sparsity}")
+    if coarse not in ("gate", "add", "drop"):
+        raise ValueError(f"coarse must be 'gate', 'add' or 'drop', got {coarse!r}")
+    if not isinstance(backend, str):
+        raise ValueError(f"backend must be a backend name or 'auto', got {backend!r}")
+    settings = VSASettings(check_positive_triple("tile", tile), topk, sparsity, backend, coarse)
+    patch = tuple(patch)
+
+    def record_grid(module, args, kwargs):
+        latent = kwargs.get("hidden_states", args[0] if args else None)
+        frames, height, width = latent.shape[-3:]
+        settings.grid = (frames // patch[0], height // patch[1], width // patch[2])
+
+    for index, block in enumerate(blocks):
+        attn = block.attn1
+        if coarse == "gate" and not hasattr(attn, GATE_NAME):
+            dim = attn.to_out[0].out_features
+            gate = nn.Linear(dim, dim, device=attn.to_out[0].weight.device)
+            nn.init.zeros_(gate.weight)
+            nn.init.zeros_(gate.bias)
+            setattr(attn, GATE_NAME, gate.to(attn.to_out[0].weight.dtype))
+        settings.originals[index] = attn.processor
+        attn.set_processor(VSAWanAttnProcessor(settings))
+    settings.hook = transformer.register_forward_pre_hook(record_grid, with_kwargs=True)
+    setattr(transformer, _STATE, settings)
+    return settings
+
+
+def disable_vsa(transformer: nn.Module, *, keep_gates: bool = False) -> None:
+    """Restore diffusers' processors (and, unless ``keep_gates``, drop the gate projections)."""
+    settings = getattr(transformer, _STATE, None)
+    if settings is None:
+        raise ValueError("transformer does not run VSA (enable_vsa was not called on it)")
+    for index, block in enumerate(transformer.blocks):
+        block.attn1.set_processor(settings.originals[index])
+        if not keep_gates and hasattr(block.attn1, GATE_NAME):
+            delattr(block.attn1, GATE_NAME)
+    settings.hook.remove()
+    delattr(transformer, _STATE)

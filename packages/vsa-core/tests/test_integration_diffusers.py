@@ -1,0 +1,109 @@
+"""`vsa_core.integrations.diffusers` on a tiny random-weight diffusers WanTransformer3DModel (CPU,
+reference backend; skipped where diffusers is not installed: it is the workspace's optional
+``diffusers`` group)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+diffusers = pytest.importorskip("diffusers")
+
+from vsa_core.integrations.diffusers import disable_vsa, enable_vsa  # noqa: E402
+
+TILE = (2, 2, 2)
+
+
+def tiny_wan(seed: int = 0):
+    torch.manual_seed(seed)
+    model = diffusers.WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=4,
+        out_channels=4, text_dim=16, freq_dim=16, ffn_dim=32, num_layers=2,
+        cross_attn_norm=True, rope_max_seq_len=32,
+    )  # fmt: skip
+    return model.double().eval()
+
+
+def inputs(seed: int = 1, frames: int = 3, height: int = 10, width: int = 6):
+    gen = torch.Generator().manual_seed(seed)
+    latent = torch.randn(1, 4, frames, height, width, generator=gen, dtype=torch.float64)
+    text = torch.randn(1, 8, 16, generator=gen, dtype=torch.float64)
+    return latent, torch.tensor([500]), text
+
+
+def run(model, latent, timestep, text):
+    return model(latent, timestep, text, return_dict=False)[0]
+
+
+def test_every_tile_selected_without_the_coarse_term_is_the_dense_model():
+    model = tiny_wan()
+    args = inputs()  # token grid 3 x 5 x 3: partial tiles along every axis
+    dense = run(model, *args)
+    enable_vsa(model, topk=10**6, tile=TILE, coarse="drop", backend="reference")
+    sparse = run(model, *args)
+    torch.testing.assert_close(sparse, dense, rtol=1e-9, atol=1e-9)
+    disable_vsa(model)
+    torch.testing.assert_close(run(model, *args), dense, rtol=0, atol=0)
+
+
+def test_sparse_training_step_runs_and_trains_the_gate():
+    model = tiny_wan().train()
+    enable_vsa(model, sparsity=0.75, tile=TILE, backend="reference")
+    keys = [k for k in model.state_dict() if "to_gate_compress" in k]
+    names = [f"blocks.{i}.attn1.to_gate_compress.{p}" for i in (0, 1) for p in ("weight", "bias")]
+    assert keys == names
+    # zero-initialised gate: an untrained model starts from fine attention alone
+    fine_only = run(model, *inputs()).detach()
+    disable_vsa(model, keep_gates=True)
+    enable_vsa(model, sparsity=0.75, tile=TILE, backend="reference", coarse="drop")
+    torch.testing.assert_close(run(model, *inputs()).detach(), fine_only, rtol=0, atol=0)
+    disable_vsa(model, keep_gates=True)
+    enable_vsa(model, sparsity=0.75, tile=TILE, backend="reference")
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    loss = run(model, *inputs()).square().mean()
+    loss.backward()
+    gate = model.blocks[0].attn1.to_gate_compress.weight
+    assert gate.grad is not None and gate.grad.abs().sum() > 0
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    optimizer.step()
+    assert gate.abs().sum() > 0
+
+
+def test_the_coarse_term_changes_the_output_and_cross_attention_stays_dense():
+    model = tiny_wan()
+    args = inputs()
+    enable_vsa(model, topk=2, tile=TILE, coarse="drop", backend="reference")
+    without = run(model, *args)
+    disable_vsa(model)
+    enable_vsa(model, topk=2, tile=TILE, coarse="add", backend="reference")
+    with_coarse = run(model, *args)
+    assert not torch.allclose(without, with_coarse)
+    assert type(model.blocks[0].attn2.processor).__name__ == "WanAttnProcessor"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({}, "exactly one of topk= and sparsity="),
+        ({"topk": 2, "sparsity": 0.5}, "exactly one of topk= and sparsity="),
+        ({"sparsity": 1.0}, "sparsity must lie in"),
+        ({"topk": 0}, "topk"),
+        ({"topk": 2, "coarse": "gated"}, "coarse must be"),
+        ({"topk": 2, "tile": (0, 2, 2)}, "tile"),
+    ],
+)
+def test_bad_arguments_name_themselves(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        enable_vsa(tiny_wan(), **kwargs)
+
+
+def test_enable_twice_and_disable_without_enable_are_refused():
+    model = tiny_wan()
+    enable_vsa(model, topk=2, tile=TILE)
+    with pytest.raises(ValueError, match="already runs VSA"):
+        enable_vsa(model, topk=2, tile=TILE)
+    disable_vsa(model)
+    with pytest.raises(ValueError, match="does not run VSA"):
+        disable_vsa(model)
+    with pytest.raises(ValueError, match="WanTransformer3DModel"):
+        enable_vsa(torch.nn.Linear(2, 2), topk=2)
