@@ -936,3 +936,20 @@ def test_bench_video_fa4_variant_is_checked_recorded_and_entered(tmp_path, monke
     doc = json.loads(out.read_text())
     assert doc["config"]["fa4_variant"] == ["streams", "qregs"]
     assert "fa4 forward variant: streams+qregs" in out.with_suffix(".md").read_text()
+
+
+def test_bench_dit_smoke_run_on_a_tiny_wan_checks_vsa_against_dense(tmp_path):
+    """bench_dit.py's CPU smoke run: the all-tiles check, then one untimed call per cell."""
+    pytest.importorskip("diffusers")
+    out = tmp_path / "dit.json"
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "bench_dit.py"), "--config", "tiny", "--device", "cpu",
+         "--ways", "eager", "--sparsities", "0.5", "--backend", "reference", "--tile", "1", "2",
+         "2", "--out", str(out)],
+        capture_output=True, text=True, timeout=300, check=False, cwd=BENCHMARKS,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert rows[0]["check"].startswith("all tiles") and rows[0]["rel_err"] < 1e-5
+    assert [(r["mode"], r["way"]) for r in rows[1:]] == [("fwd", "eager"), ("train", "eager")]
+    assert not any("error" in key for r in rows for key in r)

@@ -1,0 +1,182 @@
+"""A whole diffusers WanTransformer3DModel with dense attention vs VSA: the step time users feel.
+
+Random weights at Wan 2.1's real configurations (1.3B at 480p, 14B at 720p; ``tiny`` for a CPU
+smoke run), bf16 on CUDA. Per sparsity, mode (``fwd``: one denoising step's transformer
+forward; ``train``: forward + backward of a mean-square loss) and way (``eager``,
+``compile``: ``torch.compile`` of the transformer), the dense model (diffusers' own attention
+processors, PyTorch SDPA) and the same model after `vsa_core.integrations.diffusers.enable_vsa`
+are timed one after the other (not interleaved: the switch reinstalls processors), in both
+views (`bench_common.call_views`: one call waited for, and back to back), with peak extra
+memory; on a CPU nothing is timed (a smoke run). Before timing, VSA with every tile
+selected and no coarse term is checked against the dense model (bf16 tolerance). ::
+
+    python3 benchmarks/bench_dit.py --config wan1.3b --sparsities 0.875 0.9 --out $OUT/dit.json
+    python3 benchmarks/bench_dit.py --config tiny --device cpu --ways eager --reps 1   # smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+import bench_common as bc
+import torch
+
+from vsa_core.integrations.diffusers import disable_vsa, enable_vsa
+
+CONFIGS: dict[str, dict[str, Any]] = {
+    # Wan 2.1 T2V 1.3B / 14B transformer shapes (public configs); latents before patching
+    "wan1.3b": {
+        "model": dict(
+            patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128,
+            in_channels=16, out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=8960,
+            num_layers=30, cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6,
+            rope_max_seq_len=1024,
+        ),
+        "latent": (21, 60, 104),  # 480p, 81 frames -> 21 x 30 x 52 tokens
+        "text_tokens": 512,
+    },
+    "wan14b": {
+        "model": dict(
+            patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128,
+            in_channels=16, out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=13824,
+            num_layers=40, cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6,
+            rope_max_seq_len=1024,
+        ),
+        "latent": (21, 90, 160),  # 720p, 81 frames -> 21 x 45 x 80 tokens
+        "text_tokens": 512,
+    },
+    "tiny": {
+        "model": dict(
+            patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=4,
+            out_channels=4, text_dim=16, freq_dim=16, ffn_dim=32, num_layers=2,
+            cross_attn_norm=True, rope_max_seq_len=32,
+        ),
+        "latent": (3, 10, 12),
+        "text_tokens": 8,
+    },
+}  # fmt: skip
+
+
+def build(config: dict[str, Any], device: torch.device, dtype: torch.dtype):
+    from diffusers import WanTransformer3DModel
+
+    torch.manual_seed(0)
+    model = WanTransformer3DModel(**config["model"]).to(device)
+    # as from_pretrained(torch_dtype=...) does: the modules diffusers keeps in float32 stay so
+    keep = set(getattr(model, "_keep_in_fp32_modules", None) or ())
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if tensor.is_floating_point() and not keep.intersection(name.split(".")):
+            tensor.data = tensor.data.to(dtype)
+    gen = torch.Generator(device=device).manual_seed(1)
+    channels = config["model"]["in_channels"]
+    latent = torch.randn(1, channels, *config["latent"], generator=gen, device=device, dtype=dtype)
+    text_shape = (1, config["text_tokens"], config["model"]["text_dim"])
+    text = torch.randn(text_shape, generator=gen, device=device, dtype=dtype)
+    return model, (latent, torch.tensor([500], device=device), text)
+
+
+def step_fn(model, inputs, mode: str):
+    def forward():
+        return model(*inputs, return_dict=False)[0]
+
+    if mode == "fwd":
+
+        def step():
+            with torch.no_grad():
+                return forward()
+
+        return step
+
+    def train_step():
+        out = forward()
+        out.float().square().mean().backward()
+        return out
+
+    return train_step
+
+
+def measure(fn, device: torch.device, reps: int) -> dict[str, Any]:
+    """Both views and peak extra memory on CUDA; on a CPU one call, untimed (a smoke run)."""
+    if device.type != "cuda":
+        fn()
+        return {}
+    peak = bc.peak_extra_mib(fn, device)
+    return {**bc.call_views(fn, reps, b2b_calls=2), "peak_extra_mib": peak}
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", choices=sorted(CONFIGS), default="wan1.3b")
+    ap.add_argument("--sparsities", type=float, nargs="+", default=[0.875, 0.9])
+    ap.add_argument("--modes", nargs="+", default=["fwd", "train"])
+    ap.add_argument("--ways", nargs="+", default=["eager", "compile"])
+    ap.add_argument("--backend", default="auto", help="VSA's fine backend")
+    ap.add_argument("--tile", type=int, nargs=3, default=[4, 4, 4])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    config = CONFIGS[args.config]
+    model, inputs = build(config, device, dtype)
+    tile = tuple(args.tile)
+    rows: list[dict[str, Any]] = []
+
+    def log(row: dict[str, Any]) -> None:
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+
+    with torch.no_grad():  # the gate: VSA over every tile without the coarse term is dense
+        dense_out = model(*inputs, return_dict=False)[0]
+        enable_vsa(model, topk=10**9, tile=tile, coarse="drop", backend=args.backend)
+        all_tiles = model(*inputs, return_dict=False)[0]
+        disable_vsa(model)
+    log({"check": "all tiles, no coarse term vs dense", "rel_err": rel(all_tiles, dense_out)})
+    for mode in args.modes:
+        for way in args.ways:
+            runner = torch.compile(model) if way == "compile" else model
+            for sparsity in args.sparsities:
+                arms = {}
+                for arm in ("dense", "vsa"):
+                    if arm == "vsa":
+                        enable_vsa(model, sparsity=sparsity, tile=tile, backend=args.backend)
+                    try:
+                        fn = step_fn(runner, inputs, mode)
+                        arms[arm] = measure(fn, device, args.reps)
+                    except Exception as exc:  # a failure is a finding: record it, go on
+                        arms[arm] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+                    finally:
+                        if arm == "vsa":
+                            disable_vsa(model)
+                        model.zero_grad(set_to_none=True)
+                row = {"mode": mode, "way": way, "sparsity": sparsity, **{
+                    f"{arm}_{k}": v for arm, d in arms.items() for k, v in d.items()
+                }}  # fmt: skip
+                for view in ("once_ms", "b2b_ms"):
+                    if view in arms["dense"] and view in arms["vsa"]:
+                        row[f"speedup_{view[:-3]}"] = arms["dense"][view] / arms["vsa"][view]
+                log(row)
+    if args.out:
+        result = {
+            "command": " ".join(["python3", *sys.argv]),
+            "date": time.strftime("%Y-%m-%d"),
+            "versions": bc.runtime_versions(),
+            "config": args.config,
+            "rows": rows,
+        }
+        with open(args.out, "w") as f:
+            json.dump(bc.jsonable(result), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
