@@ -158,14 +158,14 @@ def video_sparse_attn(
         q_pooled, k_pooled, v_pooled, valid_sizes, scale, may_have_empty=tiling is None
     )
     with torch.no_grad():
-        indices = stage.select(q_pooled, k_pooled, valid_sizes, topk)
+        selection = stage.select(q_pooled, k_pooled, valid_sizes, topk)
     all_full = None if tiling is None else not tiling.has_padding
-    layout = layout_from_selection(indices, valid_sizes, tile_tokens, all_full=all_full)
+    layout = layout_from_selection(selection, valid_sizes, tile_tokens, all_full=all_full)
     chosen = _backend_for(q, k, v, layout, backend)
     if not all_full:
-        indices = tiling.indices(q.device) if tiling is not None else None
+        known = tiling.indices(q.device) if tiling is not None else None
         q, k, v, gate = _padding_zeroed(
-            q, k, v, gate, valid_sizes, indices, chosen.key_padding_safe, seq_gate
+            q, k, v, gate, valid_sizes, known, chosen.key_padding_safe, seq_gate
         )
     fine, _ = chosen.forward(q, k, v, layout, scale)
     out = _combine(fine, coarse, gate, tile_tokens)
