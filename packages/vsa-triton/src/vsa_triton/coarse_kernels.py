@@ -89,10 +89,9 @@ def pool_bwd_kernel(
 
 @triton.jit
 def _order_key(scores):
-    """int64 image of float32 scores in [0, 2^32), in the scores' order (NaN above +inf)."""
+    """int32 image of float32 scores whose signed order is the scores' (NaN above +inf)."""
     bits = scores.to(tl.int32, bitcast=True)
-    signed = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-    return signed.to(tl.int64) + 2147483648
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
 
 @triton.jit
@@ -156,10 +155,13 @@ def select_topk_kernel(
         row = pid_m * BLOCK_M + r + tl.arange(0, ROWS)
         live = (row < num_tiles)[:, None] & col_ok[None, :]
         s = tl.load(score_rows + row[:, None] * num_tiles + cols[None, :], mask=live, other=0.0)
-        key = tl.where(live, _order_key(s), -1)  # columns past N rank below everything
-        # the largest t with at least topk keys >= t is the k-th largest key, bit by bit
-        kth = tl.zeros([ROWS], dtype=tl.int64)
-        for bit in tl.static_range(31, -1, -1):
+        # columns past N take the smallest int32, below every score's key (-inf's included)
+        key = tl.where(live, _order_key(s), -2147483648)
+        # the largest t with at least topk keys >= t is the k-th largest key: its sign first,
+        # then bits 30..0 upwards from that base (32-bit arithmetic that cannot overflow)
+        nonnegative = tl.sum((key >= 0).to(tl.int32), axis=1) >= topk
+        kth = tl.where(nonnegative, 0, -2147483648)
+        for bit in tl.static_range(30, -1, -1):
             trial = kth + (1 << bit)
             count = tl.sum((key >= trial[:, None]).to(tl.int32), axis=1)
             kth = tl.where(count >= topk, trial, kth)
