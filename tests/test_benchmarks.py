@@ -824,18 +824,20 @@ def test_time_views_alternates_arms_in_both_views_and_keeps_setup_untimed():
         return bc.Runner(run, setup)
 
     settings = SimpleNamespace(warmup=1, reps=4, budget_s=10.0)
-    views = bc.time_views({"a": runner("a", 0.001), "b": runner("b", 0.012)}, CPU, settings,
-                          max_calls=3, turn_ms=10.0)  # fmt: skip
+    # a turn of 100 ms: a (~1 ms) fills it with its 3 calls even on a loaded machine (an
+    # earlier 10 ms turn gave a only 2 under -n 8 on 2 cores), b (120 ms) gets one
+    views = bc.time_views({"a": runner("a", 0.001), "b": runner("b", 0.120)}, CPU, settings,
+                          max_calls=3, turn_ms=100.0)  # fmt: skip
     a, b = views["a"], views["b"]
-    assert a.calls_per_turn == 3 and b.calls_per_turn == 1  # ~10 ms of calls, at most 3
+    assert a.calls_per_turn == 3 and b.calls_per_turn == 1  # ~100 ms of calls, at most 3
     for v in (a, b):
         assert v.once.reps == v.back_to_back.reps == 4
         assert len(v.once.times_ms) == len(v.back_to_back.times_ms) == len(v.host.times_ms) == 4
         assert v.host.times_ms == v.once.times_ms  # on the CPU the wall clock is both
         assert set(v.as_dict()) == {"back_to_back", "once", "host", "calls_per_turn"}
     # the 5 ms setups are not timed; back to back is per call
-    assert min(b.once.times_ms) >= 12.0 and max(a.once.times_ms) < 12.0
-    assert min(b.back_to_back.times_ms) >= 12.0 and max(a.back_to_back.times_ms) < 12.0
+    assert min(b.once.times_ms) >= 120.0 and max(a.once.times_ms) < 120.0
+    assert min(b.back_to_back.times_ms) >= 120.0 and max(a.back_to_back.times_ms) < 120.0
     runs = [c for c in calls if c != "setup"]
     n = a.calls_per_turn
     # warm-up round, estimate round, then the once rounds alternate, the order rotated

@@ -22,7 +22,8 @@ def test_info_json_lists_every_backend_and_auto_choice(capsys):
     assert info["packages"]["vsa-core"] == "0.1.0"
     names = {b["name"]: b for b in info["backends"]}
     assert names["reference"]["state"] == "available"
-    assert {"reference", "triton", "fa4"} <= set(names)
+    installed = {ep.name for ep in entry_points(group="vsa.backends")}  # vsa-core alone: reference
+    assert "reference" in installed and installed <= set(names)
     for b in info["backends"]:
         # every backend that cannot run says why
         assert (b["state"] == "available") == (b["reason"] is None)
@@ -159,6 +160,8 @@ def test_demo_cuda_without_a_gpu(capsys):
     for name in ("cuda", "cuda:1"):
         line = _bad_demo(capsys, [*SMALL, "--device", name])
         assert line == f"vsa demo: --device: cpu or auto: no CUDA device is visible, got {name!r}"
+    if "triton" not in {ep.name for ep in entry_points(group="vsa.backends")}:
+        return  # vsa-core alone (the lowest-direct CI job): no triton backend to refuse
     line = _bad_demo(capsys, [*SMALL, "--backend", "triton", "--device", "cpu"])
     assert line.startswith("vsa demo: --backend: a backend that runs torch.float32 on cpu")
     assert "'triton' cannot run this call: " in line

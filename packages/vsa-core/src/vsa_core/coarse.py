@@ -17,7 +17,6 @@ picked: a name, or ``"auto"`` for the highest-priority one that accepts the tens
 from __future__ import annotations
 
 import functools
-import os
 from importlib.metadata import entry_points
 from typing import ClassVar
 
@@ -105,16 +104,14 @@ def coarse_stages() -> dict[str, CoarseStage | str]:
 def coarse_stage(name: str, x: torch.Tensor) -> CoarseStage:
     """The implementation that runs the coarse stage on tensors like ``x``: ``name`` itself
     (ValueError with its reason if it refuses), or for ``"auto"`` the highest-priority one
-    that accepts them. Resolved once per (name, device type, dtype, head dim, interpreter
-    setting): the op calls this on every call."""
-    interpreting = os.environ.get("TRITON_INTERPRET", "")
-    return _resolve_stage(name, x.device.type, x.dtype, x.shape[-1], interpreting)
+    that accepts them. Resolved once per (name, device type, dtype, head dim) and process
+    (plug-ins read their environment, e.g. ``TRITON_INTERPRET``, when first asked): the op
+    calls this on every call."""
+    return _resolve_stage(name, x.device.type, x.dtype, x.shape[-1])
 
 
 @resolved_once
-def _resolve_stage(
-    name: str, device_type: str, dtype: torch.dtype, head_dim: int, _interpreting: str
-) -> CoarseStage:
+def _resolve_stage(name: str, device_type: str, dtype: torch.dtype, head_dim: int) -> CoarseStage:
     stages = coarse_stages()
     if name != "auto":
         if name not in stages:
