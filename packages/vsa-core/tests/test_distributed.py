@@ -43,21 +43,19 @@ def _worker_env() -> dict[str, str]:
     return env
 
 
-def _rank_args(rank: int) -> list[str]:
-    return ["--rank", str(rank), "--world-size", str(WORLD)]
-
-
-def test_two_gloo_ranks_match_the_single_process_op(tmp_path):
-    store = tmp_path / "rendezvous"
+def run_ranks(worker: Path, args: list[str], world: int) -> str:
+    """Start ``world`` gloo processes of ``worker`` (``args`` + ``--rank r --world-size W``),
+    wait for them, and return their joined output; fails if any exits non-zero."""
+    command = [sys.executable, str(worker), *args]
     procs = [
         subprocess.Popen(
-            [sys.executable, str(WORKER), "--init-file", str(store), *_rank_args(rank)],
+            [*command, "--rank", str(rank), "--world-size", str(world)],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
             env=_worker_env(),
         )
-        for rank in range(WORLD)
+        for rank in range(world)
     ]
     outputs = []
     try:
@@ -70,6 +68,11 @@ def test_two_gloo_ranks_match_the_single_process_op(tmp_path):
                 outputs.append(proc.communicate()[0])
     text = "\n".join(outputs)
     assert all(p.returncode == 0 for p in procs), text
+    return text
+
+
+def test_two_gloo_ranks_match_the_single_process_op(tmp_path):
+    text = run_ranks(WORKER, ["--init-file", str(tmp_path / "rendezvous")], WORLD)
     for rank in range(WORLD):
         assert f"rank {rank}: OK" in text, text
         first = next(ln for ln in text.splitlines() if ln.startswith(f"rank {rank}: "))
