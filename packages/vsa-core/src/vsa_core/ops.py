@@ -71,7 +71,8 @@ def block_sparse_attn(
     chosen = _backend_for(q, k, v, layout, backend)
     if not (chosen.key_padding_safe or layout.kv_blocks_full):
         real = _real_slots(layout.kv_valid_sizes, layout.kv_block)
-        k, v = _zero_padding(k, real), _zero_padding(v, real)
+        v = _zero_padding(v, real)
+        k = _zero_padding(k, real) if _requires_grad(q, k, v) else k
     out, lse = chosen.forward(q, k, v, layout, scale)
     return _from_bshd(out, qkv_format), lse
 
@@ -198,7 +199,8 @@ def _padding_zeroed(q, k, v, gate, valid_sizes, indices, key_padding_safe, seq_g
     `TilingIndices`, None for user valid sizes). When gradients flow, query
     padding rows feed dK and dV in every backend's backward, and a per-token gate's padding
     the coarse output's gradient (0 * NaN is NaN), so both are cleaned; key padding only for
-    backends that multiply it by zero probabilities (``key_padding_safe`` False). Pooling
+    backends that multiply it by zero probabilities (``key_padding_safe`` False): V always, K
+    when gradients flow. Pooling
     never reads padding, so the coarse stage takes the inputs as given. Each clean is one
     elementwise copy (a read and a write of the tensor)."""
     training = _requires_grad(q, k, v) or (gate is not None and _requires_grad(gate))
@@ -211,8 +213,9 @@ def _padding_zeroed(q, k, v, gate, valid_sizes, indices, key_padding_safe, seq_g
     if training:
         q = _zero_padding(q, real, pad)
         gate = _zero_padding(gate, real, pad) if seq_gate else gate
-    if not key_padding_safe:
-        k, v = _zero_padding(k, real, pad), _zero_padding(v, real, pad)
+    if not key_padding_safe:  # scores of padding keys are masked by selection: K matters in
+        v = _zero_padding(v, real, pad)  # backward only (dQ = dS K with dS = 0 there)
+        k = _zero_padding(k, real, pad) if training else k
     return q, k, v, gate
 
 

@@ -10,9 +10,11 @@ it, judged from the logical block shape with the native schedule (the pairing of
 query blocks depends on the layout, which a call description does not carry); every refusal
 names its reason, so ``backend="auto"`` falls back to Triton with an explanation.
 
-Padding slots of partial key blocks must hold finite values for FA4's kernels (they mask the
-scores but multiply the zero probabilities with V, and dS with K), so the backend declares
-``key_padding_safe = False`` and vsa-core's ops hand it copies of k and v with zeroed padding.
+Padding slots of partial key blocks must hold finite values in V for FA4's kernels, and in K
+when gradients flow: they mask the scores by selection (`flash_attn_vsa.mask_sm90`'s column
+limit sets them to -inf whatever they were) but multiply the zero probabilities with V, and the
+zero dS with K in backward. So the backend declares ``key_padding_safe = False`` and vsa-core's
+ops hand it a copy of v with zeroed padding (and of k in training).
 """
 
 from __future__ import annotations

@@ -81,7 +81,9 @@ class Backend:
     key_padding_safe: ClassVar[bool] = False
     """True when the padding slots of partial key blocks never reach a real output or
     gradient whatever they hold (NaN and inf included): the kernels never read them. Where
-    False, `video_sparse_attn` hands the backend copies of k and v with zeroed padding."""
+    False, the ops hand the backend a copy of v with zeroed padding, and of k when gradients
+    flow; the backend must mask padding keys' scores by selection (not by adding -inf), so
+    that K's padding cannot reach a forward output."""
 
     def supports(self, call: AttentionCall) -> str | None:
         """Return None when this backend can run ``call``, else the reason it cannot."""
