@@ -29,6 +29,22 @@ def test_resolved_once_computes_once_per_arguments_and_does_not_cache_errors():
     assert calls.count(("a", -1)) == 2
 
 
+def test_a_bounded_cache_keeps_the_newest_results():
+    calls = []
+
+    @resolved_once(maxsize=2)
+    def build(n):
+        calls.append(n)
+        return [n]
+
+    first = build(1)
+    build(2)
+    assert build(1) is first and calls == [1, 2]
+    build(3)  # evicts 1, the oldest
+    assert build(2) == [2] and calls == [1, 2, 3]
+    assert build(1) is not first and calls == [1, 2, 3, 1]
+
+
 def test_the_whole_op_compiles_into_one_graph_with_the_same_values_and_gradients():
     # a shape, head dim and dtype no other test uses, so that no decision is cached yet: the
     # trace itself must make them (dynamo would otherwise trace entry-point discovery)

@@ -11,7 +11,9 @@ is run eagerly at trace time and the graph keeps only what it returned.
 
 from __future__ import annotations
 
+import collections
 import functools
+import itertools
 from collections.abc import Callable, Hashable
 from typing import TypeVar
 
@@ -25,19 +27,31 @@ class _Results:
 
 
 _names: dict[tuple[Hashable, ...], str] = {}
+_counter = itertools.count()
 
 
-def resolved_once(fn: Callable[..., T]) -> Callable[..., T]:
+def resolved_once(
+    fn: Callable[..., T] | None = None, *, maxsize: int | None = None
+) -> Callable[..., T]:
     """Decorator: ``fn(*args)`` (hashable positional arguments: names, numbers, dtypes,
-    devices, tuples) computed once per distinct ``args``; exceptions are not cached."""
+    devices, tuples) computed once per distinct ``args``; exceptions are not cached.
+    ``maxsize`` bounds how many results of ``fn`` are kept (the oldest goes first), for
+    results that hold memory, such as a tiling's index tensors on a device."""
+    if fn is None:
+        return functools.partial(resolved_once, maxsize=maxsize)  # type: ignore[return-value]
+    mine: collections.OrderedDict[tuple[Hashable, ...], str] = collections.OrderedDict()
 
     def result_name(*args: Hashable) -> str:
         key = (id(fn), *args)
         if key not in _names:
             result = fn(*args)
-            name = f"result_{len(_names)}"
+            name = f"result_{next(_counter)}"
             setattr(_Results, name, result)
-            _names[key] = name
+            _names[key] = mine[key] = name
+            if maxsize is not None and len(mine) > maxsize:
+                old_key, old_name = mine.popitem(last=False)
+                del _names[old_key]
+                delattr(_Results, old_name)
         return _names[key]
 
     # What torch.compiler.assume_constant_result does, without importing torch._dynamo (and

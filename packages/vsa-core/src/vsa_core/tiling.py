@@ -148,7 +148,7 @@ def _check_seq_len(name: str, x: torch.Tensor, dim: int, expected: int, what: st
         )
 
 
-@resolved_once  # built once per (shape, tile, device), also under torch.compile
+@resolved_once(maxsize=64)  # per (shape, tile, device), also under torch.compile
 def _tiling_indices(
     latent_shape: tuple[int, int, int], tile_shape: tuple[int, int, int], device: torch.device
 ) -> TilingIndices:
