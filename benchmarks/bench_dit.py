@@ -27,25 +27,20 @@ import torch
 
 from vsa_core.integrations.diffusers import disable_vsa, enable_vsa
 
+_WAN = dict(
+    patch_size=(1, 2, 2), attention_head_dim=128, in_channels=16, out_channels=16, text_dim=4096,
+    freq_dim=256, cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6,
+    rope_max_seq_len=1024,
+)  # fmt: skip
 CONFIGS: dict[str, dict[str, Any]] = {
     # Wan 2.1 T2V 1.3B / 14B transformer shapes (public configs); latents before patching
     "wan1.3b": {
-        "model": dict(
-            patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128,
-            in_channels=16, out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=8960,
-            num_layers=30, cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6,
-            rope_max_seq_len=1024,
-        ),
+        "model": {**_WAN, "num_attention_heads": 12, "ffn_dim": 8960, "num_layers": 30},
         "latent": (21, 60, 104),  # 480p, 81 frames -> 21 x 30 x 52 tokens
         "text_tokens": 512,
     },
     "wan14b": {
-        "model": dict(
-            patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128,
-            in_channels=16, out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=13824,
-            num_layers=40, cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6,
-            rope_max_seq_len=1024,
-        ),
+        "model": {**_WAN, "num_attention_heads": 40, "ffn_dim": 13824, "num_layers": 40},
         "latent": (21, 90, 160),  # 720p, 81 frames -> 21 x 45 x 80 tokens
         "text_tokens": 512,
     },

@@ -59,6 +59,14 @@ def _bshd_strides(t: torch.Tensor) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), t.stride(2)
 
 
+def _tile_constants(tile_tokens: int, dim: int) -> dict[str, int]:
+    """The pooling kernels' compile-time sizes and launch width (forward and backward alike)."""
+    return {
+        "TILE_TOKENS": tile_tokens, "SLOTS": _next_pow2(tile_tokens), "HEAD_DIM": dim,
+        "DIM_P2": _next_pow2(dim), "num_warps": 4,
+    }  # fmt: skip
+
+
 def _pooled_like(x: torch.Tensor, num_tiles: int) -> torch.Tensor:
     batch, _, heads, dim = x.shape
     return x.new_empty((batch, num_tiles, heads, dim))
@@ -78,9 +86,7 @@ def _pool(
         _kernels().pool_fwd_kernel[(num_tiles, batch * heads)](
             q, k, v, *pooled, valid_sizes,
             *_bshd_strides(q), *_bshd_strides(k), *_bshd_strides(v), *_bshd_strides(pooled[0]),
-            heads,
-            TILE_TOKENS=tile_tokens, SLOTS=_next_pow2(tile_tokens), HEAD_DIM=dim,
-            DIM_P2=_next_pow2(dim), num_warps=4,
+            heads, **_tile_constants(tile_tokens, dim),
         )  # fmt: skip
     return tuple(pooled)
 
@@ -112,9 +118,7 @@ def _unpool(
         _kernels().pool_bwd_kernel[(num_tiles, batch * heads)](
             gq, gk, gv, *grads, valid_sizes,
             *_bshd_strides(gq), *_bshd_strides(grads[0]),
-            heads,
-            TILE_TOKENS=tile_tokens, SLOTS=_next_pow2(tile_tokens), HEAD_DIM=dim,
-            DIM_P2=_next_pow2(dim), num_warps=4,
+            heads, **_tile_constants(tile_tokens, dim),
         )  # fmt: skip
     return tuple(grads)
 
