@@ -43,7 +43,7 @@ HAS_CUDA = torch.cuda.is_available()
 # Few examples under the interpreter (seconds each); enough on the reference and on GPUs.
 # No shrinking: a failure reports the example found, not a minimal one, so that a failing
 # (or xfail) property costs the CPU suite seconds, not minutes.
-EXAMPLES = 3 if INTERPRETING else 20
+EXAMPLES = int(os.environ.get("VSA_PROPERTY_EXAMPLES", 3 if INTERPRETING else 20))
 PROPERTY = settings(
     max_examples=EXAMPLES,
     deadline=None,
@@ -369,20 +369,13 @@ def _padding_kinds(failing: tuple[str, ...]):
     ]
 
 
-def _flat(result) -> list[torch.Tensor]:
-    if isinstance(result, torch.Tensor):
-        return [result]
-    return [t for part in result for t in _flat(part)]
-
-
-def _sameness(target: Target, rerun):
-    """How the padding tests compare with the zero-padding run: bit for bit, unless the
-    backend is not deterministic on this device (a second zero-padding run differs, e.g.
-    gradients accumulated with atomics): then to its dtype's tolerance, and finite."""
+def _sameness(target: Target):
+    """How the padding tests compare with the zero-padding run: bit for bit on the CPU; on a
+    GPU to the dtype's tolerance with the same non-finite entries. GPU backwards accumulate
+    with atomics in an order that may change between runs, and two equal reruns do not
+    prove a third will match (that guess made the fa4 cases flaky on the H200, 2026-12-01):
+    a leak of NaN, inf or huge padding shows as non-finite or far-off values either way."""
     exact = target.device == "cpu"
-    if not exact:
-        first, second = rerun(), rerun()
-        exact = all(torch.equal(a, b) for a, b in zip(_flat(first), _flat(second), strict=True))
 
     def same(got: torch.Tensor, want: torch.Tensor, message: str) -> None:
         if exact:
@@ -441,7 +434,7 @@ def test_video_padding_never_reaches_real_outputs_or_gradients(target, kind, dat
     dout = torch.where(pad, 0, torch.randn(shape, generator=gen, dtype=F64)).to(dtype)
 
     want_out, want_grads = _run_vsa(clean, gate, tiling, topk, target, fmt, dout)
-    same = _sameness(target, lambda: _run_vsa(clean, gate, tiling, topk, target, fmt, dout))
+    same = _sameness(target)
     got_out, got_grads = _run_vsa(dirty, dirty_gate, tiling, topk, target, fmt, dout)
     same(got_out, want_out, "padding reached a real output")
     names = ("dq", "dk", "dv", "dgate")
@@ -493,7 +486,7 @@ def test_block_padding_never_reaches_real_outputs_or_gradients(target, kind, dat
         return out.cpu(), lse.cpu(), [_unfmt(g, fmt).cpu() for g in grads]
 
     want_out, want_lse, (wdq, wdk, wdv) = run(*clean)
-    same = _sameness(target, lambda: run(*clean))
+    same = _sameness(target)
     out, lse, (dq, dk, dv) = run(*dirty)
     same(out, want_out, "padding reached an output")
     same(lse, want_lse, "padding reached the lse")
