@@ -13,7 +13,7 @@ import torch
 
 from vsa_core import VideoTiling, video_sparse_attn
 from vsa_core.coarse import TorchCoarse, coarse_stage
-from vsa_triton.coarse import TritonCoarse, pool_qkv, select_topk
+from vsa_triton.coarse import TritonCoarse, _combine, pool_qkv, select_topk
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
@@ -136,6 +136,63 @@ def test_select_ranks_empty_tiles_last_and_breaks_ties_low():
         # where tiles 3 and 7 straddle the cut, 3 (the lower) is taken
         straddles = chosen[..., 3] != chosen[..., 7]
         assert bool(chosen[..., 3][straddles].all())
+
+
+def _combine_inputs(case, dtype, gate_kind, seed):
+    """fine [B, N*T, H, D], coarse [B, N, H, D] (a transposed view, as SDPA's output is) and
+    a gate: None, per token, or per head broadcast (strides 0)."""
+    latent, tile, heads, dim = case
+    tiling = VideoTiling(latent, tile)
+    gen = torch.Generator().manual_seed(seed)
+    fine = torch.randn(2, tiling.padded_len, heads, dim, generator=gen)
+    coarse = torch.randn(2, heads, tiling.num_tiles, dim, generator=gen).transpose(1, 2)
+    gate = {
+        "none": None,
+        "token": torch.randn(2, tiling.padded_len, heads, dim, generator=gen),
+        "head": torch.randn(1, 1, heads, 1, generator=gen).expand(2, tiling.padded_len, heads, dim),
+    }[gate_kind]
+    moved = [None if t is None else t.to(DEVICE, dtype) for t in (fine, coarse, gate)]
+    return (*moved, tiling.tile_tokens)
+
+
+def _combined64(fine, coarse, gate, tile_tokens):
+    """float64 fine + gate * coarse, each token's coarse row looked up by its tile, a loop
+    written independently of both implementations."""
+    fine, coarse = fine.detach().double().cpu(), coarse.detach().double().cpu()
+    out = fine.clone()
+    for token in range(fine.shape[1]):
+        term = coarse[:, token // tile_tokens]
+        out[:, token] += term if gate is None else gate.detach().double().cpu()[:, token] * term
+    return out
+
+
+@pytest.mark.parametrize("gate_kind", ["none", "token", "head"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_combine_matches_float64_in_place_and_out_of_place(dtype, gate_kind):
+    fine, coarse, gate, tile_tokens = _combine_inputs(CASES[0], dtype, gate_kind, seed=6)
+    want = _combined64(fine, coarse, gate, tile_tokens)
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
+    with torch.no_grad():
+        in_place = TritonCoarse().combine(fine.clone(), coarse, gate, tile_tokens)
+    out_of_place = _combine(fine, coarse, gate, tile_tokens)
+    for got in (in_place, out_of_place):
+        torch.testing.assert_close(got.double().cpu(), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("gate_kind", ["none", "token", "head"])
+def test_combine_gradients_match_the_torch_path(gate_kind):
+    fine, coarse, gate, tile_tokens = _combine_inputs(CASES[1], torch.float32, gate_kind, seed=7)
+    leaves = [None if t is None else t.detach().requires_grad_() for t in (fine, coarse, gate)]
+    dout = torch.randn_like(fine)
+    grads = {}
+    for stage in (TorchCoarse(), TritonCoarse()):
+        out = stage.combine(*leaves, tile_tokens)
+        wrt = [t for t in leaves if t is not None]
+        grads[stage.name] = (out, torch.autograd.grad(out, wrt, dout))
+    (want, want_grads), (got, got_grads) = grads["torch"], grads["triton"]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("case", CASES[:2])

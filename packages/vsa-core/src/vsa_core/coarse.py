@@ -7,11 +7,12 @@ each tile's real tokens, it does not multiply padding by 0), and empty tiles (va
 masked out of the coarse attention and never win a top-k slot unless k exceeds the non-empty
 tiles.
 
-Implementations: the pooling and the top-k selection run on a `CoarseStage`. The torch path here
-(`TorchCoarse`, every device and dtype) is the reference and the CPU fallback; faster ones are
-plug-ins registered under the ``vsa.coarse`` entry-point group (vsa-triton registers
-``triton``: two launches on CUDA). `coarse_stage` picks one the way the fine backends are
-picked: a name, or ``"auto"`` for the highest-priority one that accepts the tensors.
+Implementations: the pooling, the top-k selection and the final combine run on a
+`CoarseStage`. The torch path here (`TorchCoarse`, every device and dtype) is the reference and
+the CPU fallback; faster ones are plug-ins registered under the ``vsa.coarse`` entry-point group
+(vsa-triton registers ``triton``: one launch each on CUDA). `coarse_stage` picks one the way
+the fine backends are picked: a name, or ``"auto"`` for the highest-priority one that accepts
+the tensors.
 """
 
 from __future__ import annotations
@@ -62,6 +63,19 @@ class CoarseStage:
         topk: int,
     ) -> torch.Tensor:
         raise NotImplementedError
+
+    def combine(
+        self,
+        fine: torch.Tensor,
+        coarse: torch.Tensor,
+        gate: torch.Tensor | None,
+        tile_tokens: int,
+    ) -> torch.Tensor:
+        """VSA's output ``fine + gate * coarse`` ([B, N * T, H, D]; ``coarse`` [B, N, H, D]
+        broadcast over each tile's T slots; gate None: 1), differentiable w.r.t. all three.
+        May write into ``fine`` when no gradient flows (the op owns it). Plain torch unless a
+        plug-in overrides it."""
+        return combine_tiles(fine, coarse, gate, tile_tokens)
 
 
 class TorchCoarse(CoarseStage):
@@ -235,3 +249,25 @@ def layout_from_selection(
     return BlockSparseLayout(
         indices, counts, valid_sizes.to(torch.int32), (tile_tokens, tile_tokens), 1, all_full
     )
+
+
+def combine_tiles(
+    fine: torch.Tensor, coarse: torch.Tensor, gate: torch.Tensor | None, tile_tokens: int
+) -> torch.Tensor:
+    """fine + gate * coarse broadcast over each tile's tokens (`CoarseStage.combine` in torch),
+    without a token-size copy of the coarse output; in place on ``fine`` when no gradient
+    flows."""
+    batch, seq, heads, dim = fine.shape
+    fine_t = fine.view(batch, seq // tile_tokens, tile_tokens, heads, dim)
+    coarse_t = coarse.unsqueeze(2)  # [B, N, 1, H, D]: broadcast, never expanded in memory
+    gate_t = None if gate is None else gate.unflatten(1, (seq // tile_tokens, tile_tokens))
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (fine, coarse, gate)
+    )
+    if needs_grad:
+        out = fine_t + coarse_t if gate_t is None else torch.addcmul(fine_t, gate_t, coarse_t)
+    elif gate_t is None:
+        out = fine_t.add_(coarse_t)
+    else:
+        out = fine_t.addcmul_(gate_t, coarse_t)
+    return out.view(batch, seq, heads, dim)

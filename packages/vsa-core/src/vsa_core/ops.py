@@ -169,7 +169,7 @@ def video_sparse_attn(
             q, k, v, gate, valid_sizes, known, chosen.key_padding_safe, seq_gate
         )
     fine, _ = chosen.forward(q, k, v, layout, scale)
-    out = _combine(fine, coarse, gate, tile_tokens)
+    out = stage.combine(fine, coarse, gate, tile_tokens)
 
     if token_order == "raster":
         assert tiling is not None
@@ -251,27 +251,6 @@ def _fine_backend(
         query_rows=query_rows,
     )  # fmt: skip
     return select_backend(call, backend)
-
-
-def _combine(
-    fine: torch.Tensor, coarse: torch.Tensor, gate: torch.Tensor | None, tile_tokens: int
-) -> torch.Tensor:
-    """fine + gate * coarse broadcast over each tile's tokens, without a token-size copy of
-    the coarse output."""
-    batch, seq, heads, dim = fine.shape
-    fine_t = fine.view(batch, seq // tile_tokens, tile_tokens, heads, dim)
-    coarse_t = coarse.unsqueeze(2)  # [B, N, 1, H, D]: broadcast, never expanded in memory
-    gate_t = None if gate is None else gate.unflatten(1, (seq // tile_tokens, tile_tokens))
-    needs_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (fine, coarse, gate)
-    )
-    if needs_grad:
-        out = fine_t + coarse_t if gate_t is None else torch.addcmul(fine_t, gate_t, coarse_t)
-    elif gate_t is None:
-        out = fine_t.add_(coarse_t)
-    else:
-        out = fine_t.addcmul_(gate_t, coarse_t)
-    return out.view(batch, seq, heads, dim)
 
 
 def _resolve_tiles(tiling, kv_valid_sizes, seq, token_order, device, validate):

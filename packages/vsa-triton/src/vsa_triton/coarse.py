@@ -210,6 +210,125 @@ def _(q_pooled, k_pooled, valid_sizes, topk):
 select_topk = EagerOrOp(select_op, _select)
 
 
+def _gate_strides(gate: torch.Tensor | None) -> tuple[int, int, int, int]:
+    """A gate's four strides (0 where it broadcasts; any values without a gate)."""
+    return (0, 0, 0, 0) if gate is None else gate.stride()
+
+
+def _combine_launch(fine, coarse, gate, out, tile_tokens):
+    batch, seq, heads, dim = fine.shape
+    num_tiles = seq // tile_tokens
+    _kernels().combine_fwd_kernel[(num_tiles, batch * heads)](
+        fine, coarse, fine if gate is None else gate, out,  # fine: a pointer never read as gate
+        *_bshd_strides(fine), *_bshd_strides(coarse), *_gate_strides(gate),
+        *_bshd_strides(out),
+        heads, HAS_GATE=gate is not None, **_tile_constants(tile_tokens, dim),
+    )  # fmt: skip
+    return out
+
+
+def _combine(
+    fine: torch.Tensor, coarse: torch.Tensor, gate: torch.Tensor | None, tile_tokens: int
+) -> torch.Tensor:
+    """fine + gate * coarse[tile] ([B, N * T, H, D]; coarse [B, N, H, D]) in a new tensor."""
+    fine, coarse = _head_dim_contiguous(fine), _head_dim_contiguous(coarse)
+    out = torch.empty_like(fine, memory_format=torch.contiguous_format)
+    return _combine_launch(fine, coarse, gate, out, tile_tokens) if out.numel() else out
+
+
+def _combine_in_place(fine, coarse, gate, tile_tokens):
+    """`_combine` written over ``fine`` (no gradient flows: the op owns ``fine``)."""
+    if fine.stride(-1) != 1 or coarse.stride(-1) != 1:
+        return _combine(fine, coarse, gate, tile_tokens)
+    return _combine_launch(fine, coarse, gate, fine, tile_tokens) if fine.numel() else fine
+
+
+combine_op = torch.library.custom_op("vsa_triton::combine", _combine, mutates_args=())
+
+
+@combine_op.register_fake
+def _(fine, coarse, gate, tile_tokens):
+    return torch.empty_like(fine, memory_format=torch.contiguous_format)
+
+
+def _combine_backward(
+    dout: torch.Tensor,
+    coarse: torch.Tensor,
+    gate: torch.Tensor | None,
+    tile_tokens: int,
+    want_dgate: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dgate, dcoarse) of `_combine` from dout: dgate = dout * coarse[tile] (an empty tensor
+    when not wanted or without a gate), dcoarse = sum over each tile's slots of dout * gate."""
+    dout, coarse = _head_dim_contiguous(dout), _head_dim_contiguous(coarse)
+    batch, seq, heads, dim = dout.shape
+    write_dgate = want_dgate and gate is not None
+    dgate = torch.empty_like(dout) if write_dgate else dout.new_empty(0)
+    dcoarse = torch.empty_like(coarse, memory_format=torch.contiguous_format)
+    if dcoarse.numel() and seq:
+        gate_ref = dout if gate is None else gate
+        dgate_ref = dgate if write_dgate else dout
+        _kernels().combine_bwd_kernel[(seq // tile_tokens, batch * heads)](
+            dout, coarse, gate_ref, dgate_ref, dcoarse,
+            *_bshd_strides(dout), *_bshd_strides(coarse), *_gate_strides(gate),
+            *_bshd_strides(dgate_ref), *_bshd_strides(dcoarse),
+            heads, HAS_GATE=gate is not None, WRITE_DGATE=write_dgate,
+            **_tile_constants(tile_tokens, dim),
+        )  # fmt: skip
+    elif dcoarse.numel():
+        dcoarse.zero_()
+    return dgate, dcoarse
+
+
+combine_backward_op = torch.library.custom_op(
+    "vsa_triton::combine_backward", _combine_backward, mutates_args=()
+)
+
+
+@combine_backward_op.register_fake
+def _(dout, coarse, gate, tile_tokens, want_dgate):
+    dgate = torch.empty_like(dout) if want_dgate and gate is not None else dout.new_empty(0)
+    return dgate, torch.empty_like(coarse, memory_format=torch.contiguous_format)
+
+
+def _combine_setup(ctx, inputs, output):
+    _, coarse, gate, tile_tokens = inputs
+    ctx.save_for_backward(coarse, gate)
+    ctx.tile_tokens = tile_tokens
+
+
+def _combine_grads(ctx, dout, backward):
+    coarse, gate = ctx.saved_tensors
+    want_dgate = gate is not None and ctx.needs_input_grad[2]
+    dgate, dcoarse = backward(dout, coarse, gate, ctx.tile_tokens, want_dgate)
+    return dout, dcoarse, dgate if want_dgate else None, None
+
+
+combine_op.register_autograd(
+    lambda ctx, dout: _combine_grads(ctx, dout, combine_backward_op),
+    setup_context=_combine_setup,
+)
+
+
+class _CombineFunction(torch.autograd.Function):
+    """`combine_op`'s autograd in eager mode, on the plain functions."""
+
+    @staticmethod
+    def forward(ctx, fine, coarse, gate, tile_tokens):
+        output = _combine(fine, coarse, gate, tile_tokens)
+        _combine_setup(ctx, (fine, coarse, gate, tile_tokens), output)
+        return output
+
+    @staticmethod
+    def backward(ctx, dout):
+        return _combine_grads(ctx, dout, _combine_backward)
+
+
+combine_tiles = EagerOrOp(combine_op, _combine_in_place, _CombineFunction)
+"""VSA's output fine + gate * coarse (`vsa_core.coarse.CoarseStage.combine`): one launch
+(backward: one), in place on ``fine`` in eager calls without gradients."""
+
+
 class TritonCoarse(CoarseStage):
     """The coarse stage in Triton (CUDA; CPU tensors under ``TRITON_INTERPRET=1``)."""
 
@@ -234,3 +353,6 @@ class TritonCoarse(CoarseStage):
 
     def select(self, q_pooled, k_pooled, valid_sizes, topk):
         return select_topk(q_pooled, k_pooled, valid_sizes, topk)
+
+    def combine(self, fine, coarse, gate, tile_tokens):
+        return combine_tiles(fine, coarse, gate, tile_tokens)

@@ -174,3 +174,75 @@ def select_topk_kernel(
         dst = out_ptr + (bh.to(tl.int64) * num_tiles + row[:, None]) * topk + slot
         tl.store(dst, cols[None, :] + tl.zeros([ROWS, TILES_P2], dtype=tl.int32),
                  mask=chosen & (row < num_tiles)[:, None])
+
+
+@triton.jit
+def _combine_program(heads, TILE_TOKENS: tl.constexpr, SLOTS: tl.constexpr,
+                     HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr):
+    """This program's tile, batch (int64), head, token rows, dims, which dims are real and
+    which (row, dim) elements exist (every slot of a tile, padding included)."""
+    tile = tl.program_id(0)
+    bh = tl.program_id(1)
+    slots = tl.arange(0, SLOTS)
+    dims = tl.arange(0, DIM_P2)
+    keep = dims < HEAD_DIM
+    rows = (tile.to(tl.int64) * TILE_TOKENS + slots)[:, None]
+    return (tile, (bh // heads).to(tl.int64), bh % heads, rows, dims, keep,
+            (slots < TILE_TOKENS)[:, None] & keep[None, :])
+
+
+@triton.jit
+def combine_fwd_kernel(
+    fine, coarse, gate, out,
+    s_fb, s_fs, s_fh, s_cb, s_cn, s_ch, s_gb, s_gs, s_gh, s_gd, s_ob, s_os, s_oh,
+    heads,
+    TILE_TOKENS: tl.constexpr, SLOTS: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr,
+    HAS_GATE: tl.constexpr,
+):
+    """One (tile, batch x head): out = fine + gate * coarse[tile] on every slot of the tile, in
+    float32, rounded once (``out`` may be ``fine`` itself: each element is read before it is
+    written, by the same thread). The gate may broadcast: any of its strides may be 0."""
+    tile, b, h, rows, dims, keep, inside = _combine_program(heads, TILE_TOKENS, SLOTS, HEAD_DIM,
+                                                             DIM_P2)
+    c = tl.load(coarse + b * s_cb + tile * s_cn + h * s_ch + dims, mask=keep, other=0.0)
+    x = tl.load(fine + b * s_fb + h * s_fh + rows * s_fs + dims[None, :], mask=inside, other=0.0)
+    c = c.to(tl.float32)[None, :]
+    if HAS_GATE:
+        g = tl.load(gate + b * s_gb + h * s_gh + rows * s_gs + dims[None, :] * s_gd, mask=inside,
+                    other=0.0)
+        y = x.to(tl.float32) + g.to(tl.float32) * c
+    else:
+        y = x.to(tl.float32) + c
+    tl.store(out + b * s_ob + h * s_oh + rows * s_os + dims[None, :], y.to(out.dtype.element_ty),
+             mask=inside)
+
+
+@triton.jit
+def combine_bwd_kernel(
+    dout, coarse, gate, dgate, dcoarse,
+    s_db, s_ds, s_dh, s_cb, s_cn, s_ch, s_gb, s_gs, s_gh, s_gd, s_xb, s_xs, s_xh, s_eb, s_en,
+    s_eh,
+    heads,
+    TILE_TOKENS: tl.constexpr, SLOTS: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr,
+    HAS_GATE: tl.constexpr, WRITE_DGATE: tl.constexpr,
+):
+    """One (tile, batch x head) of the combine's backward: dcoarse[tile] = sum over the tile's
+    slots of dout * gate (of dout without a gate), in float32; dgate = dout * coarse[tile]
+    (strides s_x* of dgate, s_e* of dcoarse)."""
+    tile, b, h, rows, dims, keep, inside = _combine_program(heads, TILE_TOKENS, SLOTS, HEAD_DIM,
+                                                             DIM_P2)
+    at_tile = b * s_cb + tile * s_cn + h * s_ch + dims
+    d = tl.load(dout + b * s_db + h * s_dh + rows * s_ds + dims[None, :], mask=inside, other=0.0)
+    d = d.to(tl.float32)
+    if HAS_GATE:
+        g = tl.load(gate + b * s_gb + h * s_gh + rows * s_gs + dims[None, :] * s_gd, mask=inside,
+                    other=0.0)
+        dc = tl.sum(d * g.to(tl.float32), axis=0)
+        if WRITE_DGATE:
+            c = tl.load(coarse + at_tile, mask=keep, other=0.0).to(tl.float32)
+            tl.store(dgate + b * s_xb + h * s_xh + rows * s_xs + dims[None, :],
+                     (d * c[None, :]).to(dgate.dtype.element_ty), mask=inside)
+    else:
+        dc = tl.sum(d, axis=0)
+    tl.store(dcoarse + b * s_eb + tile * s_en + h * s_eh + dims, dc.to(dcoarse.dtype.element_ty),
+             mask=keep)
