@@ -47,6 +47,8 @@ all-to-all until the process group's timeout.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
@@ -84,6 +86,7 @@ def sequence_parallel_video_sparse_attn(
     backend: str = "auto",
     scale: float | None = None,
     qkv_format: QKVFormat = "bshd",
+    head_chunk: int | None = None,
 ) -> torch.Tensor:
     """`video_sparse_attn` on a sequence sharded over the ranks of ``group`` (Ulysses).
 
@@ -109,6 +112,11 @@ def sequence_parallel_video_sparse_attn(
         scale: softmax scale, default ``1 / sqrt(D)`` (a Python or NumPy number, or a 0-d
             tensor).
         qkv_format: ``"bshd"`` or ``"bhsd"``.
+        head_chunk: heads per pipeline step (of this rank's H / W), in [1, H / W]; None: the
+            most whose whole-sequence tensor (S x head_chunk x D elements) fits in 32 MiB, at
+            least 1 (1 at Wan 2.1 720p with D=128 in bf16). Smaller steps need less memory
+            (see the module doc), larger ones fewer calls of the op. The result does not
+            depend on it.
 
     Returns:
         this rank's shard of the output, in q's format and dtype. An empty batch (B = 0, on
@@ -117,8 +125,8 @@ def sequence_parallel_video_sparse_attn(
     Raises:
         ValueError: mismatched q/k/v, no heads, a zero head dim, H or ``tiling.num_tiles`` not
             divisible by W, a local sequence length other than ``tiling.padded_len / W`` (the
-            split is not at tile boundaries), a coarse_gate that is not sharded like q, or a
-            bad topk / scale.
+            split is not at tile boundaries), a coarse_gate that is not sharded like q, a
+            head_chunk outside [1, H / W], or a bad topk / scale.
         RuntimeError: torch.distributed is not initialized.
     """
     rank, world = _rank_and_world(group)
@@ -126,6 +134,8 @@ def sequence_parallel_video_sparse_attn(
     topk = check_topk(topk, tiling.num_tiles)
     scale = check_scale(scale, dim)
     gate = _check_gate(coarse_gate, q, qkv_format, seq_local)
+    heads_local = heads // world
+    chunk = _check_head_chunk(head_chunk, heads_local, tiling.padded_len, dim, q.element_size())
     if batch == 0:  # the same on every rank: no exchange, nothing to wait for
         return empty_batch_result(q, k, v, coarse_gate)
     if world == 1:
@@ -142,31 +152,20 @@ def sequence_parallel_video_sparse_attn(
         )
 
     q, k, v = (_as_bshd(t, qkv_format) for t in (q, k, v))
-    tensors = [q, k, v]
-    heads_local = heads // world
-    gate_full = None
-    if gate is not None:
-        if gate.shape[1] == 1 and seq_local != 1:  # replicated: no exchange
-            gate_full = gate
-            if gate.shape[2] != 1:  # this rank's heads
-                gate_full = gate.narrow(2, rank * heads_local, heads_local)
-        else:
-            tensors.append(gate.expand(batch, seq_local, heads, gate.shape[3]))
-    exchanged = _AllToAll.apply(group, world, True, *tensors)
-    q_full, k_full, v_full = exchanged[:3]
-    if len(exchanged) == 4:
-        gate_full = exchanged[3]
-    out_full = video_sparse_attn(
-        q_full,
-        k_full,
-        v_full,
-        topk=topk,
-        tiling=tiling,
-        coarse_gate=gate_full,
-        backend=backend,
-        scale=scale,
+    gate_seq = gate is not None and not (gate.shape[1] == 1 and seq_local != 1)
+    if gate_seq:  # sharded like q: exchanged like q, at its own last dim
+        gate = gate.expand(batch, seq_local, heads, gate.shape[3])
+    units = tuple(
+        (b, start, min(chunk, heads_local - start))
+        for b in range(batch)
+        for start in range(0, heads_local, chunk)
     )
-    (out,) = _AllToAll.apply(group, world, False, out_full)
+    plan = _Plan(group, world, rank, heads_local, units, gate_seq, tiling, topk, backend, scale)
+    inputs = (q, k, v, gate)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
+        out = _UlyssesAttention.apply(plan, *inputs)
+    else:
+        out = _forward(plan, *inputs, keep=None)
     return _as_bshd(out, qkv_format)
 
 
@@ -266,6 +265,233 @@ def gather_sequence(
     return torch.cat(parts, dim)
 
 
+# ---- the pipelined op -----------------------------------------------------------------------
+_STEP_BYTES = 32 * 2**20  # the default step: the most heads whose S x heads x D tensor fits
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """One call's fixed parts: the group, this rank's heads and the steps over them."""
+
+    group: ProcessGroup | None
+    world: int
+    rank: int
+    heads_local: int  # H / W
+    units: tuple[tuple[int, int, int], ...]  # (batch row, first local head, heads) per step
+    gate_seq: bool  # the gate has a sequence dimension: exchanged with q, k, v
+    tiling: VideoTiling
+    topk: int
+    backend: str
+    scale: float
+
+
+class _Pending:
+    """One all-to-all in flight: ``wait()`` orders the current stream after it (NCCL; gloo
+    blocks) and returns the received buffer; the send buffer is dropped then."""
+
+    def __init__(self, send: torch.Tensor, group: ProcessGroup | None) -> None:
+        self.send: torch.Tensor | None = send
+        self.recv = torch.empty_like(send)
+        self.work = dist.all_to_all_single(self.recv, send, group=group, async_op=True)
+
+    def wait(self) -> torch.Tensor:
+        self.work.wait()
+        self.send = None
+        return self.recv
+
+
+def _to_heads_start(x: torch.Tensor, unit: tuple[int, int, int], plan: _Plan) -> _Pending:
+    """Start sending batch row b, heads ``j * H/W + start ...`` (count of them) of the local
+    tokens of ``x`` [B, S/W, H, Dx] (any strides) to rank j: the send buffer [W, S/W, count, Dx]
+    is the one copy. The received buffer [W, S/W, count, Dx] is the whole sequence (rank j's
+    tokens are chunk j) of this rank's heads: a contiguous [1, S, count, Dx] as it lies."""
+    b, start, count = unit
+    chunks = x[b].unflatten(1, (plan.world, plan.heads_local)).narrow(2, start, count)
+    send = x.new_empty(plan.world, x.shape[1], count, x.shape[3])
+    send.copy_(chunks.permute(1, 0, 2, 3))
+    return _Pending(send, plan.group)
+
+
+def _to_heads_wait(pending: _Pending) -> torch.Tensor:
+    recv = pending.wait()
+    return recv.view(1, -1, *recv.shape[2:])
+
+
+def _to_seq_start(y: torch.Tensor, plan: _Plan) -> _Pending:
+    """Start sending tokens ``j * S/W ...`` of ``y`` [1, S, count, Dy] (this rank's heads) to
+    rank j: y itself is the send buffer (contiguous, no copy)."""
+    y = y.contiguous()
+    return _Pending(y.view(plan.world, -1, *y.shape[2:]), plan.group)
+
+
+def _to_seq_finish(pending: _Pending, dest: torch.Tensor, unit: tuple[int, int, int], plan: _Plan):
+    """Wait for `_to_seq_start`'s exchange and write what came (rank j's heads of this rank's
+    tokens) into ``dest`` [B, S/W, H, Dy] at batch row b, heads ``j * H/W + start ...``."""
+    b, start, count = unit
+    recv = pending.wait()  # [W (source rank), S/W, count, Dy]
+    dest[b].unflatten(1, (plan.world, plan.heads_local)).narrow(2, start, count).copy_(
+        recv.permute(1, 0, 2, 3)
+    )
+
+
+def _gate_unit(gate: torch.Tensor, unit: tuple[int, int, int], plan: _Plan) -> torch.Tensor:
+    """A replicated gate's part (no sequence dimension) for a step's batch row and heads."""
+    b, start, count = unit
+    if gate.shape[0] != 1:
+        gate = gate.narrow(0, b, 1)
+    if gate.shape[2] != 1:
+        gate = gate.narrow(2, plan.rank * plan.heads_local + start, count)
+    return gate
+
+
+def _forward(
+    plan: _Plan,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    gate: torch.Tensor | None,
+    *,
+    keep: list | None,
+    needs: tuple[bool, ...] = (),
+) -> torch.Tensor:
+    """The op, step by step: step i+1's q, k, v (and gate) are in flight while step i's
+    `video_sparse_attn` runs, and step i's output is in flight while step i+1's runs.
+
+    ``keep`` None: inference, every buffer is dropped once used. Otherwise each step runs with
+    autograd on detached leaves (``needs``: which of q, k, v, gate need a gradient) and
+    ``keep`` receives (leaves, output) per step for `_backward`."""
+    batch, seq_local, heads, dim = q.shape
+    out = q.new_empty(batch, seq_local, heads, dim)
+    sent = [q, k, v] + ([gate] if plan.gate_seq else [])
+
+    def start(unit):
+        return [_to_heads_start(t, unit, plan) for t in sent]
+
+    incoming = start(plan.units[0])
+    outgoing = None
+    for i, unit in enumerate(plan.units):
+        parts = [_to_heads_wait(p) for p in incoming]
+        # Step i+1's packing is issued before step i's op, so that its exchange overlaps it.
+        incoming = start(plan.units[i + 1]) if i + 1 < len(plan.units) else []
+        if not plan.gate_seq:
+            parts.append(None if gate is None else _gate_unit(gate, unit, plan))
+        if keep is not None:
+            parts = [
+                None if t is None else t.detach().requires_grad_(need)
+                for t, need in zip(parts, needs, strict=True)
+            ]
+        with torch.set_grad_enabled(keep is not None):
+            y = video_sparse_attn(
+                parts[0],
+                parts[1],
+                parts[2],
+                topk=plan.topk,
+                tiling=plan.tiling,
+                coarse_gate=parts[3],
+                backend=plan.backend,
+                scale=plan.scale,
+            )
+        if keep is not None:
+            keep.append((parts, y))
+            y = y.detach()
+        del parts
+        previous, outgoing = outgoing, (_to_seq_start(y, plan), unit)
+        del y
+        if previous is not None:
+            _to_seq_finish(previous[0], out, previous[1], plan)
+        del previous
+    assert outgoing is not None
+    _to_seq_finish(outgoing[0], out, outgoing[1], plan)
+    return out
+
+
+def _backward(plan: _Plan, keep: list, grad_out: torch.Tensor, shapes, needs):
+    """The gradients of `_forward`'s inputs from the kept steps, pipelined like the forward:
+    step i+1's output gradient is in flight while step i's backward runs, step i's input
+    gradients while step i+1's runs. Gradients sharded like q are written into one buffer
+    each; a replicated gate's are summed into a zero one."""
+    grads = [
+        None
+        if not need
+        else (
+            grad_out.new_zeros(shape) if i == 3 and not plan.gate_seq else grad_out.new_empty(shape)
+        )
+        for i, (shape, need) in enumerate(zip(shapes, needs, strict=True))
+    ]
+    exchanged = [i for i in range(4) if needs[i] and (i < 3 or plan.gate_seq)]
+    incoming = _to_heads_start(grad_out, plan.units[0], plan)
+    outgoing: list = []
+    for i, unit in enumerate(plan.units):
+        grad_unit = _to_heads_wait(incoming)
+        if i + 1 < len(plan.units):
+            incoming = _to_heads_start(grad_out, plan.units[i + 1], plan)
+        leaves, y = keep[i]
+        keep[i] = None  # the step's graph goes with its backward
+        wanted = [leaves[j] for j in range(4) if needs[j]]
+        got = dict(
+            zip(
+                [j for j in range(4) if needs[j]],
+                torch.autograd.grad(y, wanted, grad_unit),
+                strict=True,
+            )
+        )
+        del leaves, y, wanted, grad_unit
+        previous = outgoing
+        outgoing = [(j, _to_seq_start(got[j], plan), unit) for j in exchanged]
+        if needs[3] and not plan.gate_seq:  # replicated gate: this step's part, summed
+            _gate_unit(grads[3], unit, plan).add_(got[3])
+        del got
+        for j, pending, previous_unit in previous:
+            _to_seq_finish(pending, grads[j], previous_unit, plan)
+        del previous
+    for j, pending, unit in outgoing:
+        _to_seq_finish(pending, grads[j], unit, plan)
+    return grads
+
+
+class _UlyssesAttention(torch.autograd.Function):
+    """`_forward` with autograd: each step's graph is kept for `_backward`."""
+
+    @staticmethod
+    def forward(ctx, plan, q, k, v, gate):
+        needs = tuple(ctx.needs_input_grad[1:5])
+        keep: list = []
+        out = _forward(plan, q, k, v, gate, keep=keep, needs=needs)
+        ctx.plan, ctx.keep, ctx.needs = plan, keep, needs
+        ctx.shapes = [t.shape if t is not None else None for t in (q, k, v, gate)]
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        if ctx.keep is None:
+            raise RuntimeError(
+                "sequence_parallel_video_sparse_attn: backward through the same call twice "
+                "(its steps' graphs are freed by the first backward)"
+            )
+        keep, ctx.keep = ctx.keep, None
+        grads = _backward(ctx.plan, keep, grad_out, ctx.shapes, ctx.needs)
+        return (None, *grads)
+
+
+def _check_head_chunk(
+    head_chunk: object, heads_local: int, seq: int, dim: int, element_size: int
+) -> int:
+    """Heads per step: ``head_chunk`` checked, or the default (see the op's doc)."""
+    if head_chunk is None:
+        return max(1, min(heads_local, _STEP_BYTES // max(1, seq * dim * element_size)))
+    message = (
+        f"head_chunk must be an integer in [1, {heads_local}] (H / W) or None, got {head_chunk!r}"
+    )
+    try:
+        number = as_int("head_chunk", head_chunk)
+    except ValueError:
+        raise ValueError(message) from None
+    if not 1 <= number <= heads_local:
+        raise ValueError(message)
+    return number
+
+
 # ---- the all-to-all, with autograd ----------------------------------------------------------
 class _AllToAll(torch.autograd.Function):
     """The Ulysses exchange for several tensors at once, differentiable.
@@ -292,36 +518,29 @@ def _exchange(
     *,
     to_heads: bool,
 ) -> list[torch.Tensor]:
-    """One all-to-all for all ``tensors`` (same B, S, H, dtype and device; any last dim).
+    """One all-to-all per tensor (each [B, S, H, D_i]), all in flight at once.
 
-    The send buffer is [W, B, s, h, sum(D_i)] with chunk j going to rank j: packing it is the
-    one copy of each input (strided inputs, e.g. BHSD views or expanded gates, are fine), and
-    unpacking the received buffer the one copy of each output (contiguous).
+    Each send buffer is [W, B, s, h, D_i] with chunk j going to rank j: packing it is a copy
+    of the input (strided inputs, e.g. BHSD views, are fine), none when the input already lies
+    that way (B = 1 and ``to_heads`` False). The received buffer is the output as it lies for
+    B = 1 (a view); for B > 1 the output is one copy of it.
     """
-    first = tensors[0]
-    batch, seq, heads, _ = first.shape
-    widths = [t.shape[3] for t in tensors]
-    # shard: tokens per chunk; heads_chunk: heads per chunk (= the local heads after the swap)
-    shard, heads_chunk = (seq, heads // world) if to_heads else (seq // world, heads)
-    send = first.new_empty(world, batch, shard, heads_chunk, sum(widths))
-    offset = 0
-    for t, width in zip(tensors, widths, strict=True):
+    pending = []
+    for t in tensors:
+        batch, seq, heads, width = t.shape
         if to_heads:  # chunk j: heads j * H/W ... of every local token
-            chunks = t.unflatten(2, (world, heads_chunk)).permute(2, 0, 1, 3, 4)
+            chunks = t.unflatten(2, (world, heads // world)).permute(2, 0, 1, 3, 4)
         else:  # chunk j: tokens j * S/W ... of the local heads
-            chunks = t.unflatten(1, (world, shard)).permute(1, 0, 2, 3, 4)
-        send[..., offset : offset + width].copy_(chunks)
-        offset += width
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
-    outputs, offset = [], 0
-    for width in widths:
-        part = recv[..., offset : offset + width]  # [W (source rank), B, shard, h, width]
-        offset += width
+            chunks = t.unflatten(1, (world, seq // world)).permute(1, 0, 2, 3, 4)
+        pending.append(_Pending(chunks.contiguous(), group))
+    outputs = []
+    for p in pending:
+        recv = p.wait()  # [W (source rank), B, shard, h, width]
+        world_, batch, shard, heads_chunk, width = recv.shape
         if to_heads:  # source ranks' token shards, in rank order
-            out = part.permute(1, 0, 2, 3, 4).reshape(batch, world * shard, heads_chunk, width)
+            out = recv.permute(1, 0, 2, 3, 4).reshape(batch, world_ * shard, heads_chunk, width)
         else:  # source ranks' heads, in rank order
-            out = part.permute(1, 2, 0, 3, 4).reshape(batch, shard, world * heads_chunk, width)
+            out = recv.permute(1, 2, 0, 3, 4).reshape(batch, shard, world_ * heads_chunk, width)
         outputs.append(out.contiguous())
     return outputs
 
