@@ -754,28 +754,6 @@ def test_help(module, flag, capsys):
     assert flag in text and "--out" in text and "--modes" in text
 
 
-def test_fa4_overhead_raw_tensors_follow_the_adapters_physical_plan():
-    """The overhead benchmark's raw arm must run the same physical blocks as the adapter:
-    paired 64x64 layouts as 128x64 forward tiles, and 64x64 blocks for the fork's backward."""
-    pytest.importorskip("flash_attn.cute.block_sparsity")
-    import bench_fa4_overhead
-
-    from vsa_fa4.backend import FA4Backend
-
-    base = bench_fa4_overhead.exact256_layout(2048, 2, 0.5, seed=0)
-    layout = base.refine((64, 64))
-    plan = FA4Backend().plan(layout)
-    assert plan.block_size == (128, 64)
-    fwd = bench_fa4_overhead.raw_tensors(layout, plan, backward=False)
-    bwd = bench_fa4_overhead.raw_tensors(layout, plan, backward=True)
-    assert tuple(fwd.block_size) == (128, 64) and tuple(bwd.block_size) == (64, 64)
-    assert fwd.full_block_cnt.shape == (1, 2, 2048 // 128)
-    assert bwd.full_block_cnt.shape == (1, 2, 2048 // 64)
-    # every selected (64-row query block, 64-token key block) pair once, in both directions
-    pairs = int(layout.kv_counts.sum())
-    assert int(bwd.full_block_cnt.sum()) == pairs == 2 * int(fwd.full_block_cnt.sum())
-
-
 def test_time_interleaved_rotates_arms_and_keeps_setup_untimed():
     calls: list[str] = []
 

@@ -23,7 +23,7 @@ arm: median ms; ``overhead`` = median over repetitions of (arm / raw) - 1, from 
 samples; and the host time to issue one call with the device idle before it (``host_ms``),
 which a caller hides while it stays below the device time. ::
 
-    python3 benchmarks/bench_fa4_overhead.py --out results.json
+    python3 -m research.fa4_adapter.bench_fa4_overhead --out results.json
 """
 
 from __future__ import annotations
@@ -39,13 +39,11 @@ from pathlib import Path
 
 import torch
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import bench_common as bc
-from bench_vsa import fa4_block_sparse_tensors
-
+from research import harness
 from vsa_core import BlockSparseLayout
+
+bc = harness.bench_common()
+fa4_block_sparse_tensors = harness.benchmark_module("bench_vsa").fa4_block_sparse_tensors
 
 
 def exact256_layout(seq: int, heads: int, sparsity: float, seed: int) -> BlockSparseLayout:
@@ -125,7 +123,7 @@ def main(argv=None) -> int:
     base = exact256_layout(seq, heads, args.sparsity, seed=1)
     doc = {
         **bc.gpu_result_header("bench_fa4_overhead"),
-        "command": " ".join(["python3", *sys.argv]),
+        "command": harness.command_line(),
         "versions": bc.runtime_versions(bc.distribution_versions()),
         "shape": {"B": 1, "S": seq, "H": heads, "D": dim, "sparsity": args.sparsity},
         "timing": {"warmup": args.warmup, "reps": args.reps, "method": "interleaved"},

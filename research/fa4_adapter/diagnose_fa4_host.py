@@ -14,7 +14,7 @@ into ``--out-dir``:
 - ``<shape>-bwd.torch_profiler.txt``: torch.profiler key averages (CPU and CUDA) over 5
   adapter backwards and 5 raw ones. ::
 
-    python3 benchmarks/diagnose_fa4_host.py --out-dir $OUT/diag
+    python3 -m research.fa4_adapter.diagnose_fa4_host --out-dir $OUT/diag
 """
 
 from __future__ import annotations
@@ -32,11 +32,11 @@ from pathlib import Path
 
 import torch
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+from research import harness
 
-import bench_common as bc
-from bench_fa4_overhead import exact256_layout, host_ms, raw_tensors
+from .bench_fa4_overhead import exact256_layout, host_ms, raw_tensors
+
+bc = harness.bench_common()
 
 
 def cprofile_text(fn, calls: int = 20, rows: int = 40) -> str:

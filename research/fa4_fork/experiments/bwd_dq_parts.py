@@ -50,15 +50,12 @@ two rounds. ``--q-blocks 64 128`` also runs 128-row query blocks: the shipped 12
 against the same lists split into 64-row blocks on the shipped 64x64 kernel (``split-64x64``:
 0.71 against 0.69 in bench_vsa, session 9, so vsa-fa4 might route 128x64 backwards there). ::
 
-    python3 packages/flash-attn-4-vsa/experiments/bwd_dq_parts.py --out DIR   # H200
+    python3 -m research.fa4_fork.experiments.bwd_dq_parts --out DIR   # H200
 """
 
 from __future__ import annotations
 
 import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 
@@ -80,12 +77,12 @@ def topk_lists(seq: int, heads: int, keep: float, q_block: int):
 def run_block(emit, seq: int, heads: int, keep: float, reps: int, sms: int, q_block: int):
     """Check, then time, the shipped kernel and each experimental configuration of one block
     size (``q_block`` x 64) against dense."""
-    from kv64_bwd_configs import rel_l2, time_backwards_against_dense
-
     from flash_attn_vsa import bwd_sm90
     from vsa_fa4 import launch
     from vsa_fa4.metadata import backward_lists
     from vsa_fa4.ops import forward_impl
+
+    from .kv64_bwd_configs import rel_l2, time_backwards_against_dense
 
     dim, scale, block = 128, 128**-0.5, (q_block, KV)
     torch.manual_seed(seq)
@@ -136,7 +133,7 @@ def run_block(emit, seq: int, heads: int, keep: float, reps: int, sms: int, q_bl
 
 
 def main() -> int:
-    from bwd_list_rotation import length_args, run_lengths
+    from .bwd_list_rotation import length_args, run_lengths
 
     def q_blocks(ap):
         ap.add_argument("--q-blocks", type=int, nargs="+", default=[64], choices=[64, 128])

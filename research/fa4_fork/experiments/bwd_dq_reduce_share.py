@@ -24,8 +24,8 @@ distributed shared memory). If ``reduce_0`` gains < 5%, the reductions are not w
 back, and what is left is one MMA warpgroup per 64x64 tile (nothing to overlap its softmax
 with). ::
 
-    python3 packages/flash-attn-4-vsa/experiments/bwd_dq_reduce_share.py --out DIR    # H200
-    python3 packages/flash-attn-4-vsa/experiments/bwd_dq_reduce_share.py --sass DIR   # CPU
+    python3 -m research.fa4_fork.experiments.bwd_dq_reduce_share --out DIR    # H200
+    python3 -m research.fa4_fork.experiments.bwd_dq_reduce_share --sass DIR   # CPU
 
 ``--sass DIR`` compiles the arms for sm_90a on fake tensors (no GPU) and keeps their PTX and
 cubins in ``DIR/<arm>/``. Done in session 7 (~13 s per arm): the shipped kernel and
@@ -40,9 +40,6 @@ import contextlib
 import sys
 import types
 from collections.abc import Iterator
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 BLOCK = 64
 FRACTIONS = {"reduce_1": 1.0, "reduce_0.25": 0.25, "reduce_0": 0.0}
@@ -95,12 +92,13 @@ def staged_kernel():
 def run_length(emit, seq: int, heads: int, keep: float, reps: int, sms: int) -> None:
     """Correctness of the control and of dK/dV, then interleaved timing, at one length."""
     import torch
-    from bwd_list_rotation import length_case
-    from kv64_bwd_configs import rel_l2, time_backwards_against_dense
 
     from vsa_fa4 import launch
     from vsa_fa4.metadata import backward_lists
     from vsa_fa4.ops import forward_impl
+
+    from .bwd_list_rotation import length_case
+    from .kv64_bwd_configs import rel_l2, time_backwards_against_dense
 
     dim, scale = 128, 128**-0.5
     q, k, v, dout, lay = length_case(seq, heads, keep, dim)
@@ -129,12 +127,12 @@ def run_length(emit, seq: int, heads: int, keep: float, reps: int, sms: int) -> 
 def compile_for_sass(dump_dir: str, arm: str | None = None) -> int:
     """Compile the shipped kernel and each arm for sm_90a on fake tensors (no GPU), keeping
     each one's PTX and cubin under ``dump_dir/<arm>/`` (one process per arm)."""
-    from kv64_bwd_configs import sass_in_processes
-
     from flash_attn_vsa import compile_gate as gate
 
+    from .kv64_bwd_configs import sass_in_processes
+
     if arm is None:
-        return sass_in_processes(__file__, dump_dir, ["shipped", *FRACTIONS])
+        return sass_in_processes(__spec__.name, dump_dir, ["shipped", *FRACTIONS])
     import torch
 
     from flash_attn_vsa.bwd_sm90 import block_sparse_backward_kv64
@@ -151,7 +149,7 @@ def compile_for_sass(dump_dir: str, arm: str | None = None) -> int:
 
 
 def main() -> int:
-    from bwd_list_rotation import length_args, run_lengths
+    from .bwd_list_rotation import length_args, run_lengths
 
     args = length_args(sass=True)
     if args.sass:

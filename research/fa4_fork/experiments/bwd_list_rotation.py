@@ -15,7 +15,7 @@ Arms per sequence length (H=12, D=128, 64x64 blocks, random top-k lists at 87.5%
 full): dense FA4 backward, the fork's KV64 backward on ascending lists, the same on rotated
 lists; correctness first (rotated against ascending: the same sums in another order). ::
 
-    python3 packages/flash-attn-4-vsa/experiments/bwd_list_rotation.py --out DIR    # H200
+    python3 -m research.fa4_fork.experiments.bwd_list_rotation --out DIR    # H200
 """
 
 from __future__ import annotations
@@ -23,13 +23,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from kv64_bwd_configs import emit_interleaved_times, rel_l2, start_log
+from .kv64_bwd_configs import emit_interleaved_times, rel_l2, start_log
 
 BLOCK = 64
 
@@ -104,7 +101,7 @@ def run_length(emit, seq: int, heads: int, keep: float, reps: int, sms: int) -> 
 def length_args(sass: bool = False, extra=None) -> argparse.Namespace:
     """Command line of the sequence-length sweeps (this experiment, 7, 9 and 13; ``sass``: with
     `kv64_bwd_configs.add_sass_args`; ``extra(parser)`` adds an experiment's own)."""
-    from kv64_bwd_configs import add_sass_args
+    from .kv64_bwd_configs import add_sass_args
 
     ap = argparse.ArgumentParser()
     if sass:

@@ -17,7 +17,7 @@ at 87.5% (experiment 6's case) and their 128x64 refinement for the Q128 kernels;
     ncu --clock-control none --profile-from-start off --section SpeedOfLight \\
         --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \\
         --section WarpStateStats --csv --page details \\
-        python3 packages/flash-attn-4-vsa/experiments/counters_one_call.py > $OUT/ncu.csv
+        python3 -m research.fa4_fork.experiments.counters_one_call > $OUT/ncu.csv
 
 ``--targets`` picks others (`TARGETS`; default `DEFAULT_TARGETS`); without ncu it only prints
 each target's time.
@@ -27,11 +27,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 BLOCK = 64
 TARGETS = (
@@ -70,12 +67,7 @@ def topk_128x64(seq: int, heads: int, keep: float):
 
 def build(seq: int, heads: int, keep: float):
     """name -> callable for the targets at one sequence length (inputs and lists prebuilt)."""
-    from bwd_dq_reduce_share import reduce_scope
-    from bwd_list_rotation import length_case
     from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd
-    from kv64_bwd_configs import exact256_layout
-    from paired_kv_fwd import paired_tensors
-    from q64_fwd_q_in_registers import stream_tensors
 
     from flash_attn_vsa import bwd_sm90
     from flash_attn_vsa.fwd_sm90 import block_sparse_forward_q64
@@ -86,6 +78,12 @@ def build(seq: int, heads: int, keep: float):
     from vsa_fa4.metadata import backward_lists, forward_lists
     from vsa_fa4.ops import forward_impl
     from vsa_triton import ops as tri
+
+    from .bwd_dq_reduce_share import reduce_scope
+    from .bwd_list_rotation import length_case
+    from .kv64_bwd_configs import exact256_layout
+    from .paired_kv_fwd import paired_tensors
+    from .q64_fwd_q_in_registers import stream_tensors
 
     dim, scale = 128, 128**-0.5
     q, k, v, dout, lay = length_case(seq, heads, keep, dim)

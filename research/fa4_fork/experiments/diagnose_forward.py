@@ -11,7 +11,7 @@ everywhere, instead of one relative-L2 number. Each arm runs vsa-fa4's real forw
 (`tests/sm90_cases.py`: S=1536, H=3, 64-row query block i selects i % 6 key blocks, key
 blocks full, partial or empty). ::
 
-    python3 packages/flash-attn-4-vsa/experiments/diagnose_forward.py --out DIR \\
+    python3 -m research.fa4_fork.experiments.diagnose_forward --out DIR \\
         --arms streams streams+qregs streams+persistent 128x64+persistent   # H200
 """
 
@@ -20,12 +20,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from research import harness
 
 ARMS = {  # name -> (query rows per sparse block, ForwardVariant options)
     "64x64": (64, ()),
@@ -42,7 +40,7 @@ ARMS = {  # name -> (query rows per sparse block, ForwardVariant options)
 
 def run_arm(arm: str, q, k, v, lists, valid, scale: float):
     """The arm's forward through vsa-fa4's launch, into NaN-poisoned (out, lse)."""
-    import sm90_cases as cases
+    cases = harness.fork_test_module("sm90_cases")
 
     from vsa_fa4 import launch
 
@@ -57,7 +55,7 @@ def run_arm(arm: str, q, k, v, lists, valid, scale: float):
 def block_report(arm: str, got, ref_out, ref_lse, sel64, valid) -> list[dict]:
     """A record per (head, 64-row query block) whose out is off by more than 1e-2 (relative
     L2), not finite, or whose lse is wrong; then a summary record."""
-    import sm90_cases as cases
+    cases = harness.fork_test_module("sm90_cases")
 
     out, lse = got
     heads, n_q, _ = sel64.shape
@@ -86,11 +84,11 @@ def block_report(arm: str, got, ref_out, ref_lse, sel64, valid) -> list[dict]:
 
 
 def main() -> int:
-    import sm90_cases as cases
-    from kv64_bwd_configs import jsonl_emitter
-
+    cases = harness.fork_test_module("sm90_cases")
     from vsa_core import BlockSparseLayout
     from vsa_fa4.metadata import forward_lists
+
+    from .kv64_bwd_configs import jsonl_emitter
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))

@@ -22,17 +22,14 @@ gap to dense at 87.5% sparsity (0.914). This run asks what the intercept is:
 Predicted: per tile (time ~ linear in H with a small intercept), only the attention kernel
 on the device, dense at S_k = 4096 ~0.90-0.93 of dense at 32768. ::
 
-    python3 packages/flash-attn-4-vsa/experiments/fwd_fixed_costs.py --out DIR   # H200
+    python3 -m research.fa4_fork.experiments.fwd_fixed_costs --out DIR   # H200
 """
 
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def kernel_list(fn) -> list[dict]:
@@ -54,9 +51,10 @@ def kernel_list(fn) -> list[dict]:
 def time_paired_heads(emit, seq: int, heads: int, dim: int, scale: float, reps: int) -> None:
     """The paired forward on random 64-key lists against dense, both at ``heads`` heads."""
     from flash_attn.cute.interface import _flash_attn_fwd
-    from fwd_list_shapes import layout_of
-    from kv64_bwd_configs import emit_interleaved_times
-    from q64_fwd_q_in_registers import forward, prepare
+
+    from .fwd_list_shapes import layout_of
+    from .kv64_bwd_configs import emit_interleaved_times
+    from .q64_fwd_q_in_registers import forward, prepare
 
     q, k, v = (torch.randn(1, seq, heads, dim, device="cuda", dtype=torch.bfloat16) for _ in "qkv")
     layout = layout_of("random", seq, heads, 128, 64, seed=heads)
@@ -74,7 +72,8 @@ def time_dense_backward_short_q(emit, q, k, v, scale: float, seq_qs, reps: int) 
     """Dense FA4 backward with the first ``seq_q`` queries against all keys, beside the full
     backward, interleaved (the ratio counts 2.5x the forward's FLOPs of each)."""
     from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd
-    from kv64_bwd_configs import emit_interleaved_times
+
+    from .kv64_bwd_configs import emit_interleaved_times
 
     seq, heads, dim = q.shape[1], q.shape[2], q.shape[3]
 
@@ -92,9 +91,10 @@ def time_dense_backward_short_q(emit, q, k, v, scale: float, seq_qs, reps: int) 
 
 def run(args) -> int:
     from flash_attn.cute.interface import _flash_attn_fwd
-    from fwd_list_shapes import layout_of
-    from kv64_bwd_configs import emit_interleaved_times, start_log
-    from q64_fwd_q_in_registers import forward, prepare
+
+    from .fwd_list_shapes import layout_of
+    from .kv64_bwd_configs import emit_interleaved_times, start_log
+    from .q64_fwd_q_in_registers import forward, prepare
 
     emit = start_log(args.out, "fwd_fixed_costs")
     dim, scale, seq = 128, 128**-0.5, args.seq
@@ -134,7 +134,7 @@ def run(args) -> int:
 
 
 def main() -> int:
-    from kv64_bwd_configs import one_length_parser
+    from .kv64_bwd_configs import one_length_parser
 
     ap = one_length_parser(reps=10, heads=False)
     # each part runs for the values given (none: the part is skipped)

@@ -23,17 +23,14 @@ runs on the same shapes: if the port is its bound because no CTA's K/V fetch ser
 banded and identical lists (whose neighbouring query blocks ask for the same keys together)
 move it toward the paired kernel's ratio, random ones at any length stay near 0.80. ::
 
-    python3 packages/flash-attn-4-vsa/experiments/fwd_list_shapes.py --out DIR   # H200
+    python3 -m research.fa4_fork.experiments.fwd_list_shapes --out DIR   # H200
 """
 
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 NUM_KV_BLOCK = 64
 ARMS_BY_ROWS = {128: ("paired", "paired_persistent"), 64: ("two_cta_q_regs",)}
@@ -69,8 +66,9 @@ def layout_of(kind: str, seq: int, heads: int, q_rows: int, keep: int, seed: int
 
 def run(args) -> int:
     from flash_attn.cute.interface import _flash_attn_fwd
-    from kv64_bwd_configs import check_forward, emit_interleaved_times, reference, start_log
-    from q64_fwd_q_in_registers import forward, prepare
+
+    from .kv64_bwd_configs import check_forward, emit_interleaved_times, reference, start_log
+    from .q64_fwd_q_in_registers import forward, prepare
 
     emit = start_log(args.out, "fwd_list_shapes")
     dim, scale = 128, 128**-0.5
@@ -109,7 +107,7 @@ def run(args) -> int:
 
 
 def main() -> int:
-    from kv64_bwd_configs import one_length_parser
+    from .kv64_bwd_configs import one_length_parser
 
     ap = one_length_parser(reps=10)
     ap.add_argument(

@@ -20,21 +20,18 @@ Arms: upstream 128x64 (`_flash_attn_fwd`), paired 128x64 (`fwd_sm90_paired`), tw
 (`fwd_sm90.block_sparse_forward_q64`), dense; S=32768, H=12, 90% exact256, all blocks full. ::
 
     nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw --format=csv -lms 50 > $OUT/smi.csv &
-    python3 packages/flash-attn-4-vsa/experiments/harness_modes.py --out $OUT    # H200
+    python3 -m research.fa4_fork.experiments.harness_modes --out $OUT    # H200
 """
 
 from __future__ import annotations
 
 import statistics
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from kv64_bwd_configs import bench_common, exact256_layout, fa4_tensors, one_length_args, start_log
-from paired_kv_fwd import paired_tensors
+from .kv64_bwd_configs import bench_common, exact256_layout, fa4_tensors, one_length_args, start_log
+from .paired_kv_fwd import paired_tensors
 
 
 def graphed(fn):

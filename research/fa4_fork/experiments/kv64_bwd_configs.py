@@ -8,7 +8,7 @@ layouts, checks dq/dk/dv against a float32 reference (including key blocks no qu
 with NaN-poisoned outputs), and times the correct ones against dense FA4 backward and upstream's
 128x128 block-sparse backward on the same token pairs. GPU only; results as JSON lines.
 
-    python3 packages/flash-attn-4-vsa/experiments/kv64_bwd_configs.py --out DIR
+    python3 -m research.fa4_fork.experiments.kv64_bwd_configs --out DIR
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ import statistics
 import subprocess
 import sys
 from contextlib import contextmanager
-from pathlib import Path
 
 import torch
 
+from research import harness
 from vsa_core import BlockSparseLayout
 
 
@@ -156,13 +156,8 @@ def timed(fn, reps=20, warmup=3):
 
 
 def bench_common():
-    """The repository's ``benchmarks/bench_common`` module (imported from its folder)."""
-    folder = str(Path(__file__).resolve().parents[3] / "benchmarks")
-    if folder not in sys.path:
-        sys.path.insert(0, folder)
-    import bench_common as bc
-
-    return bc
+    """The repository's ``benchmarks/bench_common`` module (through ``research.harness``)."""
+    return harness.bench_common()
 
 
 def start_log(out_dir, name):
@@ -171,7 +166,7 @@ def start_log(out_dir, name):
     bc = bench_common()
     emit = jsonl_emitter(os.path.join(out_dir, f"{name}.jsonl"))
     emit({"case": "meta", **bc.gpu_result_header(name),
-          "command": " ".join(["python3", *sys.argv]),
+          "command": harness.command_line(),
           "versions": bc.runtime_versions(bc.distribution_versions())})  # fmt: skip
     return emit
 
@@ -252,18 +247,19 @@ def add_sass_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--sass-arm", help=argparse.SUPPRESS)
 
 
-def sass_in_processes(script: str, dump_dir: str, arms) -> int:
-    """Run ``script --sass DIR --sass-arm ARM`` once per arm, each in a process of its own with
-    the compile gate's environment and ``DIR/ARM`` as the dump folder (CuTe DSL takes its
-    target and dump folder from the environment of the process); 1 at the first failure."""
+def sass_in_processes(module: str, dump_dir: str, arms) -> int:
+    """Run ``python -m module --sass DIR --sass-arm ARM`` from the repository root once per arm,
+    each in a process of its own with the compile gate's environment and ``DIR/ARM`` as the
+    dump folder (CuTe DSL takes its target and dump folder from the environment of the
+    process); 1 at the first failure."""
     from flash_attn_vsa import compile_gate as gate
 
     for name in arms:
         arm_dir = os.path.join(dump_dir, name)
         os.makedirs(arm_dir, exist_ok=True)
         env = {**os.environ, **gate.gate_environment(dump_dir=arm_dir)}
-        cmd = [sys.executable, script, "--sass", dump_dir, "--sass-arm", name]
-        if subprocess.run(cmd, env=env).returncode:
+        cmd = [sys.executable, "-m", module, "--sass", dump_dir, "--sass-arm", name]
+        if subprocess.run(cmd, env=env, cwd=harness.ROOT).returncode:
             return 1
         print(f"{name}: compiled into {arm_dir}", flush=True)
     return 0

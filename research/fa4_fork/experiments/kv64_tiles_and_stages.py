@@ -29,7 +29,7 @@ selects, NaN-poisoned outputs, float32 reference; rel. L2 <= 1e-2), then timing 
 H=12, D=128 on an exact256 90% mask refined to each block shape, each group's arms interleaved
 call by call with dense FA4, twice. ::
 
-    python3 packages/flash-attn-4-vsa/experiments/kv64_tiles_and_stages.py --out DIR
+    python3 -m research.fa4_fork.experiments.kv64_tiles_and_stages --out DIR
 """
 
 from __future__ import annotations
@@ -39,13 +39,10 @@ import os
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from kv64_bwd_configs import (
+from .kv64_bwd_configs import (
     bench_common,
     emit_interleaved_times,
     exact256_layout,

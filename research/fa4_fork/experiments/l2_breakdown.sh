@@ -6,13 +6,13 @@
 # names the one at the top (bytes, tag lookups, cross-partition fabric, reductions), beside the
 # global loads that do not come from TMA (FA4's list reads). One ncu call per kernel; metrics the
 # installed ncu does not know are left out (it refuses the whole list otherwise).
-# Usage on the H200, after `source .gpu/b/env.sh`: bash .../l2_breakdown.sh $OUT [TARGET...]
+# Usage on the H200, after `source .gpu/b/env.sh`: bash research/fa4_fork/experiments/l2_breakdown.sh $OUT [TARGET...]
 # (counters_one_call.py's targets; the first run's five by default).
 set -u
 out=${1:?usage: l2_breakdown.sh OUT_DIR [TARGET...]}
 shift
 targets=${*:-dense_fwd fa4_fwd64 fa4_paired dense_bwd fa4_bwd64}
-here=$(dirname "$0")
+cd "$(dirname "$0")/../../.." || exit 1  # the repository root: experiments run as modules
 ncu --query-metrics --chip gh100 >"$out/ncu_metrics_gh100.txt" 2>&1
 wanted="lts__t_bytes.sum lts__t_sectors.sum lts__t_requests.sum lts__t_tag_requests.sum
 lts__t_sectors_srcunit_tex.sum lts__t_requests_srcunit_tex.sum lts__t_sectors_srcunit_ltcfabric.sum
@@ -36,5 +36,5 @@ known=$(for m in $wanted; do grep -q "^ *${m%%.*} " "$out/ncu_metrics_gh100.txt"
 echo "metrics: ${known}breakdown:lts__throughput.avg.pct_of_peak_sustained_elapsed" >"$out/l2_metrics_used.txt"
 ncu --clock-control none --profile-from-start off --csv --page raw \
   --metrics "${known}breakdown:lts__throughput.avg.pct_of_peak_sustained_elapsed,breakdown:gpu__compute_memory_throughput.avg.pct_of_peak_sustained_elapsed" \
-  python3 "$here/counters_one_call.py" --targets $targets \
+  python3 -m research.fa4_fork.experiments.counters_one_call --targets $targets \
   >"$out/l2_breakdown.csv"

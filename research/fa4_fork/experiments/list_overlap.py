@@ -17,7 +17,7 @@ what a two-key-tile CTA would take without reordering). Per (sigma, head): the m
 of the saved fraction of dQ reduce-adds, and the mean fraction of a list shared with its pair.
 ::
 
-    uv run python packages/flash-attn-4-vsa/experiments/list_overlap.py --out DIR   # CPU, ~1 min
+    uv run python -m research.fa4_fork.experiments.list_overlap --out DIR   # CPU, ~1 min
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from research import harness
 
 GRID = (8, 12, 20)
 """Tiles (T, H, W) of 4x4x4 tokens: a 32x48x80 latent, 122,880 tokens (a 720p-like shape)."""
@@ -101,7 +101,7 @@ def main() -> int:
         rows.append({"sigma_tiles": sigma, "keep": args.keep, "saved": saved, "shared": shared})
         print(f"sigma {sigma:4.1f}: pair shares {shared:.3f} of a list, saves {saved:.3f} of dQ")
     record = {"experiment": "list_overlap", "grid_tiles": GRID, "tiles": n, "topk": topk,
-              "heads": args.heads, "dim": args.dim, "command": " ".join(sys.argv),
+              "heads": args.heads, "dim": args.dim, "command": harness.command_line(),
               "torch": torch.__version__, "device": "cpu", "rows": rows}  # fmt: skip
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "list_overlap.json").write_text(json.dumps(record, indent=1))

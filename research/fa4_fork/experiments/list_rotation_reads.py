@@ -19,20 +19,17 @@ fa4 Q64 forward runs two CTAs per SM on 132 SMs) and 132.
 Arms at S = 32768 and 131072, H=12, D=128, 64x64 blocks, random top-k lists at 87.5%, all
 blocks full; correctness first (rotated against ascending). ::
 
-    python3 packages/flash-attn-4-vsa/experiments/list_rotation_reads.py --out DIR    # H200
+    python3 -m research.fa4_fork.experiments.list_rotation_reads --out DIR    # H200
 """
 
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bwd_list_rotation import length_args, length_case
-from kv64_bwd_configs import emit_interleaved_times, rel_l2, start_log
+from .bwd_list_rotation import length_args, length_case
+from .kv64_bwd_configs import emit_interleaved_times, rel_l2, start_log
 
 BLOCK = 64
 

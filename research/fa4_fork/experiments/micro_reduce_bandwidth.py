@@ -10,8 +10,9 @@ positions, with Triton's atomic adds (``red.global.add``, element-wise; a proxy 
 reduce, not the same instruction), against a plain store and a non-atomic load-add-store of the
 same tiles for scale. Reports GB/s of tile data per mode. ::
 
-    python3 benchmarks/micro_reduce_bandwidth.py --out DIR     # GPU
-    TRITON_INTERPRET=1 python3 benchmarks/micro_reduce_bandwidth.py --smoke   # CPU, tiny
+    python3 -m research.fa4_fork.experiments.micro_reduce_bandwidth --out DIR   # GPU
+    TRITON_INTERPRET=1 python3 -m research.fa4_fork.experiments.micro_reduce_bandwidth \
+        --smoke   # CPU, tiny
 """
 
 from __future__ import annotations
@@ -22,10 +23,13 @@ import statistics
 import sys
 from pathlib import Path
 
-import bench_common as bc
 import torch
 import triton
 import triton.language as tl
+
+from research import harness
+
+bc = harness.bench_common()
 
 TILE_ROWS, HEAD_DIM = 64, 128
 
@@ -93,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is not None:
         header = bc.gpu_result_header("micro_reduce_bandwidth") if device.type == "cuda" else {}
         args.out.mkdir(parents=True, exist_ok=True)
-        command = " ".join(["python3", *sys.argv])
+        command = harness.command_line()
         result = {**header, "command": command, "results": records}
         (args.out / "micro_reduce_bandwidth.json").write_text(json.dumps(result, indent=1))
     return 0

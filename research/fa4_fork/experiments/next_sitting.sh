@@ -1,9 +1,9 @@
 #!/bin/bash
 # The next H200 sitting (prepared in session 8), after `bash .gpu/a/unpack.sh` (move
 # benchmarks/results aside for that call: with it the tree exceeds the 64 MiB a call carries):
-#   bash packages/flash-attn-4-vsa/experiments/next_sitting.sh grid       # ~8 min
-#   bash packages/flash-attn-4-vsa/experiments/next_sitting.sh bwd-counters   # ~8 min (session 9)
-#   bash packages/flash-attn-4-vsa/experiments/next_sitting.sh bwd-split      # ~2 min (session 9)
+#   bash research/fa4_fork/experiments/next_sitting.sh grid       # ~8 min
+#   bash research/fa4_fork/experiments/next_sitting.sh bwd-counters   # ~8 min (session 9)
+#   bash research/fa4_fork/experiments/next_sitting.sh bwd-split      # ~2 min (session 9)
 # The whole kernel grid again with --pacing dense (the default since session 8), so that every
 # ratio quoted in the READMEs (128x128 and 256x256 included, still from session 4's unpaced
 # grid) comes from kernels timed at the same clock as dense; then the paired forward with and
@@ -12,12 +12,12 @@
 # benchmarks/results/ (2026-11-30). All three steps below ran in session 10 (grid without its
 # persistent step, which experiment 15 replaced); results README rows of session 10.
 set -u
-X=packages/flash-attn-4-vsa/experiments
+X=research.fa4_fork.experiments
 case "${1:-}" in
 grid)
   bash benchmarks/gpu_sitting.sh \
     "step grid 420 python3 benchmarks/bench_vsa.py --seq-lens 32768 --sparsities 0.875 0.9 --block-shapes 256x256 128x128 128x64 64x64 --modes fwd bwd --arms fa4 triton fa4_dense --masks native --time-budget-min 6.5 --out \$OUT/bench_vsa-paced-grid.json" \
-    "step persistent 120 python3 $X/q64_fwd_q_in_registers.py --out \$OUT --arms two_cta_q_regs two_cta_q_regs_persistent paired paired_persistent"
+    "step persistent 120 python3 -m $X.q64_fwd_q_in_registers --out \$OUT --arms two_cta_q_regs two_cta_q_regs_persistent paired paired_persistent"
   ;;
 bwd-counters)
   # Session 9 shipped the 64x64 backward on two CTAs per SM; experiment 13's ablation says
@@ -25,14 +25,14 @@ bwd-counters)
   # (predicted ~95% busy) or the L2's reduction throughput? Nsight Compute on dense, the shipped
   # kernel, the staged one of session 8 and the shipped one with dQ never sent.
   bash benchmarks/gpu_sitting.sh \
-    "step counters 300 ncu --clock-control none --profile-from-start off --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section WarpStateStats --csv --page details python3 $X/counters_one_call.py --targets dense_bwd fa4_bwd64 fa4_bwd64_staged fa4_bwd64_no_dq" \
-    "step l2 200 bash $X/l2_breakdown.sh \$OUT dense_bwd fa4_bwd64 fa4_bwd64_no_dq"
+    "step counters 300 ncu --clock-control none --profile-from-start off --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section WarpStateStats --csv --page details python3 -m $X.counters_one_call --targets dense_bwd fa4_bwd64 fa4_bwd64_staged fa4_bwd64_no_dq" \
+    "step l2 200 bash research/fa4_fork/experiments/l2_breakdown.sh \$OUT dense_bwd fa4_bwd64 fa4_bwd64_no_dq"
   ;;
 bwd-split)
   # The 128x64 backward against the same lists split into 64-row blocks on the two-CTA kernel
   # (bench_vsa, session 9: 64x64 0.71 / 0.69 against 128x64 0.69 / 0.68).
   bash benchmarks/gpu_sitting.sh \
-    "step split128 150 python3 $X/bwd_dq_parts.py --out \$OUT --seqs 32768 131072 --q-blocks 128"
+    "step split128 150 python3 -m $X.bwd_dq_parts --out \$OUT --seqs 32768 131072 --q-blocks 128"
   ;;
 *)
   echo "usage: $0 grid | bwd-counters | bwd-split" >&2

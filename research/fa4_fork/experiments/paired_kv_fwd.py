@@ -9,20 +9,17 @@ gained nothing over delta 2). The kernel now ships as ``flash_attn_vsa.fwd_sm90_
 correctness (exact256-refined lists and random lists with odd counts and partial blocks,
 NaN-poisoned outputs), then timing against upstream's 64-key tiles and dense, interleaved. ::
 
-    python3 packages/flash-attn-4-vsa/experiments/paired_kv_fwd.py --out DIR       # H200
+    python3 -m research.fa4_fork.experiments.paired_kv_fwd --out DIR       # H200
 """
 
 from __future__ import annotations
 
 import dataclasses
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from kv64_bwd_configs import (
+from .kv64_bwd_configs import (
     check_forward,
     emit_interleaved_times,
     exact256_layout,

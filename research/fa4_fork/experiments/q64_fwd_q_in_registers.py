@@ -35,7 +35,7 @@ Predictions: if shared-memory bandwidth holds the Q64 forward, ``two_cta_q_regs`
 two short MMA chains per softmax). The paired kernel needs less shared memory per FLOP already
 (~112 B per clock at peak by the same count): a few percent at most. ::
 
-    python3 packages/flash-attn-4-vsa/experiments/q64_fwd_q_in_registers.py --out DIR  # H200
+    python3 -m research.fa4_fork.experiments.q64_fwd_q_in_registers --out DIR  # H200
 
 Every arm's kernel is a compile gate configuration, so ``python -m flash_attn_vsa.compile_gate
 --dump-dir DIR`` keeps their PTX and cubins on the CPU.
@@ -51,9 +51,6 @@ instructions against 4,048.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 ARMS = {  # name -> (query rows per sparse block of the lists, kernel, variants)
     "two_cta": (64, "two_cta", {}),
@@ -87,8 +84,8 @@ def stream_tensors(layout):
 
 def prepare(arm, layout):
     """The arm's prebuilt index tensors for ``layout`` (64x64 or 128x64 blocks)."""
-    from kv64_bwd_configs import fa4_tensors
-    from paired_kv_fwd import paired_tensors
+    from .kv64_bwd_configs import fa4_tensors
+    from .paired_kv_fwd import paired_tensors
 
     kernel = ARMS[arm][1]
     if kernel == "two_cta":
@@ -117,9 +114,10 @@ def forward(arm, q, k, v, prepared, scale, out=None, lse=None):
 
 def run(args) -> int:
     import torch
-    from bwd_list_rotation import topk_layout
     from flash_attn.cute.interface import _flash_attn_fwd
-    from kv64_bwd_configs import (
+
+    from .bwd_list_rotation import topk_layout
+    from .kv64_bwd_configs import (
         check_forward,
         emit_interleaved_times,
         exact256_layout,
@@ -167,7 +165,7 @@ def run(args) -> int:
 
 
 def main() -> int:
-    from kv64_bwd_configs import one_length_parser
+    from .kv64_bwd_configs import one_length_parser
 
     ap = one_length_parser()
     ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))

@@ -20,20 +20,17 @@ key blocks) against a float32 reference; timing at S=32768, H=12, D=128 on an ex
 mask refined to 64x64 and on a native random 64-granular mask (~10% kept, every query block
 its own list), arms interleaved call by call. ::
 
-    python3 packages/flash-attn-4-vsa/experiments/q64_fwd_two_ctas.py --out DIR
+    python3 -m research.fa4_fork.experiments.q64_fwd_two_ctas --out DIR
 """
 
 from __future__ import annotations
 
 import sys
 from contextlib import contextmanager
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from kv64_bwd_configs import (
+from .kv64_bwd_configs import (
     check_forward,
     emit_interleaved_times,
     exact256_layout,

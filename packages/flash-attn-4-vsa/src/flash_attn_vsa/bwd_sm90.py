@@ -6,8 +6,8 @@ tile, so it refuses VSA's 64-token key blocks. Its kernel class,
 ``flash_attn.cute.flash_bwd_sm90.FlashAttentionBackwardSm90``, is parameterised by tile shape,
 warpgroup layouts and pipeline stages, though, and the whole backward (preprocess, block-sparse
 main loop, postprocess) is correct at 64x64 tiles under every warpgroup layout we measured on
-an H200 (``experiments/kv64_bwd_configs.py``; NOTES.md). What it lacks is a configuration that
-is fast there:
+an H200 (``research/fa4_fork/experiments/kv64_bwd_configs.py``; the journal,
+``research/fa4_fork/NOTES.md``). What it lacks is a configuration that is fast there:
 
 - shrinking the two-warpgroup layout to 64 key rows leaves each warpgroup a 32-row or 32-wide
   slice: 0.48-0.62 of dense backward;

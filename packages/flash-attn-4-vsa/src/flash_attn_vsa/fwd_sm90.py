@@ -12,8 +12,8 @@ blocks per multiprocessor (128 registers per thread at launch) and ``setmaxnreg`
 MMA warpgroup 232 and the producer 24, so two CTAs' 512 threads fit the register file; at two
 key/value stages a CTA needs about 81 KB of shared memory, two fit in 228 KB. Each SM then
 runs two independent 64-row query blocks, each walking its own key list. Measured on an H200
-(``experiments/q64_fwd_two_ctas.py``, NOTES.md, experiment 3): 0.78 of dense instead of 0.55,
-output identical in error to upstream's.
+(``research/fa4_fork/experiments/q64_fwd_two_ctas.py``, ``research/fa4_fork/NOTES.md``,
+experiment 3): 0.78 of dense instead of 0.55, output identical in error to upstream's.
 
 `kernel_class()` is the subclass (register split and launch bound; the kernel body is
 upstream's), `block_sparse_forward_q64` runs upstream's ``_flash_attn_fwd`` with it.

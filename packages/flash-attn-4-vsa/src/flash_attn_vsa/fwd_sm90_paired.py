@@ -8,9 +8,10 @@ round trip for half the work. Here the producer fills each 128-row key/value sta
 **two** selected 64-token blocks, four TMA copies of 64 x 64 per tensor (two blocks x two
 halves of head dim 128, into the four 8 KB sub-tiles of the stage's swizzled layout), so
 upstream's consumer runs dense's 128x128 tile whatever the 64-token list is. Measured on an
-H200 (``experiments/paired_kv_fwd.py``, NOTES.md experiment 5 and session 6): 0.78 -> 0.89 of
-dense forward against upstream's 64-key tiles in the interleaved harness; in ``bench_vsa``
-0.95 / 0.89-0.91 at 87.5 / 90% against 0.90-0.92, same error.
+H200 (``research/fa4_fork/experiments/paired_kv_fwd.py``, ``research/fa4_fork/NOTES.md``
+experiment 5 and session 6): 0.78 -> 0.89 of dense forward against upstream's 64-key tiles
+in the interleaved harness; in ``bench_vsa`` 0.95 / 0.89-0.91 at 87.5 / 90% against
+0.90-0.92, same error.
 
 How the lists reach the kernel (`pair_lists` builds them from 64-token lists split into full
 and partial blocks):

@@ -5,7 +5,7 @@ Why kernels: the same lists built from torch ops take about fifteen launches (a 
 [B, H, NKV, NQ] scatter, a cumulative sum along a strided axis, int64 scatter indices). On an
 H200 at S=32768, H=12 they cost about 70 us of device time per backward at 128x128 blocks
 (2.5% of the block-sparse backward) and about 0.6 ms of host time (2026-11-29,
-``benchmarks/diagnose_fa4_host.py``).
+``research/fa4_adapter/diagnose_fa4_host.py``).
 
 Two passes over a [B*H, NQ, NKV] byte map of selected (query block, key block) pairs, zeroed
 first:

@@ -26,8 +26,8 @@ from vsa_fa4.metadata import SparseLists, paired_forward_lists
 Q_IN_REGISTERS_WHERE_FASTER = frozenset({"two_ctas", "streams"})
 """The fork's forwards whose QK^T is faster with Q in registers (delta 5) on an H200: the
 two-CTA 64x64 forward (+1.3-2.5% of dense, 6 of 6 interleaved measurements) and the two-stream
-one (+1-1.7%); not the paired 128x64 forward (-2%). The fork's NOTES.md, experiment 10
-(2026-11-30)."""
+one (+1-1.7%); not the paired 128x64 forward (-2%). The fork's journal
+(``research/fa4_fork/NOTES.md``), experiment 10 (2026-11-30)."""
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,102 @@
+"""CPU tests of ``research/``: every script imports as a module of the ``research`` package run
+from the repository root (the documented way, ``python3 -m research...``), none edits
+``sys.path`` but ``research.harness``, and the adapter-overhead diagnostic runs the adapter's
+physical blocks."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RESEARCH = ROOT / "research"
+MODULES = sorted(
+    ".".join(p.relative_to(ROOT).with_suffix("").parts)
+    for p in RESEARCH.rglob("*.py")
+    if p.name != "__init__.py"
+)
+
+
+def _root_on_path() -> None:
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+
+
+def test_research_holds_the_moved_scripts():
+    assert "research.harness" in MODULES
+    assert "research.fa4_fork.experiments.kv64_bwd_configs" in MODULES
+    assert "research.fa4_adapter.bench_fa4_overhead" in MODULES
+    assert (RESEARCH / "fa4_fork" / "NOTES.md").is_file()
+    assert (RESEARCH / "README.md").is_file()
+
+
+def test_only_the_harness_edits_sys_path():
+    offenders = [
+        str(p.relative_to(ROOT))
+        for p in sorted(RESEARCH.rglob("*.py"))
+        if p.name != "harness.py" and re.search(r"sys\.path\.(insert|append)", p.read_text())
+    ]
+    assert offenders == []
+
+
+def test_every_script_imports_as_a_module_from_the_repository_root():
+    """The way the scripts run: ``python3 -m research.X`` with the repository root as the
+    working directory (no PYTHONPATH); their GPU-only imports stay inside functions."""
+    code = "import importlib, sys\nfor m in sys.argv[1:]:\n    importlib.import_module(m)\n"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *MODULES],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+def test_an_experiment_runs_with_python_dash_m():
+    proc = subprocess.run(
+        [sys.executable, "-m", "research.fa4_fork.experiments.bwd_list_rotation", "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "--seqs" in proc.stdout
+
+
+def test_harness_reaches_benchmarks_and_the_fork_tests():
+    _root_on_path()
+    from research import harness
+
+    assert hasattr(harness.bench_common(), "time_interleaved")
+    assert hasattr(harness.fork_test_module("sm90_cases"), "__file__")
+
+
+def test_fa4_overhead_raw_tensors_follow_the_adapters_physical_plan():
+    """The overhead diagnostic's raw arm must run the same physical blocks as the adapter:
+    paired 64x64 layouts as 128x64 forward tiles, and 64x64 blocks for the fork's backward."""
+    pytest.importorskip("flash_attn.cute.block_sparsity")
+    _root_on_path()
+    from research.fa4_adapter import bench_fa4_overhead
+    from vsa_fa4.backend import FA4Backend
+
+    base = bench_fa4_overhead.exact256_layout(2048, 2, 0.5, seed=0)
+    layout = base.refine((64, 64))
+    plan = FA4Backend().plan(layout)
+    assert plan.block_size == (128, 64)
+    fwd = bench_fa4_overhead.raw_tensors(layout, plan, backward=False)
+    bwd = bench_fa4_overhead.raw_tensors(layout, plan, backward=True)
+    assert tuple(fwd.block_size) == (128, 64) and tuple(bwd.block_size) == (64, 64)
+    assert fwd.full_block_cnt.shape == (1, 2, 2048 // 128)
+    assert bwd.full_block_cnt.shape == (1, 2, 2048 // 64)
+    # every selected (64-row query block, 64-token key block) pair once, in both directions
+    pairs = int(layout.kv_counts.sum())
+    assert int(bwd.full_block_cnt.sum()) == pairs == 2 * int(fwd.full_block_cnt.sum())
