@@ -109,6 +109,13 @@ class Checker:
         else:
             self.log(f"{case}: {what} {label} {err:.3e}")
 
+    def equal(self, case: str, what: str, got: torch.Tensor, want: torch.Tensor) -> None:
+        """Bit for bit (same shape, dtype and values)."""
+        if got.shape == want.shape and got.dtype == want.dtype and torch.equal(got, want):
+            self.log(f"{case}: {what} bit-identical")
+        else:
+            self.fail(f"{case}: {what} differs")
+
     def expect(self, case: str, fn: Callable[[], object], match: str) -> None:
         try:
             fn()
@@ -204,6 +211,75 @@ def run_exchange_checks(check: Checker, device: torch.device) -> None:
     check.close("shard/gather", "round trip", gather_sequence(mine), full)
 
 
+def run_step_checks(check: Checker, device: torch.device, backend: str) -> None:
+    """The pipeline's steps do not change the result: every ``head_chunk`` (and B > 1, split
+    into batch rows) gives, bit for bit, what the op gives on this rank's whole head group
+    (what the unpipelined wrapper computed), output and gradients, in both formats. A
+    ``head_chunk`` outside [1, H / W] raises."""
+    world = dist.get_world_size()
+    case = Case("steps", (5, 9, 10), 4 * world, 16, 2, 5, torch.float64)
+    tiling = VideoTiling(case.latent, case.tile)
+    full = make_inputs(case, tiling, device)
+    names = ["q", "k", "v", "gate"]
+    heads = case.heads // world
+    kwargs = dict(topk=case.topk, tiling=tiling, backend=backend)
+
+    # The reference: the op on each rank's head group over the whole sequence, then sharded
+    # (without autograd too: the op's inference path zeroes no padding and combines in place).
+    outs, grads, outs_no_grad = [], {n: [] for n in names}, []
+    for r in range(world):
+        part = {
+            n: full[n][:, :, r * heads : (r + 1) * heads].clone().requires_grad_() for n in names
+        }
+        out = video_sparse_attn(part["q"], part["k"], part["v"], coarse_gate=part["gate"], **kwargs)
+        dout = full["dout"][:, :, r * heads : (r + 1) * heads]
+        for n, g in zip(
+            names, torch.autograd.grad(out, [part[n] for n in names], dout), strict=True
+        ):
+            grads[n].append(g)
+        outs.append(out.detach())
+        with torch.no_grad():
+            outs_no_grad.append(
+                video_sparse_attn(
+                    part["q"], part["k"], part["v"], coarse_gate=part["gate"], **kwargs
+                )
+            )
+    want = shard_sequence(torch.cat(outs, 2))
+    want_no_grad = shard_sequence(torch.cat(outs_no_grad, 2))
+    want_grads = {n: shard_sequence(torch.cat(grads[n], 2)) for n in names}
+
+    for bhsd in (False, True):
+        fmt = (lambda t: t.transpose(1, 2)) if bhsd else (lambda t: t)
+        seq_dim = 2 if bhsd else 1
+        for chunk in (1, 2, 3, 4, None):
+            label = f"head_chunk={chunk}" + (" bhsd" if bhsd else "")
+            mine = {
+                n: shard_sequence(fmt(full[n]), dim=seq_dim).clone().requires_grad_() for n in names
+            }
+            out = sequence_parallel_video_sparse_attn(
+                mine["q"], mine["k"], mine["v"], coarse_gate=mine["gate"], head_chunk=chunk,
+                qkv_format="bhsd" if bhsd else "bshd", **kwargs,
+            )  # fmt: skip
+            check.equal(label, "out", fmt(out), want)
+            dout = shard_sequence(fmt(full["dout"]), dim=seq_dim)
+            got = torch.autograd.grad(out, [mine[n] for n in names], dout)
+            for n, g in zip(names, got, strict=True):
+                check.equal(label, f"d{n}", fmt(g), want_grads[n])
+            with torch.no_grad():
+                again = sequence_parallel_video_sparse_attn(
+                    mine["q"], mine["k"], mine["v"], coarse_gate=mine["gate"], head_chunk=chunk,
+                    qkv_format="bhsd" if bhsd else "bshd", **kwargs,
+                )  # fmt: skip
+            check.equal(label, "no_grad out", fmt(again), want_no_grad)
+    x = shard_sequence(full["q"]).clone()
+    for bad in (0, heads + 1, 1.5):
+        check.expect(
+            f"head_chunk={bad}",
+            lambda bad=bad: sequence_parallel_video_sparse_attn(x, x, x, head_chunk=bad, **kwargs),
+            "head_chunk must be an integer",
+        )
+
+
 def run_error_checks(check: Checker, device: torch.device) -> None:
     """Bad inputs raise on every rank before any communication (so nothing hangs)."""
     world = dist.get_world_size()
@@ -261,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         run_exchange_checks(check, device)
         run_error_checks(check, device)
+        if args.suite == "cpu":
+            run_step_checks(check, device, backend)
         world = dist.get_world_size()
         for case in cases:
             if case.heads % world or VideoTiling(case.latent, case.tile).num_tiles % world:

@@ -296,7 +296,7 @@ class _Pending:
 
     def wait(self) -> torch.Tensor:
         self.work.wait()
-        self.send = None
+        self.send = self.work = None  # a work object may hold its tensors
         return self.recv
 
 
