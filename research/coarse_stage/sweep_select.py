@@ -1,0 +1,72 @@
+"""Sweep the Triton selection kernel's `SelectConfig` on a GPU (research: the op ships one).
+
+    python3 research/coarse_stage/sweep_select.py --out select_sweep.json
+
+For each latent (Wan 2.1 480p and 720p, HunyuanVideo 720p with their head counts, 64-token
+tiles, 87.5% sparse) and each config, times ``select_with`` on random pooled bf16 tensors
+(median of CUDA-event timings over back-to-back calls) and checks that every config picks
+the same tiles as the shipped one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+from pathlib import Path
+
+import torch
+
+from vsa_core import VideoTiling
+from vsa_triton.coarse import SELECT, SelectConfig, select_with
+
+LATENTS = {"wan480p": ((21, 30, 52), 12), "wan720p": ((21, 45, 80), 40),
+           "hunyuan720p": ((33, 45, 80), 24)}  # fmt: skip
+
+
+def _time_ms(fn, reps: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path("select_sweep.json"))
+    ap.add_argument("--reps", type=int, default=30)
+    args = ap.parse_args()
+    rows = []
+    for name, (latent, heads) in LATENTS.items():
+        tiling = VideoTiling(latent, (4, 4, 4))
+        valid = tiling.valid_sizes("cuda")
+        n = tiling.num_tiles
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        qp, kp = (torch.randn(1, n, heads, 128, device="cuda", generator=gen, dtype=torch.bfloat16)
+                  for _ in range(2))  # fmt: skip
+        topk = max(1, round(n * 0.125))
+        want = select_with(qp, kp, valid, topk, SELECT)
+        for block_m, warps, per_step in itertools.product((2, 4, 8, 16), (2, 4, 8), (2048, 4096)):
+            config = SelectConfig(block_m=block_m, num_warps=warps, elements_per_step=per_step)
+            got = select_with(qp, kp, valid, topk, config)
+            call = (qp, kp, valid, topk, config)
+            ms = _time_ms(lambda call=call: select_with(*call), args.reps)
+            row = {"latent": name, "tiles": n, "heads": heads, "topk": topk, "block_m": block_m,
+                   "num_warps": warps, "elements_per_step": per_step, "ms": round(ms, 4),
+                   "same_as_shipped": bool(torch.equal(got, want))}  # fmt: skip
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    args.out.write_text(json.dumps({**meta, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
