@@ -24,15 +24,17 @@ import torch
 
 from vsa_core import VideoTiling, coarse, video_sparse_attn
 
-FINE_KERNEL_MARKS = (
-    "flash_attn",
-    "fwd_kernel",
-    "bwd_delta_kernel",
-    "bwd_dkdv_kernel",
-    "bwd_dq_kernel",
+FA4_MARK = "flash_attn"
+"""A substring of FA4's CuTe kernels' mangled names (upstream's and the fork's)."""
+TRITON_FINE_KERNELS = frozenset(
+    {"fwd_kernel", "bwd_delta_kernel", "bwd_dkdv_kernel", "bwd_dq_kernel", "rotate_lists_kernel"}
 )
-"""Substrings of the fine-attention kernels' names: FA4's CuTe kernels (upstream's and the fork's
-carry ``flash_attn`` in their mangled names) and vsa-triton's kernels (named as defined)."""
+"""vsa-triton's fine-attention kernels, by exact name (``pool_fwd_kernel`` and
+``combine_fwd_kernel`` are coarse-stage kernels, not fine ones)."""
+
+
+def is_fine_kernel(name: str) -> bool:
+    return FA4_MARK in name or name in TRITON_FINE_KERNELS
 
 
 def profile_calls(runner, calls: int, activities, sync):
@@ -97,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         key = "self_device_time_total" if cuda else "self_cpu_time_total"
         total = sum(getattr(e, key) for e in events) / 1e3 / args.calls
         fine = sum(
-            getattr(e, key) for e in events if any(m in e.key for m in FINE_KERNEL_MARKS)
+            getattr(e, key) for e in events if is_fine_kernel(e.key)
         ) / 1e3 / args.calls  # fmt: skip
         name = f"{backend}-{mode.replace('+', '_')}"
         if chunk_mib is not None:
