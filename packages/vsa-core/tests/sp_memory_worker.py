@@ -3,8 +3,9 @@
 Measures with `sp_memory.LiveBytes` (peak bytes of the tensors allocated during a call, the
 result held, the inputs not counted) on every rank: `sequence_parallel_video_sparse_attn` on
 this rank's shard in inference (``torch.no_grad``) and training (forward and the q, k, v and
-gate gradients), and, for the bounds, `video_sparse_attn` on the whole inputs and on one
-step's inputs (the whole sequence, ``--head-chunk`` heads, one batch row). Prints one line
+gate gradients; with and without ``recompute``), and, for the bounds, `video_sparse_attn` on
+the whole inputs and on one step's inputs (the whole sequence, ``--head-chunk`` heads, one
+batch row). Prints one line
 ``rank R: {json}``; test_distributed_memory.py checks the numbers::
 
     python sp_memory_worker.py --init-file /tmp/s --rank 0 --world-size 2 &
@@ -65,10 +66,13 @@ def measure(head_chunk: int) -> dict[str, object]:
     def op(q, k, v, gate, **extra):
         return video_sparse_attn(q, k, v, coarse_gate=gate, **kwargs, **extra)
 
-    def sp(q, k, v, gate):
+    def sp(q, k, v, gate, recompute=False):
         return sequence_parallel_video_sparse_attn(
-            q, k, v, coarse_gate=gate, head_chunk=head_chunk, **kwargs
+            q, k, v, coarse_gate=gate, head_chunk=head_chunk, recompute=recompute, **kwargs
         )
+
+    def sp_recompute(q, k, v, gate):
+        return sp(q, k, v, gate, recompute=True)
 
     def inference(fn, tensors):
         with torch.no_grad():
@@ -88,6 +92,7 @@ def measure(head_chunk: int) -> dict[str, object]:
         op(*step)
     sp_inf, _, sp_inf_allocs = inference(sp, local)
     sp_train = training(sp, local, dlocal)[0]
+    sp_train_recompute = training(sp_recompute, local, dlocal)[0]
     step_leaves = [t.detach().requires_grad_() for t in step]
     step_kept = peak_bytes(lambda: op(*step_leaves))[1]  # its output and what it saves
     shard_bytes = local[0].numel() * local[0].element_size()
@@ -100,6 +105,7 @@ def measure(head_chunk: int) -> dict[str, object]:
         "sp_inference": sp_inf,
         "sp_inference_shard_sized": sum(a >= shard_bytes for a in sp_inf_allocs),
         "sp_training": sp_train,
+        "sp_training_recompute": sp_train_recompute,
         "op_inference": inference(op, full)[0],
         "op_training": training(op, full, dout)[0],
         "op_step_inference": step_inf[0],

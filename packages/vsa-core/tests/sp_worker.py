@@ -214,7 +214,8 @@ def run_exchange_checks(check: Checker, device: torch.device) -> None:
 def run_step_checks(check: Checker, device: torch.device, backend: str) -> None:
     """The pipeline's steps do not change the result: every ``head_chunk`` (and B > 1, split
     into batch rows) gives, bit for bit, what the op gives on this rank's whole head group
-    (what the unpipelined wrapper computed), output and gradients, in both formats. A
+    (what the unpipelined wrapper computed), output and gradients (with and without
+    ``recompute``), in both formats. A
     ``head_chunk`` outside [1, H / W] raises."""
     world = dist.get_world_size()
     case = Case("steps", (5, 9, 10), 4 * world, 16, 2, 5, torch.float64)
@@ -265,6 +266,14 @@ def run_step_checks(check: Checker, device: torch.device, backend: str) -> None:
             got = torch.autograd.grad(out, [mine[n] for n in names], dout)
             for n, g in zip(names, got, strict=True):
                 check.equal(label, f"d{n}", fmt(g), want_grads[n])
+            out = sequence_parallel_video_sparse_attn(
+                mine["q"], mine["k"], mine["v"], coarse_gate=mine["gate"], head_chunk=chunk,
+                qkv_format="bhsd" if bhsd else "bshd", recompute=True, **kwargs,
+            )  # fmt: skip
+            check.equal(label + " recompute", "out", fmt(out), want)
+            got = torch.autograd.grad(out, [mine[n] for n in names], dout)
+            for n, g in zip(names, got, strict=True):
+                check.equal(label + " recompute", f"d{n}", fmt(g), want_grads[n])
             with torch.no_grad():
                 again = sequence_parallel_video_sparse_attn(
                     mine["q"], mine["k"], mine["v"], coarse_gate=mine["gate"], head_chunk=chunk,

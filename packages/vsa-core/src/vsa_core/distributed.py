@@ -87,6 +87,7 @@ def sequence_parallel_video_sparse_attn(
     scale: float | None = None,
     qkv_format: QKVFormat = "bshd",
     head_chunk: int | None = None,
+    recompute: bool = False,
 ) -> torch.Tensor:
     """`video_sparse_attn` on a sequence sharded over the ranks of ``group`` (Ulysses).
 
@@ -116,6 +117,11 @@ def sequence_parallel_video_sparse_attn(
             most whose whole-sequence tensor (S x head_chunk x D elements) fits in 32 MiB, at
             least 1 (1 at Wan 2.1 720p with D=128 in bf16). Smaller steps need less memory
             (see the module doc), larger ones fewer calls of the op. The result does not
+            depend on it.
+        recompute: with autograd, keep no step's activations for backward: backward exchanges
+            q, k, v (and the gate) again and runs each step's forward again before its
+            backward (activation checkpointing of the op, see the module doc for the memory);
+            costs one more forward and input exchange. The result and gradients do not
             depend on it.
 
     Returns:
@@ -160,12 +166,15 @@ def sequence_parallel_video_sparse_attn(
         for b in range(batch)
         for start in range(0, heads_local, chunk)
     )
-    plan = _Plan(group, world, rank, heads_local, units, gate_seq, tiling, topk, backend, scale)
+    plan = _Plan(
+        group, world, rank, heads_local, units, gate_seq, tiling, topk, backend, scale,
+        bool(recompute),
+    )  # fmt: skip
     inputs = (q, k, v, gate)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
         out = _UlyssesAttention.apply(plan, *inputs)
     else:
-        out = _forward(plan, *inputs, keep=None)
+        out = _forward(plan, *inputs)
     return _as_bshd(out, qkv_format)
 
 
@@ -283,6 +292,7 @@ class _Plan:
     topk: int
     backend: str
     scale: float
+    recompute: bool  # training: backward exchanges and runs each step again
 
 
 class _Pending:
@@ -344,6 +354,37 @@ def _gate_unit(gate: torch.Tensor, unit: tuple[int, int, int], plan: _Plan) -> t
     return gate
 
 
+def _step(
+    plan: _Plan,
+    parts: list[torch.Tensor],
+    gate: torch.Tensor | None,
+    unit: tuple[int, int, int],
+    needs: tuple[bool, ...] | None,
+) -> tuple[list[torch.Tensor | None], torch.Tensor]:
+    """`video_sparse_attn` on one step's received q, k, v (and gate): (its inputs, its output).
+    ``needs`` None: without autograd; otherwise on detached leaves, those of q, k, v, gate
+    that ``needs`` names requiring a gradient, with autograd on."""
+    if not plan.gate_seq:
+        parts = [*parts, None if gate is None else _gate_unit(gate, unit, plan)]
+    if needs is not None:
+        parts = [
+            None if t is None else t.detach().requires_grad_(need)
+            for t, need in zip(parts, needs, strict=True)
+        ]
+    with torch.set_grad_enabled(needs is not None):
+        y = video_sparse_attn(
+            parts[0],
+            parts[1],
+            parts[2],
+            topk=plan.topk,
+            tiling=plan.tiling,
+            coarse_gate=parts[3],
+            backend=plan.backend,
+            scale=plan.scale,
+        )
+    return parts, y
+
+
 def _forward(
     plan: _Plan,
     q: torch.Tensor,
@@ -351,15 +392,16 @@ def _forward(
     v: torch.Tensor,
     gate: torch.Tensor | None,
     *,
-    keep: list | None,
-    needs: tuple[bool, ...] = (),
+    keep: list | None = None,
+    needs: tuple[bool, ...] | None = None,
 ) -> torch.Tensor:
     """The op, step by step: step i+1's q, k, v (and gate) are in flight while step i's
     `video_sparse_attn` runs, and step i's output is in flight while step i+1's runs.
 
-    ``keep`` None: inference, every buffer is dropped once used. Otherwise each step runs with
-    autograd on detached leaves (``needs``: which of q, k, v, gate need a gradient) and
-    ``keep`` receives (leaves, output) per step for `_backward`."""
+    ``needs`` None: without autograd (inference). Otherwise each step runs with autograd
+    (`_step` with ``needs``: the op's training path, which zeroes padding rows) and ``keep``
+    receives its (inputs, output) for `_backward`, or, None (``recompute``), nothing: every
+    buffer and graph is dropped once used."""
     batch, seq_local, heads, dim = q.shape
     out = q.new_empty(batch, seq_local, heads, dim)
     sent = [q, k, v] + ([gate] if plan.gate_seq else [])
@@ -373,27 +415,10 @@ def _forward(
         parts = [_to_heads_wait(p) for p in incoming]
         # Step i+1's packing is issued before step i's op, so that its exchange overlaps it.
         incoming = start(plan.units[i + 1]) if i + 1 < len(plan.units) else []
-        if not plan.gate_seq:
-            parts.append(None if gate is None else _gate_unit(gate, unit, plan))
-        if keep is not None:
-            parts = [
-                None if t is None else t.detach().requires_grad_(need)
-                for t, need in zip(parts, needs, strict=True)
-            ]
-        with torch.set_grad_enabled(keep is not None):
-            y = video_sparse_attn(
-                parts[0],
-                parts[1],
-                parts[2],
-                topk=plan.topk,
-                tiling=plan.tiling,
-                coarse_gate=parts[3],
-                backend=plan.backend,
-                scale=plan.scale,
-            )
+        parts, y = _step(plan, parts, gate, unit, needs)
         if keep is not None:
             keep.append((parts, y))
-            y = y.detach()
+        y = y.detach()  # the send buffer: without the step's graph (dropped with recompute)
         del parts
         previous, outgoing = outgoing, (_to_seq_start(y, plan), unit)
         del y
@@ -405,39 +430,46 @@ def _forward(
     return out
 
 
-def _backward(plan: _Plan, keep: list, grad_out: torch.Tensor, shapes, needs):
-    """The gradients of `_forward`'s inputs from the kept steps, pipelined like the forward:
-    step i+1's output gradient is in flight while step i's backward runs, step i's input
-    gradients while step i+1's runs. Gradients sharded like q are written into one buffer
-    each; a replicated gate's are summed into a zero one."""
+def _backward(
+    plan: _Plan,
+    keep: list | None,
+    inputs: tuple[torch.Tensor | None, ...],
+    grad_out: torch.Tensor,
+    needs: tuple[bool, ...],
+) -> list[torch.Tensor | None]:
+    """The gradients of `_forward`'s inputs, pipelined like the forward: step i+1's output
+    gradient (and, with ``keep`` None, its q, k, v and gate again: recomputation) is in flight
+    while step i's backward runs, step i's input gradients while step i+1's runs. Gradients
+    sharded like q are written into one buffer each; a replicated gate's are summed into a
+    zero one."""
+    q, k, v, gate = inputs
     grads = [
         None
         if not need
-        else (
-            grad_out.new_zeros(shape) if i == 3 and not plan.gate_seq else grad_out.new_empty(shape)
-        )
-        for i, (shape, need) in enumerate(zip(shapes, needs, strict=True))
+        else (t.new_zeros(t.shape) if i == 3 and not plan.gate_seq else t.new_empty(t.shape))
+        for i, (t, need) in enumerate(zip(inputs, needs, strict=True))
     ]
-    exchanged = [i for i in range(4) if needs[i] and (i < 3 or plan.gate_seq)]
-    incoming = _to_heads_start(grad_out, plan.units[0], plan)
+    wanted = [j for j in range(4) if needs[j]]
+    exchanged = [j for j in wanted if j < 3 or plan.gate_seq]
+    sent = [grad_out] if keep is not None else [grad_out, q, k, v] + [gate] * plan.gate_seq
+
+    def start(unit):
+        return [_to_heads_start(t, unit, plan) for t in sent]
+
+    incoming = start(plan.units[0])
     outgoing: list = []
     for i, unit in enumerate(plan.units):
-        grad_unit = _to_heads_wait(incoming)
-        if i + 1 < len(plan.units):
-            incoming = _to_heads_start(grad_out, plan.units[i + 1], plan)
-        leaves, y = keep[i]
-        keep[i] = None  # the step's graph goes with its backward
-        wanted = [leaves[j] for j in range(4) if needs[j]]
+        grad_unit, *parts = [_to_heads_wait(p) for p in incoming]
+        incoming = start(plan.units[i + 1]) if i + 1 < len(plan.units) else []
+        if keep is not None:
+            (parts, y), keep[i] = keep[i], None  # the step's graph goes with its backward
+        else:
+            parts, y = _step(plan, parts, gate, unit, needs)
         got = dict(
-            zip(
-                [j for j in range(4) if needs[j]],
-                torch.autograd.grad(y, wanted, grad_unit),
-                strict=True,
-            )
+            zip(wanted, torch.autograd.grad(y, [parts[j] for j in wanted], grad_unit), strict=True)
         )
-        del leaves, y, wanted, grad_unit
-        previous = outgoing
-        outgoing = [(j, _to_seq_start(got[j], plan), unit) for j in exchanged]
+        del parts, y, grad_unit
+        previous, outgoing = outgoing, [(j, _to_seq_start(got[j], plan), unit) for j in exchanged]
         if needs[3] and not plan.gate_seq:  # replicated gate: this step's part, summed
             _gate_unit(grads[3], unit, plan).add_(got[3])
         del got
@@ -450,27 +482,36 @@ def _backward(plan: _Plan, keep: list, grad_out: torch.Tensor, shapes, needs):
 
 
 class _UlyssesAttention(torch.autograd.Function):
-    """`_forward` with autograd: each step's graph is kept for `_backward`."""
+    """`_forward` with autograd: each step's graph is kept for `_backward`, or, with
+    ``plan.recompute``, only the inputs (this rank's shards, the caller's tensors) and
+    `_backward` exchanges and runs each step again."""
 
     @staticmethod
     def forward(ctx, plan, q, k, v, gate):
-        needs = tuple(ctx.needs_input_grad[1:5])
-        keep: list = []
-        out = _forward(plan, q, k, v, gate, keep=keep, needs=needs)
-        ctx.plan, ctx.keep, ctx.needs = plan, keep, needs
-        ctx.shapes = [t.shape if t is not None else None for t in (q, k, v, gate)]
-        return out
+        ctx.needs = tuple(ctx.needs_input_grad[1:5])
+        ctx.plan = plan
+        if plan.recompute:
+            ctx.keep = None
+            ctx.save_for_backward(q, k, v, gate)
+            return _forward(plan, q, k, v, gate, needs=ctx.needs)
+        ctx.keep = []
+        ctx.inputs = tuple(None if t is None else t.detach() for t in (q, k, v, gate))
+        return _forward(plan, q, k, v, gate, keep=ctx.keep, needs=ctx.needs)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        if ctx.keep is None:
-            raise RuntimeError(
-                "sequence_parallel_video_sparse_attn: backward through the same call twice "
-                "(its steps' graphs are freed by the first backward)"
-            )
+        if ctx.plan.recompute:
+            inputs = ctx.saved_tensors
+        else:
+            if ctx.keep is None:
+                raise RuntimeError(
+                    "sequence_parallel_video_sparse_attn: a second backward through the same "
+                    "call (its steps' graphs went with the first; recompute=True keeps none)"
+                )
+            inputs = ctx.inputs
         keep, ctx.keep = ctx.keep, None
-        grads = _backward(ctx.plan, keep, grad_out, ctx.shapes, ctx.needs)
+        grads = _backward(ctx.plan, keep, inputs, grad_out, ctx.needs)
         return (None, *grads)
 
 
