@@ -240,3 +240,42 @@ def test_degenerate_sizes_raise_before_any_exchange(world2, shape, message):
     x = torch.zeros(shape, dtype=torch.float64)
     with pytest.raises(ValueError, match=f"^{message}"):
         vd.sequence_parallel_video_sparse_attn(x, x, x, topk=2, tiling=TILING)
+
+
+# ---- issue 22: the pipelined op -------------------------------------------------------------
+@pytest.mark.parametrize("grad", [False, True])
+def test_auto_is_decided_once_for_the_ranks_whole_call(world2, monkeypatch, grad):
+    """The steps run the backend "auto" picks for [B, S, H / W, D] (a step's smaller call
+    could rank backends differently: vsa-fa4's rule depends on the query rows)."""
+    from vsa_core.backends import get_backend
+
+    calls, plans = [], []
+
+    def select(call, backend="auto"):
+        calls.append((call, backend))
+        return get_backend("reference")
+
+    def forward(plan, q, k, v, gate, **_):
+        plans.append(plan)
+        return torch.zeros_like(q)
+
+    monkeypatch.setattr(vd, "select_backend", select)
+    monkeypatch.setattr(vd, "_forward", forward)
+    q, k, v = (t.requires_grad_(grad) for t in _qkv(TILING.padded_len // 2, heads=8, batch=2))
+    vd.sequence_parallel_video_sparse_attn(q, k, v, topk=2, tiling=TILING, recompute=True)
+    [(call, backend)] = calls
+    assert backend == "auto" and call.query_rows == 2 * TILING.padded_len * 4
+    assert call.requires_grad == grad and call.block_shape == (64, 64)
+    assert not call.kv_blocks_full  # TILING has partial tiles
+    [plan] = plans
+    assert plan.backend == "reference" and plan.recompute
+    assert plan.units == ((0, 0, 4), (1, 0, 4))  # (batch row, first head, heads): 32 KB each
+
+
+def test_default_steps_hold_32_mib_per_tensor():
+    wan720p, wan480p = VideoTiling((21, 45, 80)), VideoTiling((21, 30, 52))
+    assert vd._check_head_chunk(None, 20, wan720p.padded_len, 128, 2) == 1  # 22.5 MiB a head
+    assert vd._check_head_chunk(None, 6, wan480p.padded_len, 128, 2) == 3  # 9.75 MiB a head
+    assert vd._check_head_chunk(None, 2, 1024, 8, 8) == 2  # small: every local head at once
+    assert vd._check_head_chunk(None, 4, 2**30, 128, 2) == 1  # at least one head
+    assert vd._check_head_chunk(np.int64(3), 4, 1024, 8, 8) == 3

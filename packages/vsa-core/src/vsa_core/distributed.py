@@ -52,6 +52,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from vsa_core.backends import AttentionCall, select_backend
 from vsa_core.ops import QKVFormat, video_sparse_attn
 from vsa_core.tiling import VideoTiling
 from vsa_core.validation import (
@@ -166,15 +167,16 @@ def sequence_parallel_video_sparse_attn(
         for b in range(batch)
         for start in range(0, heads_local, chunk)
     )
+    inputs = (q, k, v, gate)
+    training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
+    if backend == "auto":  # decided for the rank's whole call, as the unpipelined wrapper did
+        grad_qkv = training and any(t.requires_grad for t in (q, k, v))
+        backend = _auto_backend(q, batch * tiling.padded_len * heads_local, tiling, grad_qkv)
     plan = _Plan(
         group, world, rank, heads_local, units, gate_seq, tiling, topk, backend, scale,
         bool(recompute),
     )  # fmt: skip
-    inputs = (q, k, v, gate)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
-        out = _UlyssesAttention.apply(plan, *inputs)
-    else:
-        out = _forward(plan, *inputs)
+    out = _UlyssesAttention.apply(plan, *inputs) if training else _forward(plan, *inputs)
     return _as_bshd(out, qkv_format)
 
 
@@ -513,6 +515,24 @@ class _UlyssesAttention(torch.autograd.Function):
         keep, ctx.keep = ctx.keep, None
         grads = _backward(ctx.plan, keep, inputs, grad_out, ctx.needs)
         return (None, *grads)
+
+
+def _auto_backend(q: torch.Tensor, query_rows: int, tiling: VideoTiling, grad: bool) -> str:
+    """The fine backend ``"auto"`` picks for the op on this rank's whole sequence and heads
+    (the rank's [B, S, H / W, D] call; `VSA_BACKEND` honoured). Each step runs it by name: a
+    step's own smaller call could rank the backends differently (the choice may depend on the
+    number of query rows)."""
+    call = AttentionCall(
+        q.device,
+        q.dtype,
+        q.shape[-1],
+        (tiling.tile_tokens, tiling.tile_tokens),
+        grad,
+        1,
+        not tiling.has_padding,
+        query_rows=query_rows,
+    )
+    return select_backend(call, "auto").name
 
 
 def _check_head_chunk(
