@@ -138,6 +138,42 @@ def test_select_ranks_empty_tiles_last_and_breaks_ties_low():
         assert bool(chosen[..., 3][straddles].all())
 
 
+@pytest.mark.parametrize("clean", [(True, True, True), (True, False, False), (False, False, True)])
+def test_pool_and_clean_matches_the_torch_path_in_values_and_gradients(clean):
+    """The clean copies hold the real tokens and zeros (NaN padding in the inputs); the
+    gradients of all six outputs reach q, k and v as through the torch path's pool + copies,
+    0 on padding, including the fine gradients of inputs passed through uncleaned."""
+    latent, tile, heads, dim = CASES[0]
+    tiling = VideoTiling(latent, tile)
+    valid = tiling.valid_sizes(DEVICE)
+    xs = _tiled(tiling, heads, dim, torch.float32, seed=8, padding=float("nan"))
+    padding = tiling.indices().tile_to_raster < 0
+    results = {}
+    for stage in (TorchCoarse(), TritonCoarse()):
+        leaves = [x.clone().requires_grad_() for x in xs]
+        outs = stage.pool_and_clean(*leaves, valid, clean)
+        gen = torch.Generator().manual_seed(9)
+        upstream = [torch.randn(o.shape, generator=gen).to(DEVICE) for o in outs]
+        # the fine gradient of an uncleaned input is nonzero on its padding, as a backend's
+        # may be: both paths must still give 0 there
+        grads = torch.autograd.grad(outs, leaves, upstream)
+        results[stage.name] = (outs, grads)
+    (want, want_grads), (got, got_grads) = results["torch"], results["triton"]
+    for g, w, flag in zip(got[3:], want[3:], clean, strict=True):
+        if flag:
+            assert torch.equal(g, w), "a clean copy differs from the torch path's"
+            assert not g[:, padding].any(), "a clean copy kept padding"
+    for g, w in zip(got[:3], want[:3], strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        assert not g[:, padding].any(), "padding received a gradient"
+        torch.testing.assert_close(g[:, ~padding], w[:, ~padding], rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        plain = TritonCoarse().pool_and_clean(*xs, valid, clean)
+    for g, w in zip(plain, got, strict=True):  # without autograd: the same six tensors
+        torch.testing.assert_close(g, w.detach(), rtol=0, atol=0, equal_nan=True)
+
+
 def _combine_inputs(case, dtype, gate_kind, seed):
     """fine [B, N*T, H, D], coarse [B, N, H, D] (a transposed view, as SDPA's output is) and
     a gate: None, per token, or per head broadcast (strides 0)."""

@@ -123,7 +123,7 @@ def test_cuda_graph_replay_with_changing_inputs():
 
 def test_coarse_ops_pass_torch_library_opcheck():
     from vsa_core import VideoTiling
-    from vsa_triton.coarse import pool_op, pool_qkv, select_op
+    from vsa_triton.coarse import combine_op, pool_clean_op, pool_qkv, select_op
 
     tiling = VideoTiling((5, 6, 7), (2, 2, 2))
     valid = tiling.valid_sizes("cuda")
@@ -134,6 +134,10 @@ def test_coarse_ops_pass_torch_library_opcheck():
         .requires_grad_()
         for _ in range(3)
     )
-    torch.library.opcheck(pool_op, (q, k, v, valid))
-    qp, kp, _ = pool_qkv(q.detach(), k.detach(), v.detach(), valid)
+    torch.library.opcheck(pool_clean_op, (q, k, v, valid, True, False, True))
+    torch.library.opcheck(pool_clean_op, (q, k, v, valid, False, False, False))
+    qp, kp, vp = pool_qkv(q.detach(), k.detach(), v.detach(), valid)
     torch.library.opcheck(select_op, (qp, kp, valid, 5))
+    coarse = vp.detach().clone().requires_grad_()
+    torch.library.opcheck(combine_op, (q, coarse, k, tiling.tile_tokens))
+    torch.library.opcheck(combine_op, (q, coarse, None, tiling.tile_tokens))

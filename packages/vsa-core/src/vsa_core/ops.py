@@ -18,9 +18,9 @@ import torch
 
 from vsa_core.backends import AttentionCall, select_backend
 from vsa_core.backends.registry import OVERRIDE_ENV, registry_generation
-from vsa_core.coarse import coarse_attention, coarse_stage, layout_from_selection
+from vsa_core.coarse import coarse_attention, coarse_stage, layout_from_selection, zero_padding
 from vsa_core.host_cache import resolved_once
-from vsa_core.layout import BlockSparseLayout
+from vsa_core.layout import BlockSparseLayout, _full_on_host
 from vsa_core.tiling import VideoTiling
 from vsa_core.validation import (
     check_coarse_gate,
@@ -68,11 +68,12 @@ def block_sparse_attn(
     if batch == 0:  # nothing to attend: empty results, out in q's format (differentiable)
         out = _from_bshd(empty_batch_result(q, k, v), qkv_format)
         return out, empty_batch_lse(q, heads, q_len)
-    chosen = _backend_for(q, k, v, layout, backend)
+    chosen = _backend_for(
+        q, k, v, layout.block_shape, layout.q_group_size, layout.kv_blocks_full, backend
+    )
     if not (chosen.key_padding_safe or layout.kv_blocks_full):
-        real = _real_slots(layout.kv_valid_sizes, layout.kv_block)
-        v = _zero_padding(v, real)
-        k = _zero_padding(k, real) if _requires_grad(q, k, v) else k
+        v = zero_padding(v, layout.kv_valid_sizes)
+        k = zero_padding(k, layout.kv_valid_sizes) if _requires_grad(q, k, v) else k
     out, lse = chosen.forward(q, k, v, layout, scale)
     return _from_bshd(out, qkv_format), lse
 
@@ -152,23 +153,26 @@ def video_sparse_attn(
         q, k, v = (tiling.to_tiles(t) for t in (q, k, v))
         gate = None if gate is None else tiling.to_tiles(gate)
 
+    all_full = _tiles_all_full(tiling, valid_sizes, tile_tokens)
+    block_shape = (tile_tokens, tile_tokens)
+    chosen = _backend_for(q, k, v, block_shape, 1, all_full, backend)
+    training = _requires_grad(q, k, v) or (gate is not None and _requires_grad(gate))
+    clean = _inputs_to_clean(all_full, training, chosen.key_padding_safe)
+    padding_index = None if tiling is None else tiling.indices(q.device).padding_index
     stage = coarse_stage(coarse_backend, q)
-    q_pooled, k_pooled, v_pooled = stage.pool(q, k, v, valid_sizes)
+    q_pooled, k_pooled, v_pooled, q_fine, k_fine, v_fine = stage.pool_and_clean(
+        q, k, v, valid_sizes, clean, padding_index
+    )
     # every tile of a VideoTiling holds a real token; user valid sizes may hold 0
     coarse = coarse_attention(
         q_pooled, k_pooled, v_pooled, valid_sizes, scale, may_have_empty=tiling is None
     )
     with torch.no_grad():
         selection = stage.select(q_pooled, k_pooled, valid_sizes, topk)
-    all_full = None if tiling is None else not tiling.has_padding
     layout = layout_from_selection(selection, valid_sizes, tile_tokens, all_full=all_full)
-    chosen = _backend_for(q, k, v, layout, backend)
-    if not all_full:
-        known = tiling.indices(q.device) if tiling is not None else None
-        q, k, v, gate = _padding_zeroed(
-            q, k, v, gate, valid_sizes, known, chosen.key_padding_safe, seq_gate
-        )
-    fine, _ = chosen.forward(q, k, v, layout, scale)
+    if training and seq_gate and not all_full:  # 0 * NaN in the coarse term's gradient
+        gate = zero_padding(gate, valid_sizes, padding_index)
+    fine, _ = chosen.forward(q_fine, k_fine, v_fine, layout, scale)
     out = stage.combine(fine, coarse, gate, tile_tokens)
 
     if token_order == "raster":
@@ -178,65 +182,41 @@ def video_sparse_attn(
 
 
 # ---- helpers ---------------------------------------------------------------------------------
-def _backend_for(q, k, v, layout, backend):
+def _backend_for(q, k, v, block_shape, q_group_size, kv_blocks_full, backend):
+    """The fine backend for these inputs and a layout of this description (its lists do not
+    matter: the op chooses before it selects)."""
     requires_grad = _requires_grad(q, k, v)
     if not isinstance(backend, str):
         raise ValueError(f"backend must be a backend name or 'auto', got {backend!r}")
     return _fine_backend(
         backend, os.environ.get(OVERRIDE_ENV, "").strip(), registry_generation(),
-        q.device, q.dtype, q.shape[-1], layout.block_shape, requires_grad,
-        layout.q_group_size, layout.kv_blocks_full, q.shape[0] * q.shape[1] * q.shape[2],
+        q.device, q.dtype, q.shape[-1], block_shape, requires_grad,
+        q_group_size, kv_blocks_full, q.shape[0] * q.shape[1] * q.shape[2],
     )  # fmt: skip
+
+
+def _tiles_all_full(tiling, valid_sizes, tile_tokens) -> bool:
+    """Whether every tile is full: a tiling knows; user valid sizes are read on the host,
+    except under torch.compile (a data-dependent branch there), which assumes partial tiles
+    (always correct)."""
+    if tiling is not None:
+        return not tiling.has_padding
+    return not torch.compiler.is_compiling() and _full_on_host(valid_sizes, tile_tokens)
 
 
 def _requires_grad(*tensors: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
-def _padding_zeroed(q, k, v, gate, valid_sizes, indices, key_padding_safe, seq_gate):
-    """q, k, v and the gate as the fine backend and the combine may see them: padding slots
-    zeroed where they could reach a real output or gradient (``indices``: the tiling's
-    `TilingIndices`, None for user valid sizes). When gradients flow, query
-    padding rows feed dK and dV in every backend's backward, and a per-token gate's padding
-    the coarse output's gradient (0 * NaN is NaN), so both are cleaned; key padding only for
-    backends that multiply it by zero probabilities (``key_padding_safe`` False): V always, K
-    when gradients flow. Pooling
-    never reads padding, so the coarse stage takes the inputs as given. Each clean is one
-    elementwise copy (a read and a write of the tensor)."""
-    training = _requires_grad(q, k, v) or (gate is not None and _requires_grad(gate))
-    if not training and key_padding_safe:
-        return q, k, v, gate
-    if indices is None:  # user valid sizes: the padding is known on the device only
-        real, pad = _real_slots(valid_sizes, q.shape[1] // valid_sizes.shape[0]), None
-    else:
-        real, pad = indices.real_slots, indices.padding_index
-    if training:
-        q = _zero_padding(q, real, pad)
-        gate = _zero_padding(gate, real, pad) if seq_gate else gate
-    if not key_padding_safe:  # scores of padding keys are masked by selection: K matters in
-        v = _zero_padding(v, real, pad)  # backward only (dQ = dS K with dS = 0 there)
-        k = _zero_padding(k, real, pad) if training else k
-    return q, k, v, gate
-
-
-def _real_slots(valid_sizes: torch.Tensor, block: int) -> torch.Tensor:
-    """[N * block] bool: the slots below each block's valid size."""
-    slots = torch.arange(block, device=valid_sizes.device)
-    return (slots < valid_sizes.unsqueeze(-1)).flatten()
-
-
-def _zero_padding(
-    x: torch.Tensor, real_slots: torch.Tensor, padding_index: torch.Tensor | None = None
-) -> torch.Tensor:
-    """A copy of x with padding slots zeroed (differentiable: their gradient is 0).
-
-    With the padding slots' index (a tiling knows it without reading the device), a copy and
-    a fill of those rows alone: the broadcast ``torch.where`` otherwise used ran as a
-    non-vectorized elementwise kernel at 156 us per tensor for Wan 480p on an H200 (2026-12-01
-    profile, 1.6 TB/s for 246 MB read and written)."""
-    if padding_index is None:
-        return torch.where(real_slots.view(1, -1, 1, 1), x, 0)
-    return x.clone().index_fill_(1, padding_index, 0)
+def _inputs_to_clean(all_full: bool, training: bool, key_padding_safe: bool):
+    """Which of q, k, v the fine backend must read with their padding slots zeroed. When
+    gradients flow, query padding rows feed dK and dV in every backend's backward; key padding
+    only reaches backends that multiply it by zero probabilities (``key_padding_safe`` False):
+    V always, K when gradients flow (its scores are masked by selection; dQ = dS K with dS = 0
+    there, and 0 * NaN is NaN). Pooling never reads padding, so the coarse stage needs none."""
+    if all_full:
+        return (False, False, False)
+    return (training, training and not key_padding_safe, not key_padding_safe)
 
 
 @resolved_once

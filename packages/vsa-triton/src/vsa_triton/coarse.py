@@ -85,101 +85,168 @@ def _pooled_like(x: torch.Tensor, num_tiles: int) -> torch.Tensor:
     return x.new_empty((batch, num_tiles, heads, dim))
 
 
-def _pool(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid_sizes: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Means of q, k and v ([B, N * T, H, D], tile order) over each tile's real tokens:
-    three [B, N, H, D] tensors in the inputs' dtype (accumulated in float32)."""
+def _pool_clean(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    valid_sizes: torch.Tensor,
+    clean_q: bool,
+    clean_k: bool,
+    clean_v: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Means of q, k and v ([B, N * T, H, D], tile order) over each tile's real tokens (three
+    [B, N, H, D] tensors in the inputs' dtype, accumulated in float32), then where ``clean_*``
+    a copy of that input with its padding slots zeroed, written from the same loads (an empty
+    tensor where not asked for)."""
     q, k, v = (_head_dim_contiguous(t) for t in (q, k, v))
     num_tiles = valid_sizes.shape[0]
     batch, seq, heads, dim = q.shape
     tile_tokens = seq // num_tiles
+    flags = (clean_q, clean_k, clean_v)
     pooled = [_pooled_like(t, num_tiles) for t in (q, k, v)]
+    cleans = [torch.empty_like(t, memory_format=torch.contiguous_format) if c else t.new_empty(0)
+              for t, c in zip((q, k, v), flags, strict=True)]  # fmt: skip
     if pooled[0].numel():
+        strides = torch.empty_like(q, memory_format=torch.contiguous_format).stride()
+        targets = [c if flag else t for c, t, flag in zip(cleans, (q, k, v), flags, strict=True)]
         _kernels().pool_fwd_kernel[(num_tiles, batch * heads)](
-            q, k, v, *pooled, valid_sizes,
+            q, k, v, *pooled, *targets, valid_sizes,  # targets: never written where not clean
             *_bshd_strides(q), *_bshd_strides(k), *_bshd_strides(v), *_bshd_strides(pooled[0]),
-            heads, **_tile_constants(tile_tokens, dim),
+            *strides[:3], heads, CLEAN_Q=clean_q, CLEAN_K=clean_k, CLEAN_V=clean_v,
+            **_tile_constants(tile_tokens, dim),
         )  # fmt: skip
-    return tuple(pooled)
+    return (*pooled, *cleans)
 
 
-pool_op = torch.library.custom_op("vsa_triton::pool_qkv", _pool, mutates_args=())
+pool_clean_op = torch.library.custom_op("vsa_triton::pool_clean", _pool_clean, mutates_args=())
 
 
-@pool_op.register_fake
-def _(q, k, v, valid_sizes):
+@pool_clean_op.register_fake
+def _(q, k, v, valid_sizes, clean_q, clean_k, clean_v):
     num_tiles = valid_sizes.shape[0]
-    return tuple(_pooled_like(t, num_tiles) for t in (q, k, v))
+    flags = (clean_q, clean_k, clean_v)
+    return (
+        *(_pooled_like(t, num_tiles) for t in (q, k, v)),
+        *(torch.empty_like(t, memory_format=torch.contiguous_format) if c else t.new_empty(0)
+          for t, c in zip((q, k, v), flags, strict=True)),
+    )  # fmt: skip
 
 
-def _unpool(
+def _unpool_add(
     gq: torch.Tensor,
     gk: torch.Tensor,
     gv: torch.Tensor,
+    fq: torch.Tensor | None,
+    fk: torch.Tensor | None,
+    fv: torch.Tensor | None,
     valid_sizes: torch.Tensor,
     seq_len: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of `pool_qkv` w.r.t. q, k and v from those of its outputs: [B, seq_len, H, D]
-    each, the pooled gradient over the tile's size on real tokens, 0 on padding."""
+    """Gradients w.r.t. q, k and v ([B, seq_len, H, D] each) from those of the pooled tensors
+    (gq, gk, gv) and of the fine attention's inputs (fq, fk, fv; None where it had none): on
+    real tokens the pooled gradient over the tile's size plus the fine one, 0 on padding."""
     gq, gk, gv = (g.contiguous() for g in (gq, gk, gv))
+    fine = [None if f is None else _head_dim_contiguous(f) for f in (fq, fk, fv)]
     num_tiles = valid_sizes.shape[0]
     batch, _, heads, dim = gq.shape
     tile_tokens = seq_len // num_tiles
     grads = [g.new_empty((batch, seq_len, heads, dim)) for g in (gq, gk, gv)]
     if grads[0].numel():
+        fine_strides = [s for f in fine for s in (_bshd_strides(f) if f is not None else (0,) * 3)]
         _kernels().pool_bwd_kernel[(num_tiles, batch * heads)](
-            gq, gk, gv, *grads, valid_sizes,
-            *_bshd_strides(gq), *_bshd_strides(grads[0]),
-            heads, **_tile_constants(tile_tokens, dim),
+            gq, gk, gv, *(g if f is None else f for f, g in zip(fine, grads, strict=True)),
+            *grads, valid_sizes,
+            *_bshd_strides(gq), *_bshd_strides(grads[0]), *fine_strides,
+            heads, HAS_FQ=fq is not None, HAS_FK=fk is not None, HAS_FV=fv is not None,
+            **_tile_constants(tile_tokens, dim),
         )  # fmt: skip
     return tuple(grads)
 
 
-unpool_op = torch.library.custom_op("vsa_triton::unpool_qkv", _unpool, mutates_args=())
+unpool_add_op = torch.library.custom_op("vsa_triton::unpool_add", _unpool_add, mutates_args=())
 
 
-@unpool_op.register_fake
-def _(gq, gk, gv, valid_sizes, seq_len):
+@unpool_add_op.register_fake
+def _(gq, gk, gv, fq, fk, fv, valid_sizes, seq_len):
     batch, _, heads, dim = gq.shape
     return tuple(g.new_empty((batch, seq_len, heads, dim)) for g in (gq, gk, gv))
 
 
 def _pool_setup(ctx, inputs, output):
-    q, _, _, valid_sizes = inputs
+    q, _, _, valid_sizes, *flags = inputs
     ctx.save_for_backward(valid_sizes)
     ctx.seq_len = q.shape[1]
+    pooled = output[0]  # its description only: an output kept on ctx would be a cycle
+    ctx.pooled = (pooled.shape, pooled.dtype, pooled.device)
+    ctx.flags = tuple(flags)
 
 
-def _pool_grads(ctx, grads, unpool):
+def _pool_grads(ctx, grads, unpool, passthrough):
+    """The inputs' gradients from those of `_pool_clean`'s six outputs. ``passthrough``: the
+    outputs of inputs not cleaned are the inputs themselves (eager), so their gradients count
+    too; under the custom op they are empty placeholders, unused."""
     (valid_sizes,) = ctx.saved_tensors
-    present = next(g for g in grads if g is not None)
-    grads = [torch.zeros_like(present) if g is None else g for g in grads]
-    return (*unpool(*grads, valid_sizes, ctx.seq_len), None)
+    pooled = [torch.zeros_like(ctx.pooled_like) if g is None else g for g in grads[:3]]
+    fine = [
+        f if passthrough or flag else None for f, flag in zip(grads[3:], ctx.flags, strict=True)
+    ]
+    return (*unpool(*pooled, *fine, valid_sizes, ctx.seq_len), None, None, None, None)
 
 
-pool_op.register_autograd(
-    lambda ctx, gq, gk, gv: _pool_grads(ctx, (gq, gk, gv), unpool_op), setup_context=_pool_setup
+pool_clean_op.register_autograd(
+    lambda ctx, *grads: _pool_grads(ctx, grads, unpool_add_op, passthrough=False),
+    setup_context=_pool_setup,
 )
 
 
-class _PoolFunction(torch.autograd.Function):
-    """`pool_op`'s autograd in eager mode, on the plain functions."""
+class _PoolCleanFunction(torch.autograd.Function):
+    """`pool_clean_op`'s autograd in eager mode, on the plain functions; an input that is not
+    cleaned is returned as itself, so the fine attention's gradient of it arrives here and is
+    added in the same pass as the pooled one (no separate accumulation)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, valid_sizes):
-        output = _pool(q, k, v, valid_sizes)
-        _pool_setup(ctx, (q, k, v, valid_sizes), output)
-        return output
+    def forward(ctx, q, k, v, valid_sizes, clean_q, clean_k, clean_v):
+        flags = (clean_q, clean_k, clean_v)
+        output = _pool_clean(q, k, v, valid_sizes, *flags)
+        _pool_setup(ctx, (q, k, v, valid_sizes, *flags), output)
+        return (*output[:3], *_fine_inputs(output[3:], (q, k, v), flags))
 
     @staticmethod
-    def backward(ctx, gq, gk, gv):
-        return _pool_grads(ctx, (gq, gk, gv), _unpool)
+    def backward(ctx, *grads):
+        return _pool_grads(ctx, grads, _unpool_add, passthrough=True)
 
 
-pool_qkv = EagerOrOp(pool_op, _pool, _PoolFunction)
-"""Pool q, k and v (`_pool`): ``torch.ops.vsa_triton.pool_qkv`` under torch.compile, the plain
-functions in eager mode (`vsa_core.backends.custom_ops.EagerOrOp`)."""
+def _fine_inputs(cleans, inputs, flags):
+    return tuple(c if flag else x for c, x, flag in zip(cleans, inputs, flags, strict=True))
+
+
+def pool_and_clean(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    valid_sizes: torch.Tensor,
+    clean: tuple[bool, bool, bool],
+) -> tuple[torch.Tensor, ...]:
+    """(q_pooled, k_pooled, v_pooled, q_fine, k_fine, v_fine): the tile means of q, k and v
+    and the tensors the fine attention reads (where ``clean``, a copy with padding zeroed,
+    else the input): one launch, and one for the backward, which adds the fine attention's
+    gradients and the pooled ones and zeroes padding. ``torch.ops.vsa_triton.pool_clean``
+    under torch.compile, the plain functions in eager mode (see `EagerOrOp`)."""
+    flags = tuple(bool(c) for c in clean)
+    if torch.compiler.is_compiling():
+        output = pool_clean_op(q, k, v, valid_sizes, *flags)
+    elif torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        return _PoolCleanFunction.apply(q, k, v, valid_sizes, *flags)
+    else:
+        output = _pool_clean(q, k, v, valid_sizes, *flags)
+    return (*output[:3], *_fine_inputs(output[3:], (q, k, v), flags))
+
+
+def pool_qkv(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid_sizes: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The tile means of q, k and v over real tokens (`pool_and_clean` without copies)."""
+    return pool_and_clean(q, k, v, valid_sizes, (False, False, False))[:3]
 
 
 def _select(
@@ -374,6 +441,9 @@ class TritonCoarse(CoarseStage):
 
     def pool(self, q, k, v, valid_sizes):
         return pool_qkv(q, k, v, valid_sizes)
+
+    def pool_and_clean(self, q, k, v, valid_sizes, clean, padding_index=None):
+        return pool_and_clean(q, k, v, valid_sizes, clean)
 
     def select(self, q_pooled, k_pooled, valid_sizes, topk):
         return select_topk(q_pooled, k_pooled, valid_sizes, topk)

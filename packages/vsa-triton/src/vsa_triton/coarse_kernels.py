@@ -6,7 +6,9 @@ Conventions:
   first), addressed through strides with the head dim contiguous; pooled tensors are
   [B, N, H, D], likewise.
 - Pooling reads only the first ``valid[n]`` slots of tile n: padding is never loaded, so NaN or
-  inf there cannot reach a pooled value (nor, in backward, receive anything but 0).
+  inf there cannot reach a pooled value (nor, in backward, receive anything but 0). The same
+  loads can write the clean copies (padding zeroed) that the fine attention reads, and the
+  backward adds the fine attention's gradients of those copies to the pooled ones in one pass.
 - Selection writes each (batch, head, query tile)'s ``TOPK`` chosen key tiles as an ascending
   int32 list, straight into the layout's ``kv_indices``; no sort and no boolean map. The k-th
   largest score is found exactly by bisection over the bits of an order-preserving integer
@@ -23,9 +25,13 @@ import triton.language as tl
 
 
 @triton.jit
-def _pool_one(src, dst, offs, mask, out, keep, inv):
-    x = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(dst + out, (tl.sum(x, axis=0) * inv).to(dst.dtype.element_ty), mask=keep)
+def _pool_one(src, dst, offs, mask, out, keep, inv, clean, clean_offs, in_tile,
+              CLEAN: tl.constexpr):
+    x = tl.load(src + offs, mask=mask, other=0.0)
+    if CLEAN:  # the tile as the fine attention reads it: real tokens, then zeros
+        tl.store(clean + clean_offs, x, mask=in_tile)
+    tl.store(dst + out, (tl.sum(x.to(tl.float32), axis=0) * inv).to(dst.dtype.element_ty),
+             mask=keep)
 
 
 @triton.jit
@@ -42,49 +48,64 @@ def _tile_program(valid_ptr, heads, SLOTS: tl.constexpr, HEAD_DIM: tl.constexpr,
 
 @triton.jit
 def pool_fwd_kernel(
-    q, k, v, qp, kp, vp, valid_ptr,
-    s_qb, s_qs, s_qh, s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, s_pb, s_pn, s_ph,
+    q, k, v, qp, kp, vp, qc, kc, vc, valid_ptr,
+    s_qb, s_qs, s_qh, s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, s_pb, s_pn, s_ph, s_cb, s_cs, s_ch,
     heads,
     TILE_TOKENS: tl.constexpr, SLOTS: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr,
+    CLEAN_Q: tl.constexpr, CLEAN_K: tl.constexpr, CLEAN_V: tl.constexpr,
 ):
     """One (tile, batch x head): the means of q, k and v over the tile's real tokens (pooled
-    strides s_p* shared by qp, kp and vp)."""
+    strides s_p* shared by qp, kp and vp) and, where CLEAN_*, the tile copied to qc / kc / vc
+    with its padding slots zeroed (strides s_c* shared), from the same loads."""
     tile, b, h, size, slots, dims, keep = _tile_program(valid_ptr, heads, SLOTS, HEAD_DIM, DIM_P2)
     mask = (slots < size)[:, None] & keep[None, :]
+    in_tile = (slots < TILE_TOKENS)[:, None] & keep[None, :]
     rows = (tile.to(tl.int64) * TILE_TOKENS + slots)[:, None]
     inv = 1.0 / tl.maximum(size, 1).to(tl.float32)
     out = b * s_pb + tile * s_pn + h * s_ph + dims
-    _pool_one(q, qp, b * s_qb + h * s_qh + rows * s_qs + dims[None, :], mask, out, keep, inv)
-    _pool_one(k, kp, b * s_kb + h * s_kh + rows * s_ks + dims[None, :], mask, out, keep, inv)
-    _pool_one(v, vp, b * s_vb + h * s_vh + rows * s_vs + dims[None, :], mask, out, keep, inv)
+    c_offs = b * s_cb + h * s_ch + rows * s_cs + dims[None, :]
+    _pool_one(q, qp, b * s_qb + h * s_qh + rows * s_qs + dims[None, :], mask, out, keep, inv,
+              qc, c_offs, in_tile, CLEAN_Q)
+    _pool_one(k, kp, b * s_kb + h * s_kh + rows * s_ks + dims[None, :], mask, out, keep, inv,
+              kc, c_offs, in_tile, CLEAN_K)
+    _pool_one(v, vp, b * s_vb + h * s_vh + rows * s_vs + dims[None, :], mask, out, keep, inv,
+              vc, c_offs, in_tile, CLEAN_V)
 
 
 @triton.jit
-def _unpool_one(g, d, src, offs, keep, in_tile, real, inv):
+def _unpool_one(g, d, src, offs, keep, in_tile, real, inv, f, f_offs, HAS_F: tl.constexpr):
     grad = tl.load(g + src, mask=keep, other=0.0).to(tl.float32) * inv
     tile_grad = tl.where(real, grad[None, :], 0.0)
+    if HAS_F:  # the fine attention's gradient of the same tokens, on real slots only
+        tile_grad += tl.load(f + f_offs, mask=real & in_tile, other=0.0).to(tl.float32)
     tl.store(d + offs, tile_grad.to(d.dtype.element_ty), mask=in_tile)
 
 
 @triton.jit
 def pool_bwd_kernel(
-    gq, gk, gv, dq, dk, dv, valid_ptr,
-    s_gb, s_gn, s_gh, s_xb, s_xs, s_xh,
+    gq, gk, gv, fq, fk, fv, dq, dk, dv, valid_ptr,
+    s_gb, s_gn, s_gh, s_xb, s_xs, s_xh, s_fqb, s_fqs, s_fqh, s_fkb, s_fks, s_fkh, s_fvb, s_fvs,
+    s_fvh,
     heads,
     TILE_TOKENS: tl.constexpr, SLOTS: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr,
+    HAS_FQ: tl.constexpr, HAS_FK: tl.constexpr, HAS_FV: tl.constexpr,
 ):
     """One (tile, batch x head): each real token's gradient is its tile's pooled gradient over
-    the tile's size; padding slots get 0 (every slot is written)."""
+    the tile's size, plus (where HAS_F*) the fine attention's gradient fq / fk / fv of that
+    token; padding slots get 0 (every slot is written)."""
     tile, b, h, size, slots, dims, keep = _tile_program(valid_ptr, heads, SLOTS, HEAD_DIM, DIM_P2)
     inv = 1.0 / tl.maximum(size, 1).to(tl.float32)
     src = b * s_gb + tile * s_gn + h * s_gh + dims
-    rows = tile.to(tl.int64) * TILE_TOKENS + slots
-    offs = b * s_xb + h * s_xh + rows[:, None] * s_xs + dims[None, :]
+    rows = (tile.to(tl.int64) * TILE_TOKENS + slots)[:, None]
+    offs = b * s_xb + h * s_xh + rows * s_xs + dims[None, :]
     in_tile = (slots < TILE_TOKENS)[:, None] & keep[None, :]
     real = (slots < size)[:, None]
-    _unpool_one(gq, dq, src, offs, keep, in_tile, real, inv)
-    _unpool_one(gk, dk, src, offs, keep, in_tile, real, inv)
-    _unpool_one(gv, dv, src, offs, keep, in_tile, real, inv)
+    _unpool_one(gq, dq, src, offs, keep, in_tile, real, inv,
+                fq, b * s_fqb + h * s_fqh + rows * s_fqs + dims[None, :], HAS_FQ)
+    _unpool_one(gk, dk, src, offs, keep, in_tile, real, inv,
+                fk, b * s_fkb + h * s_fkh + rows * s_fks + dims[None, :], HAS_FK)
+    _unpool_one(gv, dv, src, offs, keep, in_tile, real, inv,
+                fv, b * s_fvb + h * s_fvh + rows * s_fvs + dims[None, :], HAS_FV)
 
 
 @triton.jit
