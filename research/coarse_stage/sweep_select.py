@@ -54,7 +54,7 @@ def main() -> None:
                   for _ in range(2))  # fmt: skip
         topk = max(1, round(n * 0.125))
         want = select_with(qp, kp, valid, topk, SELECT)
-        for block_m, warps, per_step in itertools.product((2, 4, 8, 16), (2, 4, 8), (2048, 4096)):
+        for block_m, warps, per_step in itertools.product((4, 8, 16), (4, 8), (2048, 4096)):
             config = SelectConfig(block_m=block_m, num_warps=warps, elements_per_step=per_step)
             got = select_with(qp, kp, valid, topk, config)
             call = (qp, kp, valid, topk, config)
