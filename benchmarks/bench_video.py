@@ -241,6 +241,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="under torchrun --nproc-per-node=N: the op sharded over the N ranks (Ulysses), "
         "against the single-GPU op and dense on one GPU; fixed --warmup/--reps, no --budget-s",
     )
+    g.add_argument(
+        "--sp-head-chunk",
+        type=int,
+        metavar="N",
+        help="with --sequence-parallel: heads per pipeline step (the op's head_chunk); "
+        "default: the op's (32 MiB per whole-sequence tensor)",
+    )
+    g.add_argument(
+        "--sp-recompute",
+        action="store_true",
+        help="with --sequence-parallel: recompute=True (backward exchanges and runs each step "
+        "again; no activations kept)",
+    )
     t = p.add_argument_group("timing")
     t.add_argument("--warmup", type=int, help="default 3 (CPU: 1)")
     t.add_argument(
@@ -303,6 +316,8 @@ class Config:
     out: Path | None
     replica_timeout_s: float
     sequence_parallel: bool = False
+    sp_head_chunk: int | None = None
+    sp_recompute: bool = False
     fa4_variant: tuple[str, ...] = ()
     b2b_calls: int = 10
     b2b_turn_ms: float = 20.0
@@ -343,7 +358,12 @@ class Config:
             "fa4_variant": list(self.fa4_variant),
         }
         if self.sequence_parallel:
-            fields.update(sequence_parallel=True, backend=self.backend)
+            fields.update(
+                sequence_parallel=True,
+                backend=self.backend,
+                sp_head_chunk=self.sp_head_chunk,
+                sp_recompute=self.sp_recompute,
+            )
         else:
             fields.update(b2b_calls=self.b2b_calls, b2b_turn_ms=self.b2b_turn_ms,
                           pieces=self.pieces)  # fmt: skip
@@ -396,6 +416,8 @@ def make_config(args: argparse.Namespace, device: torch.device) -> Config:
         out=args.out,
         replica_timeout_s=args.replica_timeout_s,
         sequence_parallel=sp,
+        sp_head_chunk=args.sp_head_chunk,
+        sp_recompute=bool(args.sp_recompute),
         fa4_variant=_checked_fa4_variant(args.fa4_variant),
         b2b_calls=pick("b2b_calls"),
         b2b_turn_ms=args.b2b_turn_ms,
@@ -1126,10 +1148,23 @@ def shard_inputs(inputs: OpInputs, tiling: VideoTiling) -> OpInputs:
 
 
 def sp_op_runner(
-    local: OpInputs, tiling: VideoTiling, topk: int, backend: str, mode: str
+    local: OpInputs,
+    tiling: VideoTiling,
+    topk: int,
+    backend: str,
+    mode: str,
+    head_chunk: int | None = None,
+    recompute: bool = False,
 ) -> bc.Runner:
     """`sequence_parallel_video_sparse_attn` on this rank's shards (outputs: its shards)."""
-    attn = partial(sequence_parallel_video_sparse_attn, topk=topk, tiling=tiling, backend=backend)
+    attn = partial(
+        sequence_parallel_video_sparse_attn,
+        topk=topk,
+        tiling=tiling,
+        backend=backend,
+        head_chunk=head_chunk,
+        recompute=recompute,
+    )
     return attn_runner(local, mode, attn)
 
 
@@ -1209,7 +1244,7 @@ def run_sp_cell(
     runner, failed = None, False
     try:
         log("sequence-parallel op: gate")
-        runner = sp_op_runner(local, tiling, topk, fine, mode)
+        runner = sp_op_runner(local, tiling, topk, fine, mode, cfg.sp_head_chunk, cfg.sp_recompute)
         outputs = runner.once()
         gathered = {n: gather_sequence(outputs[n]) for n in wanted}
         del outputs
@@ -1533,7 +1568,9 @@ def render_markdown_sp(doc: dict[str, Any]) -> str:
         f"- command: `{meta['command']}`",
         f"- tile {tuple(cfg['tile'])}, D={cfg['head_dim']}, B={cfg['batch']}, {cfg['dtype']}, "
         f"coarse gate: {cfg['coarse_gate']}; fine backend requested: {cfg['backend']}"
-        + _variant_note(cfg),
+        + _variant_note(cfg)
+        + f"; head_chunk {cfg.get('sp_head_chunk') or 'default'}, recompute "
+        f"{bool(cfg.get('sp_recompute'))}",
         f"- {cfg['warmup']} warm-up + {cfg['reps']} timed calls on every rank, between barriers; "
         "a call's time is the slowest rank's (all_reduce MAX), median over the calls; the "
         "single-GPU op and dense run on rank 0's GPU",
