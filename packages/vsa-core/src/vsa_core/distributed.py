@@ -17,12 +17,65 @@ reductions over differently shaped tensors may differ. Requirements: H divisible
 number of tiles divisible by W, so that every rank holds ``tiling.padded_len / W`` tokens, a
 whole number of tiles (`shard_sequence` cuts a full tensor that way).
 
-Forward and backward: the all-to-alls are autograd functions whose backward is the reverse
-all-to-all, so gradients of q, k, v and the coarse gate come back sharded like the inputs.
-q, k, v (and a sequence-sharded gate) travel in one fused all-to-all, the output in another;
-backward likewise. The exchange is ``torch.distributed.all_to_all_single`` on one packed
-buffer, which NCCL implements for CUDA tensors and gloo for CPU tensors (gloo lacks the list
-``all_to_all``; use NCCL on GPUs), so the CPU tests run the very code path that GPUs run.
+Pipeline: rank r's H / W heads (and the batch rows) are taken in steps of ``head_chunk``
+heads of one batch row. Per step and tensor one ``torch.distributed.all_to_all_single`` (NCCL
+for CUDA tensors, gloo for CPU ones, so the CPU tests run the very code that GPUs run) swaps
+[S / W tokens, W x head_chunk heads] for [S tokens, head_chunk heads]; `video_sparse_attn` runs
+on the step ([1, S, head_chunk, D]; the coarse stage of a head needs only that head), and its
+output travels back. The exchanges are asynchronous (``async_op=True``; ``wait()`` on a work
+handle orders the current stream after it, no host synchronization): step i+1's q, k, v (and
+gate) are packed and in flight while step i's op runs, and step i's output is in flight while
+step i+1's runs; only the first step's input and the last step's output exchanges are not
+overlapped (on NCCL the exchanges share one stream and run in the order issued). Each step's
+result is the op's on those heads, bit for bit (per-head computations, the same fine backend:
+``backend="auto"`` is decided once for the rank's [B, S, H / W, D] call), so ``head_chunk``
+changes memory and time, never the result.
+
+Copies: the send buffer of q, k, v and the gate is one packing copy each (strided inputs,
+BHSD views and expanded gates included); what is received is the op's input as it lies (a
+view, no copy); the op's output is sent as it is; the received output is written once into
+the output shard. A gate without a sequence dimension is not exchanged (each step takes its
+heads).
+
+Memory per rank (inference; u = S x head_chunk x D elements, one step's tensor; n = 3, or 4
+with a gate that has a sequence dimension; all of it measured on the CPU by
+tests/test_distributed_memory.py, bound included)::
+
+    peak <= [B, S/W, H, D] output shard
+            + the op's own peak on one step ([1, S, head_chunk, D])
+            + n u  (this step's received q, k, v, gate)
+            + 2 n u  (the next step's send and receive buffers, in flight)
+            + 2 u  (the previous step's output and its receive buffer, in flight)
+
+Wan 2.1 720p (S = 92,160 padded tokens, 40 heads, D=128, bf16, B=1, per-token gate) on 2
+ranks: the output shard is 450 MiB and u = 22.5 MiB at the default head_chunk of 1, so about
+450 + 27 + 90 + 180 + 45 = 792 MiB, against about 1,090 MiB for the single-GPU op (900 of it
+its output). The unpipelined wrapper (before issue 22) peaked at 5,400 MiB in its first
+exchange: one packed send buffer of q, k, v and the gate (1,800 MiB), its receive buffer
+(1,800 MiB) and a contiguous copy of each part (1,800 MiB). The floor with overlap is the
+output shard plus the next step's receive buffers and this step's inputs; at W = 2 that is
+above 0.6x the single-GPU op, at W >= 4 (shard 225 MiB at 4 ranks) below.
+
+Training (autograd): each step's graph is kept from forward to backward, so besides the
+output shard and the gradient shards every step's received inputs (n x [B, S, H / W, D] over
+all steps) and what the op saves are kept (about the unpipelined wrapper's activations); the
+backward is pipelined like the forward (output gradient of step i+1 in flight during step i's
+backward, step i's input gradients during step i+1's). ``recompute=True`` keeps nothing: the
+backward exchanges each step's inputs again and runs its forward again (the op's training
+path, as in the forward) before its backward, for one more forward and input exchange::
+
+    peak <= output shard + gradient shards + the op's forward+backward peak on one step
+            + (3 (n + 1) + 2 n + 1) u  (this step's inputs and output gradient, the next
+              step's in flight, the previous step's input gradients in flight, and one step
+              tensor more that the CPU measurement shows the op's backward holding)
+
+Wan 720p on 2 ranks: 450 + 1,800 + about 140 + 24 x 22.5 = about 2,930 MiB, against about
+5,600-6,100 MiB for the single-GPU op's forward+backward.
+
+Backward: gradients of q, k, v and the coarse gate come back sharded like the inputs (a
+replicated gate's: this rank's heads' part, see ``coarse_gate``). `seq_to_heads` and
+`heads_to_seq` are the two whole-tensor exchanges on their own (autograd functions whose
+backward is the reverse exchange; received buffers used as they lie for B = 1).
 
 Composing with data parallelism (DDP, FSDP) and across hosts: give the op a *sequence-parallel
 subgroup* and let the data-parallel wrapper own the world. With W = dp x sp ranks, rank r trains
