@@ -9,6 +9,7 @@ import sys
 MODULES = (
     "flash_attn_vsa",
     "flash_attn_vsa.compile_gate",
+    "flash_attn_vsa.deltas",
     "flash_attn_vsa.fingerprint",
     "flash_attn_vsa.mask_sm90",
     "flash_attn_vsa.refresh",

@@ -1,4 +1,5 @@
-"""UPSTREAM.md stays in step with the code: pin rows, generated symbols list, deltas table."""
+"""UPSTREAM.md stays in step with the code: pin rows, generated symbols list (the deltas table:
+`test_deltas.py`)."""
 
 from __future__ import annotations
 
@@ -49,75 +50,11 @@ def test_symbols_section_is_generated_from_the_record():
     )
 
 
-def test_deltas_table_rows_are_complete_and_fingerprinted():
-    record = {f"{e['module']}.{e['name']}": e for e in fp.load_record()["symbols"]}
-    for delta in md.parse_deltas(_text()):
-        assert (PACKAGE / delta.file).is_file(), f"{delta.name}: no file {delta.file}"
-        assert delta.builds_on in record, (
-            f"{delta.name} builds on {delta.builds_on}, which is not in the fingerprint: add it "
-            f"to SYMBOLS (source=True) and run {fp.REGENERATE_COMMAND}"
-        )
-        assert "source_sha256" in record[delta.builds_on], (
-            f"{delta.name} builds on {delta.builds_on}: track its source (source=True)"
-        )
-        assert delta.arch.startswith("sm_"), f"{delta.name}: arch {delta.arch!r}"
-
-
 def test_history_marker_is_present():
     assert md.HISTORY_MARKER in _text()
 
 
 # The parsers on synthetic text.
-
-_ROW = (
-    "| KV64 backward | `src/flash_attn_vsa/bwd.py` "
-    "| `flash_attn.cute.flash_bwd_sm90.FlashAttentionBackwardSm90` | sm_90 | no |"
-)
-
-_DELTAS = f"""# x
-
-## Our deltas
-
-Format:
-
-```
-| Delta | Our file | Builds on (upstream) | Arch | Offered upstream |
-| not | a | real | row | here |
-```
-
-| Delta | Our file | Builds on (upstream) | Arch | Offered upstream |
-|---|---|---|---|---|
-{_ROW}
-
-## Next section
-
-| Delta | ignored |
-"""
-
-
-def test_parse_deltas_reads_rows_and_skips_code_blocks():
-    assert md.parse_deltas(_DELTAS) == [
-        md.Delta(
-            "KV64 backward",
-            "src/flash_attn_vsa/bwd.py",
-            "flash_attn.cute.flash_bwd_sm90.FlashAttentionBackwardSm90",
-            "sm_90",
-            "no",
-        )
-    ]
-
-
-def test_parse_deltas_rejects_bad_tables():
-    with pytest.raises(ValueError, match="non-empty cells"):
-        md.parse_deltas(_DELTAS.replace("| sm_90 | no |", "| sm_90 |"))
-    with pytest.raises(ValueError, match="header"):
-        md.parse_deltas(
-            _DELTAS.replace("| Delta | Our file | Builds on (upstream) |", "| A | B | C |")
-        )
-    with pytest.raises(ValueError, match="no deltas table"):
-        md.parse_deltas("## Our deltas\n\nNone.\n")
-    with pytest.raises(ValueError, match="no '## Our deltas'"):
-        md.parse_deltas("# nothing\n")
 
 
 def test_table_rows_and_history():

@@ -3,14 +3,20 @@
 This package holds the few CuTe DSL kernels and patches that Video Sparse Attention needs on
 top of upstream FlashAttention-4 (PyPI ``flash-attn-4``, ``flash_attn/cute`` in
 github.com/Dao-AILab/flash-attention). Upstream is pinned exactly; ``UPSTREAM.md`` at the
-repository root records the pin, our deltas and the refresh procedure. The deltas:
-``flash_attn_vsa.bwd_sm90`` (block-sparse backward with 64-token key blocks on Hopper),
-``flash_attn_vsa.fwd_sm90`` (the 64x64 block-sparse forward, two CTAs per SM on Hopper),
-``flash_attn_vsa.mask_sm90`` (partial key blocks masked as one column limit per tile),
-``flash_attn_vsa.fwd_sm90_paired`` (128x64 blocks over pairs of 64-token key blocks) and,
-experimental, ``flash_attn_vsa.q_regs_sm90`` (Q in registers for QK^T),
-``flash_attn_vsa.fwd_sm90_streams`` (two 64-row query streams per 128-row tile) and
-``flash_attn_vsa.persistent_sm90`` (persistent CTAs walking the tiles).
+repository root records the pin, our deltas and the refresh procedure. Each delta is one
+module; ``flash_attn_vsa.deltas`` is their registry (what each builds on upstream, shipped or
+experimental, where vsa-fa4 runs it), from which UPSTREAM.md's table is generated.
+
+Shipped (vsa-fa4 runs them by default): ``flash_attn_vsa.bwd_sm90`` (block-sparse backward with
+64-token key blocks on Hopper), ``flash_attn_vsa.bwd_sm90_dq_parts`` (its 64x64 form on two CTAs
+per SM, dQ sent in parts by the producer warp), ``flash_attn_vsa.fwd_sm90`` (the 64x64
+block-sparse forward, two CTAs per SM), ``flash_attn_vsa.q_regs_sm90`` (Q in registers for
+QK^T, in that two-CTA forward), ``flash_attn_vsa.mask_sm90`` (partial key blocks masked as one
+column limit per tile) and ``flash_attn_vsa.fwd_sm90_paired`` (128x64 blocks over pairs of
+64-token key blocks). Experimental (correct on an H200 but measured slower; only on request,
+``vsa_fa4.launch.forward_variant``): ``flash_attn_vsa.fwd_sm90_streams`` (two 64-row query
+streams per 128-row tile) and ``flash_attn_vsa.persistent_sm90`` (persistent CTAs walking the
+tiles).
 
 The pin is kept checkable by three tools: ``flash_attn_vsa.fingerprint`` (the recorded API of
 the upstream symbols we rely on), ``flash_attn_vsa.compile_gate`` (every kernel configuration

@@ -98,8 +98,8 @@ CONFIGS: tuple[GateConfig, ...] = (
         "fwd-q64+q-regs",
         (64, 64),
         "FlashAttentionForwardSm90TwoCtasQInRegisters",
-        "the same with QK^T reading Q from registers (flash_attn_vsa.q_regs_sm90; not routed "
-        "until measured)",
+        "the same with QK^T reading Q from registers (flash_attn_vsa.q_regs_sm90; what vsa-fa4 "
+        "runs for 64x64 forwards)",
     ),
     GateConfig(
         "fwd-sparse-q128-kv64-paired",
@@ -114,8 +114,8 @@ CONFIGS: tuple[GateConfig, ...] = (
         "fwd-paired+q-regs",
         (128, 128),
         "FlashAttentionForwardSm90PairedKeysQInRegisters",
-        "the same with QK^T reading Q from registers (flash_attn_vsa.q_regs_sm90; not routed "
-        "until measured)",
+        "the same with QK^T reading Q from registers (flash_attn_vsa.q_regs_sm90; measured "
+        "slower here, not routed)",
     ),
     GateConfig(
         "fwd-sparse-q64-kv64-two-streams",
@@ -137,8 +137,8 @@ CONFIGS: tuple[GateConfig, ...] = (
         "fwd-streams+persistent",
         (128, 64),
         "FlashAttentionForwardSm90TwoStreamsPersistent",
-        "the two-stream forward on persistent CTAs (flash_attn_vsa.persistent_sm90; not routed "
-        "until measured)",
+        "the two-stream forward on persistent CTAs (flash_attn_vsa.persistent_sm90; "
+        "experimental, not routed)",
     ),
     GateConfig(
         "fwd-sparse-q128-kv64-paired-persistent",

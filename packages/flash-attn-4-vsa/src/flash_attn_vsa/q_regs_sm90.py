@@ -1,13 +1,14 @@
-"""Q in registers for the sm_90 forward's QK^T: the fork's fifth delta (not routed yet).
+"""Q in registers for the sm_90 forward's QK^T: the fork's fifth delta (shipped: vsa-fa4 runs
+it in the two-CTA 64x64 forward).
 
 Why (a count, NOTES.md): a Hopper wgmma m64nNk16 with both operands in shared memory reads
 2 KB of A and 32N B of B per 2,048N FLOP. In the 64x64 forward QK^T is such a wgmma at N = 64
 (128 B per clock at the tensor cores' peak, all of an SM's shared-memory bandwidth); PV already
 takes P from registers (64 B per clock) and each CTA lands its own K and V (another 64 B per
 clock). About 160 B per clock wanted against 128: a bound near 0.8 of the tensor-core peak that
-dense's 128x128 tiles do not have. With Q in registers QK^T reads only K. Whether that bound is
-what holds the measured kernel (0.58 of peak) is experiment 10's question; until it is
-measured on an H200 vsa-fa4 does not route here.
+dense's 128x128 tiles do not have. With Q in registers QK^T reads only K. Experiment 10 measured
+it on an H200 (session 8): the two-CTA 64x64 forward +1.3-2.5% of dense, the paired 128x64 one
+-2%, so vsa-fa4 runs it in the former only (``vsa_fa4.launch.Q_IN_REGISTERS_WHERE_FASTER``).
 
 `with_q_in_registers(base)` subclasses a sm_90 forward kernel class (delta 2's two-CTA class):
 

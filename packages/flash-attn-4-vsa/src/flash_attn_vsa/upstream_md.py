@@ -7,8 +7,8 @@ step with the code by tools:
   ``fa4-refresh``; the tests check them against ``pyproject.toml``),
 - the list of upstream symbols, generated from the fingerprint record between
   :data:`SYMBOLS_BEGIN` and :data:`SYMBOLS_END`,
-- the deltas table under ``## Our deltas`` (written by hand, one row per delta, parsed by
-  :func:`parse_deltas` so that tests can check each row),
+- the deltas table under ``## Our deltas``, generated from the registry in
+  ``flash_attn_vsa.deltas`` (which holds its rendering and its markers),
 - the refresh history, one line per refresh, newest first, after :data:`HISTORY_MARKER`.
 
 Pure text functions; nothing here imports upstream or touches the network.
@@ -17,14 +17,11 @@ Pure text functions; nothing here imports upstream or touches the network.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from typing import Any
 
 SYMBOLS_BEGIN = "<!-- fa4-symbols:begin (generated from upstream_api.json, do not edit) -->"
 SYMBOLS_END = "<!-- fa4-symbols:end -->"
 HISTORY_MARKER = "<!-- fa4-refresh-history (newest first; fa4-refresh adds a line) -->"
-DELTAS_HEADING = "## Our deltas"
-DELTA_COLUMNS = ("Delta", "Our file", "Builds on (upstream)", "Arch", "Offered upstream")
 
 
 # --------------------------------------------------------------------------------------------
@@ -112,73 +109,6 @@ def upstream_commit_cell(version: str, tag: str | None, commit: str | None) -> s
 
 def alongside_cell(requirements: list[str]) -> str:
     return ", ".join(f"`{r}`" for r in requirements)
-
-
-# --------------------------------------------------------------------------------------------
-# Deltas table
-
-
-@dataclass(frozen=True)
-class Delta:
-    """One row of the deltas table."""
-
-    name: str
-    file: str
-    builds_on: str
-    arch: str
-    offered_upstream: str
-
-
-def _strip_code(cell: str) -> str:
-    cell = cell.strip()
-    if len(cell) >= 2 and cell.startswith("`") and cell.endswith("`"):
-        return cell[1:-1]
-    return cell
-
-
-def _section(text: str, heading: str) -> str:
-    match = re.search(rf"^{re.escape(heading)}[ \t]*$", text, flags=re.MULTILINE)
-    if match is None:
-        raise ValueError(f"UPSTREAM.md has no '{heading}' section")
-    body = text[match.end() :]
-    following = re.search(r"^## ", body, flags=re.MULTILINE)
-    return body[: following.start()] if following else body
-
-
-def parse_deltas(text: str) -> list[Delta]:
-    """The rows of the deltas table under ``## Our deltas`` (code blocks are skipped).
-
-    Raises ValueError when the table header is missing or a row does not have the five
-    columns of :data:`DELTA_COLUMNS`.
-    """
-    section = _section(text, DELTAS_HEADING)
-    in_fence = False
-    header_seen = False
-    deltas: list[Delta] = []
-    for line in section.splitlines():
-        stripped = line.strip()
-        if stripped.startswith("```"):
-            in_fence = not in_fence
-            continue
-        if in_fence or not stripped.startswith("|"):
-            continue
-        cells = [c.strip() for c in stripped.strip("|").split("|")]
-        if not header_seen:
-            if tuple(cells) != DELTA_COLUMNS:
-                raise ValueError(
-                    f"the deltas table header must be | {' | '.join(DELTA_COLUMNS)} |, "
-                    f"found {stripped}"
-                )
-            header_seen = True
-            continue
-        if set(stripped.replace("|", "").strip()) <= {"-", ":", " "}:
-            continue  # the separator row
-        if len(cells) != len(DELTA_COLUMNS) or not all(cells):
-            raise ValueError(f"a deltas row needs {len(DELTA_COLUMNS)} non-empty cells: {line}")
-        deltas.append(Delta(*(_strip_code(c) for c in cells)))
-    if not header_seen:
-        raise ValueError("UPSTREAM.md has no deltas table under '## Our deltas'")
-    return deltas
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,0 +1,260 @@
+"""The registry of the fork's kernel deltas: one record per delta module, the single source of
+the deltas table in ``UPSTREAM.md`` (and of what the docs may say about each).
+
+A *delta* is one module of ``flash_attn_vsa`` that changes what an upstream FA4 kernel does.
+Each `Delta` says which upstream piece it builds on (a symbol whose source the fingerprint
+hashes, so a refresh shows any upstream change under it), whether it is **shipped** (`vsa-fa4`
+runs it by default) or **experimental** (only on request), and where ``vsa_fa4.launch`` runs
+it. The statuses and routes below were read from ``vsa_fa4.launch`` (``run_forward``,
+``run_backward``, ``SHIPPED_FORWARD``, ``Q_IN_REGISTERS_WHERE_FASTER``) and from
+``bwd_sm90.config_for``; a test checks that the modules exist and every module of the package is
+accounted for (`SUPPORT`, `TOOLING`).
+
+``UPSTREAM.md``'s table is generated from `DELTAS` between :data:`TABLE_BEGIN` and
+:data:`TABLE_END`::
+
+    uv run python -m flash_attn_vsa.deltas --check    # exit 1 when the table is stale
+    uv run python -m flash_attn_vsa.deltas --write    # regenerate it
+
+Pure data and text; importing this module imports nothing from upstream (nor torch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+__all__ = [
+    "DELTAS",
+    "SUPPORT",
+    "TABLE_BEGIN",
+    "TABLE_END",
+    "TOOLING",
+    "Delta",
+    "by_module",
+    "main",
+    "render_table",
+    "replace_table",
+    "table_section",
+]
+
+Status = Literal["shipped", "experimental"]
+
+TABLE_BEGIN = "<!-- fa4-deltas:begin (generated from flash_attn_vsa/deltas.py, do not edit) -->"
+TABLE_END = "<!-- fa4-deltas:end -->"
+COMMAND = "uv run python -m flash_attn_vsa.deltas --write"
+
+
+@dataclass(frozen=True)
+class Delta:
+    """One kernel delta of the fork."""
+
+    number: int
+    """Its number in the docs ("delta 4"), in the order the deltas landed."""
+    module: str
+    """The module of ``flash_attn_vsa`` that holds it (``"bwd_sm90"``)."""
+    title: str
+    builds_on: str
+    """The upstream symbol it subclasses, wraps or departs from (fingerprinted, source hashed)."""
+    status: Status
+    routed: str
+    """Where ``vsa-fa4`` runs it: by default for shipped deltas, on request for experimental
+    ones."""
+    arch: str = "sm_90"
+    offered_upstream: str = "no"
+
+    @property
+    def file(self) -> str:
+        """Its file, relative to ``packages/flash-attn-4-vsa/``."""
+        return f"src/flash_attn_vsa/{self.module}.py"
+
+
+_FWD = "flash_attn.cute.flash_fwd_sm90.FlashAttentionForwardSm90"
+_BWD = "flash_attn.cute.flash_bwd_sm90.FlashAttentionBackwardSm90"
+
+DELTAS: tuple[Delta, ...] = (
+    Delta(
+        1,
+        "bwd_sm90",
+        "KV64 block-sparse backward",
+        _BWD,
+        "shipped",
+        "`run_backward`: every backward with 64-token key blocks (64x64 `KV64_CONFIG` with delta "
+        "8, 128x64 `Q128_KV64_CONFIG`); `EXPERIMENTAL_CONFIGS` and `ABLATIONS` only inside "
+        "`configs_scope`",
+    ),
+    Delta(
+        2,
+        "fwd_sm90",
+        "Q64/KV64 forward, two CTAs per SM",
+        _FWD,
+        "shipped",
+        "`run_forward`: 64x64 forwards on unpaired lists (`block_sparse_forward_q64`)",
+    ),
+    Delta(
+        3,
+        "mask_sm90",
+        "Partial key blocks as a column limit",
+        "flash_attn.cute.mask.AttentionMask",
+        "shipped",
+        "`run_forward` / `run_backward` on layouts with partial key blocks: the mask_mod they "
+        "pass (`valid_size_mask_mod`) installs it for upstream's and the fork's sm_90 kernels",
+    ),
+    Delta(
+        4,
+        "fwd_sm90_paired",
+        "Paired-key forward (128x64 blocks, 128-key tiles)",
+        _FWD,
+        "shipped",
+        "`run_forward`: 128x64 forwards at head dim 128 on sm_90 (64x64 layouts whose row pairs "
+        "share lists are planned as 128x64)",
+    ),
+    Delta(
+        5,
+        "q_regs_sm90",
+        "Q in registers for QK^T",
+        _FWD,
+        "shipped",
+        "`run_forward`: the two-CTA 64x64 forward (`Q_IN_REGISTERS_WHERE_FASTER`, +1.3-2.5% on an "
+        "H200); not the paired forward (-2%) unless `ForwardVariant(q_in_registers=True)`",
+    ),
+    Delta(
+        6,
+        "fwd_sm90_streams",
+        "Two query streams per CTA",
+        _FWD,
+        "experimental",
+        "on request: `forward_variant(ForwardVariant(two_streams=True))`, 64x64 forwards at head "
+        "dim 128 (correct on an H200, 0.69-0.76 of dense against the two-CTA kernel's 0.79)",
+    ),
+    Delta(
+        7,
+        "persistent_sm90",
+        "Persistent tiles for the fork's forwards",
+        "flash_attn.cute.tile_scheduler.StaticPersistentTileScheduler",
+        "experimental",
+        "on request: `forward_variant(ForwardVariant(persistent=True))` (on an H200 +0.7% paired, "
+        "-3% to +1% two-CTA)",
+    ),
+    Delta(
+        8,
+        "bwd_sm90_dq_parts",
+        "KV64 backward, dQ sent in parts (two CTAs per SM)",
+        _BWD,
+        "shipped",
+        "`run_backward`: 64x64 backwards (`bwd_sm90.KV64_CONFIG`: halves through one 16 KB "
+        "buffer, sent by the producer warp); other `DqStaging` forms only inside `configs_scope`",
+    ),
+)
+"""Every kernel delta, by number."""
+
+SUPPORT: dict[str, str] = {
+    "sm90_blocks": "what the sm_90 deltas run (block sizes, head dims, argument checks), the "
+    "two-CTA launch bound and upstream's compile caches scoped to our kernel classes",
+    "sm90_operands": "the stand-in for `flash_fwd_sm90.sm90_utils` through which deltas 5 and 6 "
+    "reach upstream's operand partitions and staged layouts",
+}
+"""Modules the deltas share that change no kernel on their own."""
+
+TOOLING: dict[str, str] = {
+    "fingerprint": "the recorded API of the upstream symbols we rely on (`upstream_api.json`)",
+    "compile_gate": "every kernel configuration we use compiles for sm_90a on a CPU",
+    "refresh": "`fa4-refresh`: moves the pin and runs the CPU gates",
+    "upstream_md": "reads and updates the tool-kept parts of UPSTREAM.md",
+    "deltas": "the registry of the deltas, from which this table is generated",
+}
+"""Maintainer tooling for the pin (no kernel code)."""
+
+
+def by_module() -> dict[str, Delta]:
+    """`DELTAS` by module name."""
+    return {d.module: d for d in DELTAS}
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def render_table() -> str:
+    """The generated deltas section of ``UPSTREAM.md``, markers included."""
+    lines = [
+        TABLE_BEGIN,
+        "",
+        "| # | Delta | Our file | Builds on (upstream) | Arch | Status | Where vsa-fa4 runs it "
+        "| Offered upstream |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for d in DELTAS:
+        lines.append(
+            f"| {d.number} | {_cell(d.title)} | `{d.file}` | `{d.builds_on}` | {d.arch} "
+            f"| {d.status} | {_cell(d.routed)} | {d.offered_upstream} |"
+        )
+    lines += ["", "Not deltas, also in the package:", ""]
+    for name, what in {**SUPPORT, **TOOLING}.items():
+        kind = "shared by the deltas" if name in SUPPORT else "pin tooling"
+        lines.append(f"- `src/flash_attn_vsa/{name}.py` ({kind}): {what}")
+    lines += ["", TABLE_END]
+    return "\n".join(lines)
+
+
+def table_section(text: str) -> str | None:
+    """The generated section of ``text`` (markers included), or None when it has none."""
+    start = text.find(TABLE_BEGIN.split(" (")[0])  # the marker's words may be edited
+    end = text.find(TABLE_END, start)
+    if start < 0 or end < 0:
+        return None
+    return text[start : end + len(TABLE_END)]
+
+
+def replace_table(text: str) -> str:
+    """``text`` with its generated deltas section rendered from `DELTAS`."""
+    current = table_section(text)
+    if current is None:
+        raise ValueError(f"UPSTREAM.md has no {TABLE_BEGIN!r} ... {TABLE_END!r} section")
+    return text.replace(current, render_table(), 1)
+
+
+def _workspace_upstream_md() -> Path | None:
+    for parent in Path(__file__).resolve().parents:
+        candidate = parent / "UPSTREAM.md"
+        if candidate.is_file() and (parent / "packages" / "flash-attn-4-vsa").is_dir():
+            return candidate
+    return None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m flash_attn_vsa.deltas",
+        description="Check or regenerate UPSTREAM.md's deltas table from the registry.",
+    )
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--check", action="store_true", help="exit 1 when the table is stale")
+    mode.add_argument("--write", action="store_true", help="regenerate the table in place")
+    parser.add_argument("--path", type=Path, help="UPSTREAM.md (default: the workspace's)")
+    args = parser.parse_args(argv)
+    path = args.path or _workspace_upstream_md()
+    if not args.check and not args.write:
+        print(render_table())
+        return 0
+    if path is None or not path.is_file():
+        print("no UPSTREAM.md found (run in a workspace checkout or pass --path)", file=sys.stderr)
+        return 2
+    text = path.read_text()
+    new_text = replace_table(text)
+    if args.write:
+        if new_text != text:
+            path.write_text(new_text)
+            print(f"wrote {path}")
+        return 0
+    if new_text != text:
+        print(f"{path}: the deltas table differs from flash_attn_vsa.deltas; run {COMMAND}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
