@@ -188,7 +188,7 @@ def _combine_inputs(case, dtype, gate_kind, seed):
         "head": torch.randn(1, 1, heads, 1, generator=gen).expand(2, tiling.padded_len, heads, dim),
     }[gate_kind]
     moved = [None if t is None else t.to(DEVICE, dtype) for t in (fine, coarse, gate)]
-    return (*moved, tiling.tile_tokens)
+    return (*moved, tiling)
 
 
 def _combined64(fine, coarse, gate, tile_tokens):
@@ -205,27 +205,50 @@ def _combined64(fine, coarse, gate, tile_tokens):
 @pytest.mark.parametrize("gate_kind", ["none", "token", "head"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_combine_matches_float64_in_place_and_out_of_place(dtype, gate_kind):
-    fine, coarse, gate, tile_tokens = _combine_inputs(CASES[0], dtype, gate_kind, seed=6)
-    want = _combined64(fine, coarse, gate, tile_tokens)
+    fine, coarse, gate, tiling = _combine_inputs(CASES[0], dtype, gate_kind, seed=6)
+    want = _combined64(fine, coarse, gate, tiling.tile_tokens)
+    valid = tiling.valid_sizes(DEVICE)
     tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
     with torch.no_grad():
-        in_place = TritonCoarse().combine(fine.clone(), coarse, gate, tile_tokens)
-    out_of_place = _combine(fine, coarse, gate, tile_tokens)
+        in_place = TritonCoarse().combine(fine.clone(), coarse, gate, valid)
+    out_of_place = _combine(fine, coarse, gate, valid, False)
     for got in (in_place, out_of_place):
         torch.testing.assert_close(got.double().cpu(), want, rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("gate_kind", ["none", "token", "head"])
 def test_combine_gradients_match_the_torch_path(gate_kind):
-    fine, coarse, gate, tile_tokens = _combine_inputs(CASES[1], torch.float32, gate_kind, seed=7)
+    fine, coarse, gate, tiling = _combine_inputs(CASES[1], torch.float32, gate_kind, seed=7)
+    valid = tiling.valid_sizes(DEVICE)
     leaves = [None if t is None else t.detach().requires_grad_() for t in (fine, coarse, gate)]
     dout = torch.randn_like(fine)
     grads = {}
     for stage in (TorchCoarse(), TritonCoarse()):
-        out = stage.combine(*leaves, tile_tokens)
+        out = stage.combine(*leaves, valid)
         wrt = [t for t in leaves if t is not None]
         grads[stage.name] = (out, torch.autograd.grad(out, wrt, dout))
     (want, want_grads), (got, got_grads) = grads["torch"], grads["triton"]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+
+
+def test_combine_reads_no_gate_padding_when_asked():
+    """gate_padding_as_zero: NaN in the gate's padding slots reaches no real output and no
+    gradient; the result equals the torch path's (which cleans the gate by a copy)."""
+    fine, coarse, gate, tiling = _combine_inputs(CASES[0], torch.float32, "token", seed=10)
+    valid = tiling.valid_sizes(DEVICE)
+    padding = tiling.indices().tile_to_raster < 0
+    gate[:, padding] = float("nan")
+    dout = torch.randn_like(fine)
+    runs = {}
+    for stage in (TorchCoarse(), TritonCoarse()):
+        leaves = [t.detach().clone().requires_grad_() for t in (fine, coarse, gate)]
+        out = stage.combine(*leaves, valid, True)
+        runs[stage.name] = (out, torch.autograd.grad(out, leaves, dout))
+    (want, want_grads), (got, got_grads) = runs["torch"], runs["triton"]
+    assert torch.isfinite(got).all() and all(torch.isfinite(g).all() for g in got_grads)
+    assert not got_grads[2][:, padding].any(), "the gate's padding received a gradient"
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     for g, w in zip(got_grads, want_grads, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)

@@ -139,5 +139,5 @@ def test_coarse_ops_pass_torch_library_opcheck():
     qp, kp, vp = pool_qkv(q.detach(), k.detach(), v.detach(), valid)
     torch.library.opcheck(select_op, (qp, kp, valid, 5))
     coarse = vp.detach().clone().requires_grad_()
-    torch.library.opcheck(combine_op, (q, coarse, k, tiling.tile_tokens))
-    torch.library.opcheck(combine_op, (q, coarse, None, tiling.tile_tokens))
+    torch.library.opcheck(combine_op, (q, coarse, k, valid, True))
+    torch.library.opcheck(combine_op, (q, coarse, None, valid, False))

@@ -91,13 +91,19 @@ class CoarseStage:
         fine: torch.Tensor,
         coarse: torch.Tensor,
         gate: torch.Tensor | None,
-        tile_tokens: int,
+        valid_sizes: torch.Tensor,
+        gate_padding_as_zero: bool = False,
+        padding_index: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """VSA's output ``fine + gate * coarse`` ([B, N * T, H, D]; ``coarse`` [B, N, H, D]
         broadcast over each tile's T slots; gate None: 1), differentiable w.r.t. all three.
-        May write into ``fine`` when no gradient flows (the op owns it). Plain torch unless a
-        plug-in overrides it."""
-        return combine_tiles(fine, coarse, gate, tile_tokens)
+        ``gate_padding_as_zero``: the gate's padding slots must act as 0 (the op asks when
+        gradients flow through a per-token gate on partial tiles: 0 * NaN is NaN in the coarse
+        term's gradient), so their gradient is 0 too. May write into ``fine`` when no gradient
+        flows (the op owns it). Default: plain torch, the gate cleaned by a copy."""
+        if gate is not None and gate_padding_as_zero:
+            gate = zero_padding(gate, valid_sizes, padding_index)
+        return combine_tiles(fine, coarse, gate, fine.shape[1] // valid_sizes.shape[0])
 
 
 class TorchCoarse(CoarseStage):

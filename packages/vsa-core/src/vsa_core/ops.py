@@ -170,10 +170,9 @@ def video_sparse_attn(
     with torch.no_grad():
         selection = stage.select(q_pooled, k_pooled, valid_sizes, topk)
     layout = layout_from_selection(selection, valid_sizes, tile_tokens, all_full=all_full)
-    if training and seq_gate and not all_full:  # 0 * NaN in the coarse term's gradient
-        gate = zero_padding(gate, valid_sizes, padding_index)
     fine, _ = chosen.forward(q_fine, k_fine, v_fine, layout, scale)
-    out = stage.combine(fine, coarse, gate, tile_tokens)
+    gate_padding_as_zero = training and seq_gate and not all_full
+    out = stage.combine(fine, coarse, gate, valid_sizes, gate_padding_as_zero, padding_index)
 
     if token_order == "raster":
         assert tiling is not None

@@ -306,39 +306,48 @@ def _gate_strides(gate: torch.Tensor | None) -> tuple[int, int, int, int]:
     return (0, 0, 0, 0) if gate is None else gate.stride()
 
 
-def _combine_launch(fine, coarse, gate, out, tile_tokens):
+def _combine_launch(fine, coarse, gate, valid_sizes, gate_padding_as_zero, out):
     batch, seq, heads, dim = fine.shape
-    num_tiles = seq // tile_tokens
+    num_tiles = valid_sizes.shape[0]
     _kernels().combine_fwd_kernel[(num_tiles, batch * heads)](
-        fine, coarse, fine if gate is None else gate, out,  # fine: a pointer never read as gate
+        fine, coarse, fine if gate is None else gate, out, valid_sizes,  # fine: never read as gate
         *_bshd_strides(fine), *_bshd_strides(coarse), *_gate_strides(gate),
-        *_bshd_strides(out),
-        heads, HAS_GATE=gate is not None, **_tile_constants(tile_tokens, dim),
+        *_bshd_strides(out), heads, HAS_GATE=gate is not None,
+        GATE_PADDING_AS_ZERO=gate_padding_as_zero, **_tile_constants(seq // num_tiles, dim),
     )  # fmt: skip
     return out
 
 
 def _combine(
-    fine: torch.Tensor, coarse: torch.Tensor, gate: torch.Tensor | None, tile_tokens: int
+    fine: torch.Tensor,
+    coarse: torch.Tensor,
+    gate: torch.Tensor | None,
+    valid_sizes: torch.Tensor,
+    gate_padding_as_zero: bool,
 ) -> torch.Tensor:
-    """fine + gate * coarse[tile] ([B, N * T, H, D]; coarse [B, N, H, D]) in a new tensor."""
+    """fine + gate * coarse[tile] ([B, N * T, H, D]; coarse [B, N, H, D]) in a new tensor;
+    with ``gate_padding_as_zero`` the gate's padding slots are never read (0)."""
     fine, coarse = _head_dim_contiguous(fine), _head_dim_contiguous(coarse)
     out = torch.empty_like(fine, memory_format=torch.contiguous_format)
-    return _combine_launch(fine, coarse, gate, out, tile_tokens) if out.numel() else out
+    if not out.numel():
+        return out
+    return _combine_launch(fine, coarse, gate, valid_sizes, gate_padding_as_zero, out)
 
 
-def _combine_in_place(fine, coarse, gate, tile_tokens):
+def _combine_in_place(fine, coarse, gate, valid_sizes, gate_padding_as_zero):
     """`_combine` written over ``fine`` (no gradient flows: the op owns ``fine``)."""
     if fine.stride(-1) != 1 or coarse.stride(-1) != 1:
-        return _combine(fine, coarse, gate, tile_tokens)
-    return _combine_launch(fine, coarse, gate, fine, tile_tokens) if fine.numel() else fine
+        return _combine(fine, coarse, gate, valid_sizes, gate_padding_as_zero)
+    if not fine.numel():
+        return fine
+    return _combine_launch(fine, coarse, gate, valid_sizes, gate_padding_as_zero, fine)
 
 
 combine_op = torch.library.custom_op("vsa_triton::combine", _combine, mutates_args=())
 
 
 @combine_op.register_fake
-def _(fine, coarse, gate, tile_tokens):
+def _(fine, coarse, gate, valid_sizes, gate_padding_as_zero):
     return torch.empty_like(fine, memory_format=torch.contiguous_format)
 
 
@@ -346,25 +355,28 @@ def _combine_backward(
     dout: torch.Tensor,
     coarse: torch.Tensor,
     gate: torch.Tensor | None,
-    tile_tokens: int,
+    valid_sizes: torch.Tensor,
+    gate_padding_as_zero: bool,
     want_dgate: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dgate, dcoarse) of `_combine` from dout: dgate = dout * coarse[tile] (an empty tensor
-    when not wanted or without a gate), dcoarse = sum over each tile's slots of dout * gate."""
+    """(dgate, dcoarse) of `_combine` from dout: dgate = dout * coarse[tile] (0 where the gate
+    acts as 0; an empty tensor when not wanted or without a gate), dcoarse = sum over each
+    tile's slots of dout * gate."""
     dout, coarse = _head_dim_contiguous(dout), _head_dim_contiguous(coarse)
     batch, seq, heads, dim = dout.shape
     write_dgate = want_dgate and gate is not None
     dgate = torch.empty_like(dout) if write_dgate else dout.new_empty(0)
     dcoarse = torch.empty_like(coarse, memory_format=torch.contiguous_format)
+    num_tiles = valid_sizes.shape[0]
     if dcoarse.numel() and seq:
         gate_ref = dout if gate is None else gate
         dgate_ref = dgate if write_dgate else dout
-        _kernels().combine_bwd_kernel[(seq // tile_tokens, batch * heads)](
-            dout, coarse, gate_ref, dgate_ref, dcoarse,
+        _kernels().combine_bwd_kernel[(num_tiles, batch * heads)](
+            dout, coarse, gate_ref, dgate_ref, dcoarse, valid_sizes,
             *_bshd_strides(dout), *_bshd_strides(coarse), *_gate_strides(gate),
             *_bshd_strides(dgate_ref), *_bshd_strides(dcoarse),
             heads, HAS_GATE=gate is not None, WRITE_DGATE=write_dgate,
-            **_tile_constants(tile_tokens, dim),
+            GATE_PADDING_AS_ZERO=gate_padding_as_zero, **_tile_constants(seq // num_tiles, dim),
         )  # fmt: skip
     elif dcoarse.numel():
         dcoarse.zero_()
@@ -377,22 +389,22 @@ combine_backward_op = torch.library.custom_op(
 
 
 @combine_backward_op.register_fake
-def _(dout, coarse, gate, tile_tokens, want_dgate):
+def _(dout, coarse, gate, valid_sizes, gate_padding_as_zero, want_dgate):
     dgate = torch.empty_like(dout) if want_dgate and gate is not None else dout.new_empty(0)
     return dgate, torch.empty_like(coarse, memory_format=torch.contiguous_format)
 
 
 def _combine_setup(ctx, inputs, output):
-    _, coarse, gate, tile_tokens = inputs
-    ctx.save_for_backward(coarse, gate)
-    ctx.tile_tokens = tile_tokens
+    _, coarse, gate, valid_sizes, gate_padding_as_zero = inputs
+    ctx.save_for_backward(coarse, gate, valid_sizes)
+    ctx.gate_padding_as_zero = gate_padding_as_zero
 
 
 def _combine_grads(ctx, dout, backward):
-    coarse, gate = ctx.saved_tensors
+    coarse, gate, valid_sizes = ctx.saved_tensors
     want_dgate = gate is not None and ctx.needs_input_grad[2]
-    dgate, dcoarse = backward(dout, coarse, gate, ctx.tile_tokens, want_dgate)
-    return dout, dcoarse, dgate if want_dgate else None, None
+    dgate, dcoarse = backward(dout, coarse, gate, valid_sizes, ctx.gate_padding_as_zero, want_dgate)
+    return dout, dcoarse, dgate if want_dgate else None, None, None
 
 
 combine_op.register_autograd(
@@ -405,9 +417,10 @@ class _CombineFunction(torch.autograd.Function):
     """`combine_op`'s autograd in eager mode, on the plain functions."""
 
     @staticmethod
-    def forward(ctx, fine, coarse, gate, tile_tokens):
-        output = _combine(fine, coarse, gate, tile_tokens)
-        _combine_setup(ctx, (fine, coarse, gate, tile_tokens), output)
+    def forward(ctx, fine, coarse, gate, valid_sizes, gate_padding_as_zero):
+        inputs = (fine, coarse, gate, valid_sizes, gate_padding_as_zero)
+        output = _combine(*inputs)
+        _combine_setup(ctx, inputs, output)
         return output
 
     @staticmethod
@@ -448,5 +461,7 @@ class TritonCoarse(CoarseStage):
     def select(self, q_pooled, k_pooled, valid_sizes, topk):
         return select_topk(q_pooled, k_pooled, valid_sizes, topk)
 
-    def combine(self, fine, coarse, gate, tile_tokens):
-        return combine_tiles(fine, coarse, gate, tile_tokens)
+    def combine(
+        self, fine, coarse, gate, valid_sizes, gate_padding_as_zero=False, padding_index=None
+    ):
+        return combine_tiles(fine, coarse, gate, valid_sizes, bool(gate_padding_as_zero))

@@ -213,23 +213,33 @@ def _combine_program(heads, TILE_TOKENS: tl.constexpr, SLOTS: tl.constexpr,
 
 
 @triton.jit
+def _gate_slots(valid_ptr, tile, inside, SLOTS: tl.constexpr, GATE_PADDING_AS_ZERO: tl.constexpr):
+    """The (slot, dim) elements whose gate is read: all, or only real slots (padding as 0)."""
+    if GATE_PADDING_AS_ZERO:
+        return inside & (tl.arange(0, SLOTS) < tl.load(valid_ptr + tile))[:, None]
+    return inside
+
+
+@triton.jit
 def combine_fwd_kernel(
-    fine, coarse, gate, out,
+    fine, coarse, gate, out, valid_ptr,
     s_fb, s_fs, s_fh, s_cb, s_cn, s_ch, s_gb, s_gs, s_gh, s_gd, s_ob, s_os, s_oh,
     heads,
     TILE_TOKENS: tl.constexpr, SLOTS: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr,
-    HAS_GATE: tl.constexpr,
+    HAS_GATE: tl.constexpr, GATE_PADDING_AS_ZERO: tl.constexpr,
 ):
     """One (tile, batch x head): out = fine + gate * coarse[tile] on every slot of the tile, in
     float32, rounded once (``out`` may be ``fine`` itself: each element is read before it is
-    written, by the same thread). The gate may broadcast: any of its strides may be 0."""
+    written, by the same thread). The gate may broadcast: any of its strides may be 0; with
+    GATE_PADDING_AS_ZERO its padding slots are never read (0)."""
     tile, b, h, rows, dims, keep, inside = _combine_program(heads, TILE_TOKENS, SLOTS, HEAD_DIM,
                                                              DIM_P2)
     c = tl.load(coarse + b * s_cb + tile * s_cn + h * s_ch + dims, mask=keep, other=0.0)
     x = tl.load(fine + b * s_fb + h * s_fh + rows * s_fs + dims[None, :], mask=inside, other=0.0)
     c = c.to(tl.float32)[None, :]
     if HAS_GATE:
-        g = tl.load(gate + b * s_gb + h * s_gh + rows * s_gs + dims[None, :] * s_gd, mask=inside,
+        read = _gate_slots(valid_ptr, tile, inside, SLOTS, GATE_PADDING_AS_ZERO)
+        g = tl.load(gate + b * s_gb + h * s_gh + rows * s_gs + dims[None, :] * s_gd, mask=read,
                     other=0.0)
         y = x.to(tl.float32) + g.to(tl.float32) * c
     else:
@@ -240,12 +250,12 @@ def combine_fwd_kernel(
 
 @triton.jit
 def combine_bwd_kernel(
-    dout, coarse, gate, dgate, dcoarse,
+    dout, coarse, gate, dgate, dcoarse, valid_ptr,
     s_db, s_ds, s_dh, s_cb, s_cn, s_ch, s_gb, s_gs, s_gh, s_gd, s_xb, s_xs, s_xh, s_eb, s_en,
     s_eh,
     heads,
     TILE_TOKENS: tl.constexpr, SLOTS: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr,
-    HAS_GATE: tl.constexpr, WRITE_DGATE: tl.constexpr,
+    HAS_GATE: tl.constexpr, WRITE_DGATE: tl.constexpr, GATE_PADDING_AS_ZERO: tl.constexpr,
 ):
     """One (tile, batch x head) of the combine's backward: dcoarse[tile] = sum over the tile's
     slots of dout * gate (of dout without a gate), in float32; dgate = dout * coarse[tile]
@@ -256,13 +266,14 @@ def combine_bwd_kernel(
     d = tl.load(dout + b * s_db + h * s_dh + rows * s_ds + dims[None, :], mask=inside, other=0.0)
     d = d.to(tl.float32)
     if HAS_GATE:
-        g = tl.load(gate + b * s_gb + h * s_gh + rows * s_gs + dims[None, :] * s_gd, mask=inside,
+        read = _gate_slots(valid_ptr, tile, inside, SLOTS, GATE_PADDING_AS_ZERO)
+        g = tl.load(gate + b * s_gb + h * s_gh + rows * s_gs + dims[None, :] * s_gd, mask=read,
                     other=0.0)
         dc = tl.sum(d * g.to(tl.float32), axis=0)
-        if WRITE_DGATE:
+        if WRITE_DGATE:  # 0 on slots whose gate acts as 0
             c = tl.load(coarse + at_tile, mask=keep, other=0.0).to(tl.float32)
             tl.store(dgate + b * s_xb + h * s_xh + rows * s_xs + dims[None, :],
-                     (d * c[None, :]).to(dgate.dtype.element_ty), mask=inside)
+                     tl.where(read, d * c[None, :], 0.0).to(dgate.dtype.element_ty), mask=inside)
     else:
         dc = tl.sum(d, axis=0)
     tl.store(dcoarse + b * s_eb + tile * s_en + h * s_eh + dims, dc.to(dcoarse.dtype.element_ty),
