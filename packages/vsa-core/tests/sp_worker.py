@@ -58,6 +58,8 @@ class Case:
     scale: float | None = None
     grad: bool = True
     tile: tuple[int, int, int] = (4, 4, 4)
+    head_chunk: int | None = None  # heads per pipeline step (None: the op's default)
+    recompute: bool = False
 
 
 F64 = torch.float64
@@ -68,6 +70,33 @@ CPU_CASES = [
     Case("f64 gate [1,1,H,1] replicated", (5, 9, 10), 4, 16, 1, 4, F64, "replicated"),
     Case("f64 no_grad, bhsd gate", (5, 9, 10), 4, 16, 2, 5, F64, "full", "bhsd", grad=False),
     Case("f32 full gate, 8 heads", (5, 9, 10), 8, 16, 1, 6, torch.float32),
+    Case(
+        "f64 one head a step, recompute", (5, 9, 10), 8, 16, 2, 5, F64, head_chunk=1, recompute=True
+    ),
+    Case(
+        "f64 replicated gate, 3 heads a step, B=2",
+        (5, 9, 10),
+        8,
+        16,
+        2,
+        4,
+        F64,
+        "replicated",
+        head_chunk=3,
+    ),
+    Case(
+        "f64 gate [B,S,1,1], one head a step, recompute",
+        (5, 9, 10),
+        4,
+        16,
+        2,
+        3,
+        F64,
+        "seq",
+        "bhsd",
+        head_chunk=1,
+        recompute=True,
+    ),
 ]
 BF16 = torch.bfloat16
 GPU_CASES = [
@@ -75,6 +104,21 @@ GPU_CASES = [
     Case("bf16 13x24x40", (13, 24, 40), 8, 128, 1, 30, BF16),
     Case("bf16 bhsd, replicated gate", (13, 24, 40), 8, 128, 1, 30, BF16, "replicated", "bhsd"),
     Case("bf16 no_grad", (13, 24, 40), 8, 128, 1, 30, BF16, grad=False),
+    Case("bf16 one head a step", (13, 24, 40), 8, 128, 1, 30, BF16, head_chunk=1),
+    Case(
+        "bf16 one head a step, recompute, B=2",
+        (13, 24, 40),
+        8,
+        128,
+        2,
+        30,
+        BF16,
+        head_chunk=1,
+        recompute=True,
+    ),
+    Case(
+        "bf16 one head a step, no_grad", (13, 24, 40), 8, 128, 1, 30, BF16, grad=False, head_chunk=1
+    ),
 ]
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 2e-5}
 BF16_REL_TOLERANCE = {"out": 1e-2, "grad": 2e-2}
@@ -183,8 +227,9 @@ def run_case(case: Case, check: Checker, device: torch.device, backend: str) -> 
     dist_in = {n: local(fmt(full[n])).detach().clone().requires_grad_(case.grad) for n in names}
     with torch.set_grad_enabled(case.grad):
         out = sequence_parallel_video_sparse_attn(
-            dist_in["q"], dist_in["k"], dist_in["v"], coarse_gate=dist_in.get("gate"), **kwargs
-        )
+            dist_in["q"], dist_in["k"], dist_in["v"], coarse_gate=dist_in.get("gate"),
+            head_chunk=case.head_chunk, recompute=case.recompute, **kwargs,
+        )  # fmt: skip
     check.close(case.name, "out", out, local(ref_out))
     check.close(case.name, "gathered out", gather_sequence(out, dim=seq_dim), ref_out)
     if not case.grad:
