@@ -13,7 +13,14 @@ import torch
 
 from vsa_core import VideoTiling, video_sparse_attn
 from vsa_core.coarse import TorchCoarse, coarse_stage
-from vsa_triton.coarse import TritonCoarse, _combine, pool_qkv, select_topk
+from vsa_triton.coarse import (
+    SelectConfig,
+    TritonCoarse,
+    _combine,
+    pool_qkv,
+    select_topk,
+    select_with,
+)
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
@@ -103,9 +110,19 @@ def _assert_is_topk(indices, qp, kp, valid, topk, tol):
     assert bool((highest_left <= kth + tol).all())
 
 
+# both algorithms of the selection's second phase
+SELECTS = [
+    pytest.param(SelectConfig(), id="bisect"),
+    pytest.param(SelectConfig(radix=True), id="radix"),
+]
+
+
+@pytest.mark.parametrize("config", SELECTS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", CASES)
-def test_select_is_an_exact_topk(case, dtype):
+def test_select_is_an_exact_topk(case, dtype, config):
+    if config.radix and not ON_GPU and case == CASES[0]:
+        pytest.skip("row by row, the interpreter takes half a minute here; cases 1-2 cover it")
     latent, tile, heads, dim = case
     tiling = VideoTiling(latent, tile)
     valid = tiling.valid_sizes(DEVICE)
@@ -113,10 +130,13 @@ def test_select_is_an_exact_topk(case, dtype):
     n = tiling.num_tiles
     tol = 1e-5 if dtype == torch.float32 else 1e-3
     for topk in sorted({1, max(1, n // 8), n // 2, n}):
-        _assert_is_topk(select_topk(qp, kp, valid, topk), qp, kp, valid, topk, tol)
+        got = select_with(qp, kp, valid, topk, config)
+        _assert_is_topk(got, qp, kp, valid, topk, tol)
+        assert torch.equal(got, select_topk(qp, kp, valid, topk)), "differs from the shipped"
 
 
-def test_select_ranks_empty_tiles_last_and_breaks_ties_low():
+@pytest.mark.parametrize("config", SELECTS)
+def test_select_ranks_empty_tiles_last_and_breaks_ties_low(config):
     gen = torch.Generator().manual_seed(4)
     n, dim = 12, 16
     qp = torch.randn(1, n, 2, dim, generator=gen)
@@ -126,7 +146,7 @@ def test_select_ranks_empty_tiles_last_and_breaks_ties_low():
     valid[[1, 5, 9]] = 0  # empty tiles
     qp, kp, valid = qp.to(DEVICE), kp.to(DEVICE), valid.to(DEVICE)
     for topk in range(1, n + 1):
-        got = select_topk(qp, kp, valid, topk).long().cpu()
+        got = select_with(qp, kp, valid, topk, config).long().cpu()
         chosen = torch.zeros(1, 2, n, n, dtype=torch.bool).scatter_(-1, got, True)
         # an empty tile only when every non-empty one is taken, then the lowest-numbered
         empties = chosen[..., [1, 5, 9]].sum(-1)

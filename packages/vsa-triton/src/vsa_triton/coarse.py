@@ -47,6 +47,9 @@ class SelectConfig:
     block_n: int = 64
     elements_per_step: int = 4096
     num_warps: int = 4
+    radix: bool = False
+    """Find each row's k-th score by four 8-bit histogram passes instead of 31 bisection
+    passes (one row at a time; ``elements_per_step`` then unused)."""
 
 
 SELECT = SelectConfig()
@@ -284,7 +287,7 @@ def select_with(
         num_tiles, heads, topk,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEAD_DIM=dim, DIM_P2=_next_pow2(dim),
         TILES_P2=tiles_p2, ROWS=rows, IEEE=q_pooled.dtype == torch.float32,
-        INTERPRET=interpreting(), num_warps=config.num_warps,
+        INTERPRET=interpreting(), RADIX=config.radix, num_warps=config.num_warps,
     )  # fmt: skip
     return out
 

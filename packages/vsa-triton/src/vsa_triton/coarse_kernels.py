@@ -132,13 +132,49 @@ def _score_block(q, k_base, valid_ptr, score_rows, rows, dims, dim_ok, start, nu
 
 
 @triton.jit
+def _kth_key_radix(key, live, topk):
+    """The k-th largest of one row's int32 keys (signed order) among ``live`` columns: four
+    passes over 8-bit digits from the top, each a 256-bin histogram of the digit among the
+    keys that share the digits found so far (instead of 31 counting passes of bisection)."""
+    biased = key ^ -2147483648  # the same bits in unsigned order
+    bins = tl.arange(0, 256)
+    candidates = live
+    rest = topk  # how many of the candidates are still to be taken
+    prefix = tl.zeros([], dtype=tl.int32)
+    for shift in tl.static_range(24, -8, -8):
+        digit = (biased >> shift) & 0xFF
+        hist = tl.histogram(digit, 256, mask=candidates)
+        at_least = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist  # digits >= d
+        d = tl.sum((at_least >= rest).to(tl.int32), axis=0) - 1
+        rest -= tl.sum(tl.where(bins > d, hist, 0), axis=0)
+        prefix = (prefix << 8) | d
+        candidates = candidates & (digit == d)
+    return prefix ^ -2147483648
+
+
+@triton.jit
+def _select_row_radix(score_rows, out_ptr, bh, row, cols, col_ok, num_tiles, topk):
+    """One query row's top-k columns, ascending, ties at the k-th score to the lowest."""
+    if row < num_tiles:
+        s = tl.load(score_rows + row * num_tiles + cols, mask=col_ok, other=0.0)
+        key = tl.where(col_ok, _order_key(s), -2147483648)
+        kth = _kth_key_radix(key, col_ok, topk)
+        above = key > kth
+        tied = key == kth
+        room = topk - tl.sum(above.to(tl.int32), axis=0)
+        chosen = above | (tied & (tl.cumsum(tied.to(tl.int32), axis=0) <= room))
+        slot = tl.cumsum(chosen.to(tl.int32), axis=0) - 1
+        tl.store(out_ptr + (bh.to(tl.int64) * num_tiles + row) * topk + slot, cols, mask=chosen)
+
+
+@triton.jit
 def select_topk_kernel(
     qp, kp, valid_ptr, scores_ptr, out_ptr,
     s_pb, s_pn, s_ph,
     num_tiles, heads, topk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     DIM_P2: tl.constexpr, TILES_P2: tl.constexpr, ROWS: tl.constexpr, IEEE: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    INTERPRET: tl.constexpr, RADIX: tl.constexpr,
 ):
     """BLOCK_M query tiles of one (batch, head): their scores against every key tile, then
     each row's top-k as an ascending list.
@@ -172,6 +208,11 @@ def select_topk_kernel(
 
     cols = tl.arange(0, TILES_P2)
     col_ok = cols < num_tiles
+    if RADIX:
+        for r in range(0, BLOCK_M):
+            _select_row_radix(score_rows, out_ptr, bh, pid_m * BLOCK_M + r, cols, col_ok,
+                              num_tiles, topk)
+        return
     for r in range(0, BLOCK_M, ROWS):
         row = pid_m * BLOCK_M + r + tl.arange(0, ROWS)
         live = (row < num_tiles)[:, None] & col_ok[None, :]
