@@ -3,14 +3,15 @@
     python3 research/coarse_stage/sweep_select.py --out select_sweep.json
 
 For each latent (Wan 2.1 480p and 720p, HunyuanVideo 720p with their head counts, 64-token
-tiles, 87.5% sparse) and each config, times ``select_with`` on random pooled bf16 tensors
-(median of CUDA-event timings over back-to-back calls) and checks that every config picks
-the same tiles as the shipped one.
+tiles, 87.5% sparse), the shipped config and radix ones, times ``select_with`` on random pooled
+bf16 tensors (median of CUDA-event timings over back-to-back calls) and checks that every config
+picks the same tiles as the shipped one.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import statistics
@@ -54,13 +55,16 @@ def main() -> None:
                   for _ in range(2))  # fmt: skip
         topk = max(1, round(n * 0.125))
         want = select_with(qp, kp, valid, topk, SELECT)
-        for block_m, warps, per_step in itertools.product((4, 8, 16), (4, 8), (2048, 4096)):
-            config = SelectConfig(block_m=block_m, num_warps=warps, elements_per_step=per_step)
+        configs = [SELECT] + [
+            SelectConfig(block_m=block_m, num_warps=warps, radix=True)
+            for block_m, warps in itertools.product((2, 4, 8, 16), (1, 2, 4))
+        ]
+        for config in configs:
             got = select_with(qp, kp, valid, topk, config)
             call = (qp, kp, valid, topk, config)
             ms = _time_ms(lambda call=call: select_with(*call), args.reps)
-            row = {"latent": name, "tiles": n, "heads": heads, "topk": topk, "block_m": block_m,
-                   "num_warps": warps, "elements_per_step": per_step, "ms": round(ms, 4),
+            row = {"latent": name, "tiles": n, "heads": heads, "topk": topk,
+                   **dataclasses.asdict(config), "ms": round(ms, 4),
                    "same_as_shipped": bool(torch.equal(got, want))}  # fmt: skip
             print(json.dumps(row), flush=True)
             rows.append(row)
