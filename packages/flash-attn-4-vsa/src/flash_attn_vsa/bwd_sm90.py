@@ -50,6 +50,13 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
+from flash_attn_vsa.bwd_sm90_kv64 import (  # re-exported
+    MMA_REGISTERS as MMA_REGISTERS,
+)
+from flash_attn_vsa.bwd_sm90_kv64 import (
+    PRODUCER_REGISTERS as PRODUCER_REGISTERS,
+)
+from flash_attn_vsa.bwd_sm90_kv64 import kernel_class
 from flash_attn_vsa.sm90_blocks import BWD_BLOCK_SIZES, HEAD_DIMS, ScopedCompileCache, check_call
 
 __all__ = [
@@ -65,10 +72,6 @@ __all__ = [
     "config_for",
     "configs_scope",
 ]
-
-MMA_REGISTERS = 240
-"""Registers per thread of the lone MMA warpgroup (the producer warpgroup keeps 24)."""
-PRODUCER_REGISTERS = 24
 
 
 @dataclass(frozen=True)
@@ -209,26 +212,6 @@ def configs_scope(configs: dict[tuple[int, int], TileConfig]) -> Iterator[None]:
         yield
     finally:
         _active.overrides = saved
-
-
-@functools.cache
-def kernel_class() -> type:
-    """Upstream's sm_90 backward kernel class with registers sized for one MMA warpgroup."""
-    from flash_attn.cute.flash_bwd_sm90 import FlashAttentionBackwardSm90
-
-    class FlashAttentionBackwardSm90KV64(FlashAttentionBackwardSm90):
-        """Same kernel; with a single MMA warpgroup it gets `MMA_REGISTERS` registers per
-        thread (upstream's split for three warpgroups, 160, spills this tile)."""
-
-        def _setup_attributes(self) -> None:
-            if self.num_wg_mma == 1:
-                self.num_mma_regs_wg0 = MMA_REGISTERS
-                self.num_mma_regs_wg1 = MMA_REGISTERS
-                self.num_mma_regs = MMA_REGISTERS
-                self.num_producer_regs = PRODUCER_REGISTERS
-            super()._setup_attributes()
-
-    return FlashAttentionBackwardSm90KV64
 
 
 _lock = threading.RLock()

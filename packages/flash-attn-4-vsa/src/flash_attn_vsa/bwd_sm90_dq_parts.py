@@ -152,7 +152,7 @@ def kernel_class(
 
 @functools.cache
 def _kernel_class(ctas_per_sm: int, staging: DqStaging, send_dq: bool) -> type:
-    from flash_attn_vsa.bwd_sm90 import kernel_class as kv64_class
+    from flash_attn_vsa.bwd_sm90_kv64 import kernel_class as kv64_class
     from flash_attn_vsa.sm90_blocks import BoundLauncher
 
     base = kv64_class()

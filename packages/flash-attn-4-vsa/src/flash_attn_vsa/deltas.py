@@ -157,6 +157,14 @@ SUPPORT: dict[str, str] = {
     "two-CTA launch bound and upstream's compile caches scoped to our kernel classes",
     "sm90_operands": "the stand-in for `flash_fwd_sm90.sm90_utils` through which deltas 5 and 6 "
     "reach upstream's operand partitions and staged layouts",
+    "fwd_sm90_scope": "the thread's active forward kernel (`current_scope`), a leaf read by the "
+    "patches of upstream's forward",
+    "paired_sm90": "delta 4's body (packed pairs, mask, kernel class, the patch of upstream's "
+    "forward module), below `fwd_sm90`'s `ForwardKernel`; `fwd_sm90_paired` re-exports it",
+    "streams_sm90": "delta 6's body (packed entries, mask, kernel class), below `fwd_sm90`'s "
+    "`ForwardKernel`; `fwd_sm90_streams` re-exports it",
+    "bwd_sm90_kv64": "delta 1's kernel class (the register split), a leaf below `bwd_sm90` and "
+    "delta 8, which subclasses it; `bwd_sm90` re-exports it",
 }
 """Modules the deltas share that change no kernel on their own."""
 

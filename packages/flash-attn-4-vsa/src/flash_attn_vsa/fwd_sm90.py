@@ -31,12 +31,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from flash_attn_vsa.fwd_sm90_scope import _active, current_scope
 from flash_attn_vsa.sm90_blocks import (
     BLOCK_SIZE,
     HEAD_DIMS,
@@ -101,8 +101,6 @@ def _two_cta_class() -> type:
     return FlashAttentionForwardSm90TwoCtas
 
 
-_active = threading.local()
-
 TWO_CTAS = "two_ctas"
 PAIRED_KEYS = "paired_keys"
 TWO_STREAMS = "two_streams"
@@ -148,11 +146,11 @@ class ForwardKernel:
         if self.kind == TWO_CTAS:
             cls = _two_cta_class()
         elif self.kind == PAIRED_KEYS:
-            from flash_attn_vsa.fwd_sm90_paired import _paired_class
+            from flash_attn_vsa.paired_sm90 import _paired_class
 
             cls = _paired_class()
         else:
-            from flash_attn_vsa.fwd_sm90_streams import _streams_class
+            from flash_attn_vsa.streams_sm90 import _streams_class
 
             cls = _streams_class()
         if self.q_in_registers:
@@ -169,20 +167,14 @@ class ForwardKernel:
         """The ``AttentionMask`` this kernel's lists need (packed entries: the paired and
         two-stream kernels'), or None for the one every other kernel builds."""
         if self.kind == PAIRED_KEYS:
-            from flash_attn_vsa import fwd_sm90_paired
+            from flash_attn_vsa import paired_sm90
 
-            return fwd_sm90_paired.mask_class()
+            return paired_sm90.mask_class()
         if self.kind == TWO_STREAMS:
-            from flash_attn_vsa import fwd_sm90_streams
+            from flash_attn_vsa import streams_sm90
 
-            return fwd_sm90_streams.mask_class()
+            return streams_sm90.mask_class()
         return None
-
-
-def current_scope() -> ForwardKernel | None:
-    """The innermost `forward_scope` kernel active on this thread, or None."""
-    stack = getattr(_active, "stack", ())
-    return stack[-1] if stack else None
 
 
 def current_kernel_class() -> type:
@@ -224,9 +216,9 @@ def forward_scope(kernel: ForwardKernel) -> Iterator[None]:
         raise ValueError(f"scope must be a ForwardKernel, got {kernel!r}")
     _install()
     if kernel.two_block_stages:
-        from flash_attn_vsa import fwd_sm90_paired
+        from flash_attn_vsa import paired_sm90
 
-        fwd_sm90_paired._install()
+        paired_sm90._install()
     with contextlib.ExitStack() as hooks:
         if kernel.kind == TWO_STREAMS:
             from flash_attn_vsa import sm90_operands

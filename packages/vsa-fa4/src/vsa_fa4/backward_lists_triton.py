@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vsa_fa4.metadata import SparseLists
+from vsa_fa4.lists import SparseLists
 
 BLOCK_Q = 64
 BLOCK_W = 32

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vsa_fa4.metadata import SparseLists, empty_lists
+from vsa_fa4.lists import SparseLists, empty_lists
 
 BLOCK_R = 16
 BLOCK_W = 64

@@ -30,44 +30,15 @@ plan, so the functions run inside CUDA graphs and under ``torch.compile``.
 from __future__ import annotations
 
 import importlib.util
-from typing import NamedTuple
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from vsa_core.layout import BlockSparseLayout, transpose_kv_lists
 from vsa_core.rotation import rotate_lists, rotation_starts
+from vsa_fa4.lists import SparseLists
+from vsa_fa4.lists import empty_lists as empty_lists  # re-exported (its home before lists.py)
 from vsa_fa4.schedule import Plan
-
-
-class SparseLists(NamedTuple):
-    """FA4's block-sparse index tensors (the fields of ``BlockSparseTensorsTorch``), int32.
-
-    Counts are [B, H, R]; indices [B, H, R, width] with the first ``count`` entries meaningful.
-    Forward: R = query blocks, entries key blocks. Backward: R = key blocks, entries query
-    blocks.
-    """
-
-    mask_block_cnt: torch.Tensor
-    mask_block_idx: torch.Tensor
-    full_block_cnt: torch.Tensor
-    full_block_idx: torch.Tensor
-
-    def by_class(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(full_idx, full_cnt, partial_idx, partial_cnt)``: the argument order of the fork's
-        list packers (``pair_lists``, ``stream_lists``)."""
-        return self.full_block_idx, self.full_block_cnt, self.mask_block_idx, self.mask_block_cnt
-
-
-def empty_lists(
-    lead: torch.Size, full_width: int, mask_width: int, device: torch.device
-) -> SparseLists:
-    """Uninitialized int32 `SparseLists` for a kernel to fill: counts ``lead``, index tensors
-    ``lead + (full_width,)`` and ``lead + (mask_width,)``."""
-    full_idx = torch.empty(*lead, full_width, dtype=torch.int32, device=device)
-    mask_idx = torch.empty(*lead, mask_width, dtype=torch.int32, device=device)
-    full_cnt = torch.empty(lead, dtype=torch.int32, device=device)
-    return SparseLists(torch.empty_like(full_cnt), mask_idx, full_cnt, full_idx)
 
 
 def physical_lists(

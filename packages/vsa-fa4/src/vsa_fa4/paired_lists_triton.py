@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vsa_fa4.metadata import empty_lists
+from vsa_fa4.lists import empty_lists
 
 BLOCK_R = 16
 BLOCK_P = 32
