@@ -10,9 +10,8 @@ from pathlib import Path
 import pytest
 
 DOC = Path(__file__).resolve().parents[1] / "ARCHITECTURE.md"
-NAMES = sorted(
-    set(re.findall(r"`((?:vsa_core|vsa_triton|vsa_fa4|flash_attn_vsa)(?:\.\w+)+)", DOC.read_text()))
-)
+PACKAGES = "vsa_core|vsa_triton|vsa_fa4|flash_attn_vsa|flash_attn_vsa_tools"
+NAMES = sorted(set(re.findall(rf"`((?:{PACKAGES})(?:\.\w+)+)", DOC.read_text())))
 
 
 def _resolve(dotted: str) -> object:

@@ -9,11 +9,11 @@ import sys
 MODULES = (
     "flash_attn_vsa",
     "flash_attn_vsa.compile_gate",
-    "flash_attn_vsa.deltas",
-    "flash_attn_vsa.fingerprint",
+    "flash_attn_vsa.fwd_sm90",
+    "flash_attn_vsa.fwd_sm90_paired",
+    "flash_attn_vsa.fwd_sm90_streams",
+    "flash_attn_vsa.bwd_sm90",
     "flash_attn_vsa.mask_sm90",
-    "flash_attn_vsa.refresh",
-    "flash_attn_vsa.upstream_md",
 )
 HEAVY = ("flash_attn", "cutlass", "torch", "triton")
 

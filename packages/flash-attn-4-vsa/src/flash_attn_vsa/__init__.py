@@ -4,8 +4,9 @@ This package holds the few CuTe DSL kernels and patches that Video Sparse Attent
 top of upstream FlashAttention-4 (PyPI ``flash-attn-4``, ``flash_attn/cute`` in
 github.com/Dao-AILab/flash-attention). Upstream is pinned exactly; ``UPSTREAM.md`` at the
 repository root records the pin, our deltas and the refresh procedure. Each delta is one
-module; ``flash_attn_vsa.deltas`` is their registry (what each builds on upstream, shipped or
-experimental, where vsa-fa4 runs it), from which UPSTREAM.md's table is generated.
+module; their registry (what each builds on upstream, shipped or experimental, where vsa-fa4
+runs it), from which UPSTREAM.md's table is generated, is maintainer tooling outside this
+package (``flash_attn_vsa_tools.deltas`` in the workspace's unpublished ``tools/fa4-pin``).
 
 Shipped (vsa-fa4 runs them by default): ``flash_attn_vsa.bwd_sm90`` (block-sparse backward with
 64-token key blocks on Hopper), ``flash_attn_vsa.bwd_sm90_dq_parts`` (its 64x64 form on two CTAs
@@ -18,10 +19,11 @@ column limit per tile) and ``flash_attn_vsa.fwd_sm90_paired`` (128x64 blocks ove
 streams per 128-row tile) and ``flash_attn_vsa.persistent_sm90`` (persistent CTAs walking the
 tiles).
 
-The pin is kept checkable by three tools: ``flash_attn_vsa.fingerprint`` (the recorded API of
-the upstream symbols we rely on), ``flash_attn_vsa.compile_gate`` (every kernel configuration
-we use compiles for sm_90a on a CPU) and ``flash_attn_vsa.refresh`` (the ``fa4-refresh``
-command that moves the pin and runs both).
+The pin is kept checkable by ``flash_attn_vsa.compile_gate`` (every kernel configuration we
+use compiles for sm_90a on a CPU; vsa-fa4's own gate builds on it) and, outside the runtime
+package, by the maintainer tools of ``tools/fa4-pin`` (``flash-attn-4-vsa-tools``, never
+published): the API fingerprint of the upstream symbols we rely on and the ``fa4-refresh``
+command that moves the pin and runs both.
 
 Importing this package does not import ``flash_attn`` or ``cutlass``.
 """

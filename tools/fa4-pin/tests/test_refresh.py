@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 
 import flash_attn_vsa
-from flash_attn_vsa import compile_gate, deltas, fingerprint, refresh
-from flash_attn_vsa import upstream_md as md
+from flash_attn_vsa import compile_gate
+from flash_attn_vsa_tools import deltas, fingerprint, refresh
+from flash_attn_vsa_tools import upstream_md as md
 
 ROOT = Path(__file__).resolve().parents[3]
 IN_CHECKOUT = (ROOT / "UPSTREAM.md").is_file()
@@ -389,4 +390,4 @@ def test_main_outside_a_workspace(tmp_path, monkeypatch, capsys):
 
 def test_console_script_is_declared():
     scripts = {ep.name: ep.value for ep in entry_points(group="console_scripts")}
-    assert scripts.get("fa4-refresh") == "flash_attn_vsa.refresh:main"
+    assert scripts.get("fa4-refresh") == "flash_attn_vsa_tools.refresh:main"

@@ -1,5 +1,6 @@
-"""The registry of kernel deltas (`flash_attn_vsa.deltas`) against the package, the fingerprint,
-the docstrings and UPSTREAM.md's generated table, so that prose cannot drift from code."""
+"""The registry of kernel deltas (`flash_attn_vsa_tools.deltas`) against the package, the
+fingerprint, the docstrings and UPSTREAM.md's generated table, so that prose cannot drift from
+code."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ from pathlib import Path
 import pytest
 
 import flash_attn_vsa
-from flash_attn_vsa import deltas
-from flash_attn_vsa import fingerprint as fp
+from flash_attn_vsa_tools import deltas
+from flash_attn_vsa_tools import fingerprint as fp
 
 ROOT = Path(__file__).resolve().parents[3]
 UPSTREAM_MD = ROOT / "UPSTREAM.md"
@@ -23,8 +24,16 @@ def test_every_module_of_the_package_is_in_the_registry():
     registered = [d.module for d in deltas.DELTAS] + [*deltas.SUPPORT] + [*deltas.TOOLING]
     assert len(registered) == len(set(registered)), registered
     missing = sorted(modules - set(registered))
-    assert not missing, f"modules missing from flash_attn_vsa.deltas: {missing}"
+    assert not missing, f"modules missing from flash_attn_vsa_tools.deltas: {missing}"
     assert sorted(set(registered) - modules) == [], "registry entries without a module"
+
+
+def test_pin_tools_are_the_tools_package():
+    tools = Path(deltas.__file__).resolve().parent
+    assert str(tools).replace("\\", "/").endswith(deltas.TOOLS_SOURCE)
+    modules = {p.stem for p in tools.glob("*.py") if p.stem != "__init__"}
+    assert modules == set(deltas.PIN_TOOLS)
+    assert not set(deltas.PIN_TOOLS) & {p.stem for p in SOURCE.glob("*.py")}
 
 
 def test_deltas_are_numbered_and_well_formed():
@@ -83,7 +92,7 @@ def test_upstream_md_table_is_generated_from_the_registry():
     section = deltas.table_section(UPSTREAM_MD.read_text())
     assert section is not None, "UPSTREAM.md has no generated deltas table"
     assert section == deltas.render_table(), (
-        f"UPSTREAM.md's deltas table differs from flash_attn_vsa.deltas: {deltas.COMMAND}"
+        f"UPSTREAM.md's deltas table differs from flash_attn_vsa_tools.deltas: {deltas.COMMAND}"
     )
 
 

@@ -6,11 +6,11 @@ where asked, a hash of the source) is checked in as ``upstream_api.json`` beside
 When upstream moves, :func:`diff_records` says what changed in a few readable lines; a refresh
 reviews those lines against our deltas and then regenerates the record.
 
-Commands (run in the workspace, e.g. ``uv run python -m flash_attn_vsa.fingerprint``)::
+Commands (run in the workspace, e.g. ``uv run python -m flash_attn_vsa_tools.fingerprint``)::
 
-    python -m flash_attn_vsa.fingerprint            # check the installed upstream; exit 1 + diff
-    python -m flash_attn_vsa.fingerprint --write    # regenerate the record (and UPSTREAM.md)
-    python -m flash_attn_vsa.fingerprint --json     # print the current fingerprint
+    python -m flash_attn_vsa_tools.fingerprint         # check the installed upstream; exit 1, diff
+    python -m flash_attn_vsa_tools.fingerprint --write # regenerate the record (and UPSTREAM.md)
+    python -m flash_attn_vsa_tools.fingerprint --json  # print the current fingerprint
 
 Computing a fingerprint imports the upstream modules (``flash_attn.cute``, hence ``cutlass``
 and ``torch``), about 10 s on a CPU. Importing *this* module imports neither; the checks run
@@ -38,7 +38,7 @@ from flash_attn_vsa import UPSTREAM_DISTRIBUTION, upstream_version
 
 RECORD_FORMAT = 1
 RECORD_PATH = Path(__file__).with_name("upstream_api.json")
-REGENERATE_COMMAND = "uv run python -m flash_attn_vsa.fingerprint --write"
+REGENERATE_COMMAND = "uv run python -m flash_attn_vsa_tools.fingerprint --write"
 
 
 @dataclass(frozen=True)
@@ -501,7 +501,7 @@ def compute_record(
 def current_record_subprocess(timeout: float = 600.0) -> dict[str, Any]:
     """The fingerprint of the installed upstream, computed in a fresh Python process."""
     done = subprocess.run(
-        [sys.executable, "-m", "flash_attn_vsa.fingerprint", "--json"],
+        [sys.executable, "-m", "flash_attn_vsa_tools.fingerprint", "--json"],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -665,7 +665,7 @@ def format_diff(lines: Sequence[str]) -> str:
     if not lines:
         return "The upstream API matches the record."
     return (
-        "The upstream API differs from the record (flash_attn_vsa/upstream_api.json):\n"
+        "The upstream API differs from the record (flash_attn_vsa_tools/upstream_api.json):\n"
         + "\n".join(lines)
         + "\n\nReview each change against our deltas (UPSTREAM.md), then regenerate the record:"
         + f"\n    {REGENERATE_COMMAND}"
@@ -687,7 +687,7 @@ def _workspace_upstream_md() -> Path | None:
 
 def write(record: dict[str, Any], upstream_md: Path | None) -> list[Path]:
     """Write the record and, when given, the generated symbols section of UPSTREAM.md."""
-    from flash_attn_vsa import upstream_md as md
+    from flash_attn_vsa_tools import upstream_md as md
 
     written = [RECORD_PATH]
     write_record(record)
@@ -702,7 +702,7 @@ def write(record: dict[str, Any], upstream_md: Path | None) -> list[Path]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m flash_attn_vsa.fingerprint",
+        prog="python -m flash_attn_vsa_tools.fingerprint",
         description="Check the installed upstream flash-attn-4 API against the checked-in record.",
     )
     mode = parser.add_mutually_exclusive_group()

@@ -8,7 +8,7 @@ step with the code by tools:
 - the list of upstream symbols, generated from the fingerprint record between
   :data:`SYMBOLS_BEGIN` and :data:`SYMBOLS_END`,
 - the deltas table under ``## Our deltas``, generated from the registry in
-  ``flash_attn_vsa.deltas`` (which holds its rendering and its markers),
+  ``flash_attn_vsa_tools.deltas`` (which holds its rendering and its markers),
 - the refresh history, one line per refresh, newest first, after :data:`HISTORY_MARKER`.
 
 Pure text functions; nothing here imports upstream or touches the network.
@@ -44,7 +44,7 @@ def render_symbols_section(record: dict[str, Any]) -> str:
         SYMBOLS_BEGIN,
         "",
         f"Recorded from `{record.get('distribution')}` {record.get('version')}; signatures and "
-        "source hashes are in `packages/flash-attn-4-vsa/src/flash_attn_vsa/upstream_api.json`.",
+        "source hashes are in `tools/fa4-pin/src/flash_attn_vsa_tools/upstream_api.json`.",
         "",
         "| Upstream symbol | Kind | What we rely on it for |",
         "|---|---|---|",

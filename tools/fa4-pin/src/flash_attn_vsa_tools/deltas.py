@@ -8,13 +8,17 @@ runs it by default) or **experimental** (only on request), and where ``vsa_fa4.l
 it. The statuses and routes below were read from ``vsa_fa4.launch`` (``run_forward``,
 ``run_backward``, ``SHIPPED_FORWARD``, ``Q_IN_REGISTERS_WHERE_FASTER``) and from
 ``bwd_sm90.config_for``; a test checks that the modules exist and every module of the package is
-accounted for (`SUPPORT`, `TOOLING`).
+accounted for (`SUPPORT`, `TOOLING`), and that `PIN_TOOLS` are this tools package's modules.
+
+It lives in ``flash-attn-4-vsa-tools`` (``tools/fa4-pin``, a workspace member that is not
+published), beside the other pin tools: only maintainers run it, so the runtime wheel does not
+carry it.
 
 ``UPSTREAM.md``'s table is generated from `DELTAS` between :data:`TABLE_BEGIN` and
 :data:`TABLE_END`::
 
-    uv run python -m flash_attn_vsa.deltas --check    # exit 1 when the table is stale
-    uv run python -m flash_attn_vsa.deltas --write    # regenerate it
+    uv run python -m flash_attn_vsa_tools.deltas --check    # exit 1 when the table is stale
+    uv run python -m flash_attn_vsa_tools.deltas --write    # regenerate it
 
 Pure data and text; importing this module imports nothing from upstream (nor torch).
 """
@@ -30,10 +34,12 @@ from typing import Literal
 
 __all__ = [
     "DELTAS",
+    "PIN_TOOLS",
     "SUPPORT",
     "TABLE_BEGIN",
     "TABLE_END",
     "TOOLING",
+    "TOOLS_SOURCE",
     "Delta",
     "by_module",
     "main",
@@ -44,9 +50,11 @@ __all__ = [
 
 Status = Literal["shipped", "experimental"]
 
-TABLE_BEGIN = "<!-- fa4-deltas:begin (generated from flash_attn_vsa/deltas.py, do not edit) -->"
+TABLE_BEGIN = (
+    "<!-- fa4-deltas:begin (generated from flash_attn_vsa_tools/deltas.py, do not edit) -->"
+)
 TABLE_END = "<!-- fa4-deltas:end -->"
-COMMAND = "uv run python -m flash_attn_vsa.deltas --write"
+COMMAND = "uv run python -m flash_attn_vsa_tools.deltas --write"
 
 
 @dataclass(frozen=True)
@@ -169,13 +177,22 @@ SUPPORT: dict[str, str] = {
 """Modules the deltas share that change no kernel on their own."""
 
 TOOLING: dict[str, str] = {
+    "compile_gate": "every kernel configuration we use compiles for sm_90a on a CPU (in the "
+    "package: `vsa_fa4.compile_gate` builds on it)",
+}
+"""Maintainer tooling for the pin (no kernel code) inside the package."""
+
+PIN_TOOLS: dict[str, str] = {
     "fingerprint": "the recorded API of the upstream symbols we rely on (`upstream_api.json`)",
-    "compile_gate": "every kernel configuration we use compiles for sm_90a on a CPU",
     "refresh": "`fa4-refresh`: moves the pin and runs the CPU gates",
     "upstream_md": "reads and updates the tool-kept parts of UPSTREAM.md",
     "deltas": "the registry of the deltas, from which this table is generated",
 }
-"""Maintainer tooling for the pin (no kernel code)."""
+"""The pin's maintainer tooling in ``flash_attn_vsa_tools`` (`TOOLS_SOURCE`), outside the
+runtime package."""
+
+TOOLS_SOURCE = "tools/fa4-pin/src/flash_attn_vsa_tools"
+"""Where `PIN_TOOLS` live, relative to the workspace root."""
 
 
 def by_module() -> dict[str, Delta]:
@@ -205,6 +222,9 @@ def render_table() -> str:
     for name, what in {**SUPPORT, **TOOLING}.items():
         kind = "shared by the deltas" if name in SUPPORT else "pin tooling"
         lines.append(f"- `src/flash_attn_vsa/{name}.py` ({kind}): {what}")
+    lines += ["", "Pin tooling, in the unpublished workspace member `tools/fa4-pin`:", ""]
+    for name, what in PIN_TOOLS.items():
+        lines.append(f"- `{TOOLS_SOURCE}/{name}.py`: {what}")
     lines += ["", TABLE_END]
     return "\n".join(lines)
 
@@ -236,7 +256,7 @@ def _workspace_upstream_md() -> Path | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m flash_attn_vsa.deltas",
+        prog="python -m flash_attn_vsa_tools.deltas",
         description="Check or regenerate UPSTREAM.md's deltas table from the registry.",
     )
     mode = parser.add_mutually_exclusive_group()
@@ -259,7 +279,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"wrote {path}")
         return 0
     if new_text != text:
-        print(f"{path}: the deltas table differs from flash_attn_vsa.deltas; run {COMMAND}")
+        print(f"{path}: the deltas table differs from flash_attn_vsa_tools.deltas; run {COMMAND}")
         return 1
     return 0
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 import flash_attn_vsa
-from flash_attn_vsa import fingerprint as fp
-from flash_attn_vsa import refresh
-from flash_attn_vsa import upstream_md as md
+from flash_attn_vsa_tools import fingerprint as fp
+from flash_attn_vsa_tools import refresh
+from flash_attn_vsa_tools import upstream_md as md
 
 ROOT = Path(__file__).resolve().parents[3]
 UPSTREAM_MD = ROOT / "UPSTREAM.md"

@@ -49,7 +49,8 @@ from flash_attn_vsa import UPSTREAM_DISTRIBUTION
 PACKAGE_DIR = Path("packages/flash-attn-4-vsa")
 PYPROJECT = PACKAGE_DIR / "pyproject.toml"
 INIT = PACKAGE_DIR / "src/flash_attn_vsa/__init__.py"
-RECORD = PACKAGE_DIR / "src/flash_attn_vsa/upstream_api.json"
+TOOLS_DIR = Path("tools/fa4-pin")
+RECORD = TOOLS_DIR / "src/flash_attn_vsa_tools/upstream_api.json"
 UPSTREAM_MD = Path("UPSTREAM.md")
 LOCKFILE = Path("uv.lock")
 EDITED_FILES = (PYPROJECT, INIT, LOCKFILE, RECORD, UPSTREAM_MD)
@@ -444,7 +445,7 @@ def update_upstream_md(
     history: str | None,
 ) -> str:
     """``UPSTREAM.md`` after a refresh to ``target`` (pure)."""
-    from flash_attn_vsa import upstream_md as md
+    from flash_attn_vsa_tools import upstream_md as md
 
     text = md.set_table_row(text, "Pinned release", md.pinned_release_cell(target, requirement))
     tag, commit = upstream if upstream else (None, None)
@@ -458,7 +459,7 @@ def update_upstream_md(
 
 
 def _check_fingerprint(root: Path, outcome: Outcome) -> dict[str, Any] | None:
-    from flash_attn_vsa import fingerprint
+    from flash_attn_vsa_tools import fingerprint
 
     try:
         current = fingerprint.current_record_subprocess()
@@ -582,7 +583,7 @@ def refresh(
 
     current = _check_fingerprint(root, outcome)
     if current is not None:
-        from flash_attn_vsa import fingerprint
+        from flash_attn_vsa_tools import fingerprint
 
         fingerprint.write_record(current, paths[RECORD])
     if not skip_gate:

@@ -13,8 +13,8 @@ import textwrap
 
 import pytest
 
-from flash_attn_vsa import fingerprint as fp
 from flash_attn_vsa import upstream_version
+from flash_attn_vsa_tools import fingerprint as fp
 
 _COUNTER = itertools.count()
 
