@@ -1,4 +1,5 @@
-"""The import graph of the package sources (packages/*/src): no cycles, no upward imports.
+"""The import graph of the package sources (packages/*/src, and the maintainer tools of
+tools/*/src): no cycles, no upward imports.
 
 Every ``import`` / ``from ... import`` statement counts, at module level, inside functions
 (the lazy imports that keep triton, cutlass and FlashAttention off the import path) and under
@@ -7,7 +8,8 @@ imports still ties the modules together (each needs the other to work), so it is
 
 The packages depend one way (ARCHITECTURE.md): vsa-triton -> vsa-core; vsa-fa4 -> vsa-core and
 flash-attn-4-vsa (and upstream ``flash_attn``, which the fork builds on); flash-attn-4-vsa ->
-upstream ``flash_attn`` only; vsa-core -> torch and the standard library only.
+upstream ``flash_attn`` only; vsa-core -> torch and the standard library only. The pin tools
+(tools/fa4-pin, never published) may import the fork and upstream; no package imports them.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ ALLOWED: dict[str, set[str]] = {
     "vsa_triton": {"vsa_core"},
     "vsa_fa4": {"vsa_core", "flash_attn_vsa", "flash_attn"},
     "flash_attn_vsa": {"flash_attn"},
+    "flash_attn_vsa_tools": {"flash_attn_vsa", "flash_attn"},
 }
 """For each package, the other packages of the stack it may import."""
 STACK = {*ALLOWED, "flash_attn"}
@@ -44,9 +47,10 @@ fails once it is gone, so that the entry goes too)."""
 
 
 def module_files(root: Path) -> dict[str, Path]:
-    """Dotted module name -> file, for every module under ``root/packages/*/src``."""
+    """Dotted module name -> file, for every module under ``root/packages/*/src`` and
+    ``root/tools/*/src``."""
     modules = {}
-    for src in sorted(root.glob("packages/*/src")):
+    for src in sorted([*root.glob("packages/*/src"), *root.glob("tools/*/src")]):
         for path in sorted(src.rglob("*.py")):
             parts = list(path.relative_to(src).with_suffix("").parts)
             if parts[-1] == "__init__":
