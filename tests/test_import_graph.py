@@ -36,12 +36,7 @@ STACK = {*ALLOWED, "flash_attn"}
 CORE_THIRD_PARTY = {"torch"}
 """What vsa-core may import besides itself and the standard library."""
 
-KNOWN_CYCLES: dict[frozenset[str], str] = {
-    frozenset({"vsa_triton.backend", "vsa_triton.ops"}): (
-        "both lazy: backend's forward imports ops.attention, ops imports backend.interpreting; "
-        "packages/vsa-triton was being edited by another session when this test landed"
-    ),
-}
+KNOWN_CYCLES: dict[frozenset[str], str] = {}
 """Cycles that exist and are to be removed; each entry must still be a cycle (the test below
 fails once it is gone, so that the entry goes too)."""
 

@@ -9,12 +9,12 @@ CPU tensors (for tests on machines without a GPU; fp16 only, bf16 dot products a
 from __future__ import annotations
 
 import importlib.util
-import os
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from vsa_core.backends.base import AttentionCall, Backend
+from vsa_triton.environment import interpreting
 
 if TYPE_CHECKING:
     from vsa_core.layout import BlockSparseLayout
@@ -22,10 +22,6 @@ if TYPE_CHECKING:
 BLOCK_SHAPES = ((64, 64), (128, 64), (128, 128), (64, 128))
 HEAD_DIMS = (64, 128)
 GPU_DTYPES = (torch.float16, torch.bfloat16)
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 class TritonBackend(Backend):

@@ -29,7 +29,7 @@ import torch
 
 from vsa_core.backends.custom_ops import EagerOrOp
 from vsa_core.coarse import CoarseStage
-from vsa_triton.backend import interpreting
+from vsa_triton.environment import interpreting
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ def _kernels():
 
 
 def _interpreting() -> bool:
-    from vsa_triton.backend import interpreting
+    from vsa_triton.environment import interpreting
 
     return interpreting()
 
