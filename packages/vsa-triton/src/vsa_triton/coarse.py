@@ -38,14 +38,17 @@ class SelectConfig:
 
     ``block_m`` query tiles per program; ``elements_per_step`` scores one program ranks at once
     in the second phase (rows x padded tiles); ``block_n`` key tiles scored per dot product.
-    Measured on an H200 at Wan 480p (12 heads, 624 tiles, 2026-12-01 profiles): 64 query tiles
-    a program (120 programs) took 0.42 ms, 16 (468 programs) 0.16 ms: each program's rows
-    bisect one after the other, so more, smaller programs run faster until the pooled keys
-    each program reads from L2 dominate."""
+    Measured on an H200 (2026-12-01 profiles and `research/coarse_stage/sweep_select.py`,
+    `benchmarks/results/2026-12-01-h200-sweep_select-bisect.json`): at Wan 480p (12 heads, 624
+    tiles) 64 query tiles a program took 0.42 ms, 16 with 4096-element steps 0.21 ms, 8 with
+    2048-element steps 0.167 ms (the fastest of 12 configs; 1.89 ms at Wan 720p, within 4% of
+    that shape's best, and 3.35 ms at HunyuanVideo, within 1%): each program's rows bisect one
+    after the other, so more, smaller programs run faster until the pooled keys each program
+    reads from L2 dominate; 8 warps were slower everywhere."""
 
-    block_m: int = 16
+    block_m: int = 8
     block_n: int = 64
-    elements_per_step: int = 4096
+    elements_per_step: int = 2048
     num_warps: int = 4
     radix: bool = False
     """Find each row's k-th score by four 8-bit histogram passes instead of 31 bisection
