@@ -6,7 +6,7 @@ forward; ``train``: forward + backward of a mean-square loss) and way (``eager``
 ``compile``: ``torch.compile`` of the transformer), the dense model (diffusers' own attention
 processors, PyTorch SDPA) and the same model after `vsa_core.integrations.diffusers.enable_vsa`
 are timed one after the other (not interleaved: the switch reinstalls processors), in both
-views (`bench_common.call_views`: one call waited for, and back to back), with peak extra
+views (`bench_timing.call_views`: one call waited for, and back to back), with peak extra
 memory; on a CPU nothing is timed (a smoke run). Before timing, VSA with every tile
 selected and no coarse term is checked against the dense model (bf16 tolerance). ::
 
@@ -22,7 +22,8 @@ import sys
 import time
 from typing import Any
 
-import bench_common as bc
+import bench_report as brep
+import bench_timing as bt
 import torch
 
 from vsa_core.integrations.diffusers import disable_vsa, enable_vsa
@@ -99,8 +100,8 @@ def measure(fn, device: torch.device, reps: int) -> dict[str, Any]:
     if device.type != "cuda":
         fn()
         return {}
-    peak = bc.peak_extra_mib(fn, device)
-    return {**bc.call_views(fn, reps, b2b_calls=2), "peak_extra_mib": peak}
+    peak = bt.peak_extra_mib(fn, device)
+    return {**bt.call_views(fn, reps, b2b_calls=2), "peak_extra_mib": peak}
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -164,12 +165,12 @@ def main() -> int:
         result = {
             "command": " ".join(["python3", *sys.argv]),
             "date": time.strftime("%Y-%m-%d"),
-            "versions": bc.runtime_versions(),
+            "versions": brep.runtime_versions(),
             "config": args.config,
             "rows": rows,
         }
         with open(args.out, "w") as f:
-            json.dump(bc.jsonable(result), f, indent=1)
+            json.dump(brep.jsonable(result), f, indent=1)
     return 0
 
 

@@ -17,7 +17,7 @@ import json
 import sys
 import time
 
-import bench_common as bc
+import bench_timing as bt
 import torch
 from torch import nn
 
@@ -96,7 +96,7 @@ def main() -> None:
                 row = {"backend": backend, "mode": mode, "way": way}
                 try:
                     row["rel_err_vs_eager"] = rel(fn().detach(), reference)
-                    row.update(bc.call_views(fn, args.reps, b2b_calls=5))
+                    row.update(bt.call_views(fn, args.reps, b2b_calls=5))
                 except Exception as exc:  # a failure is a finding: record it, go on
                     row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
                 print(json.dumps(row), flush=True)
@@ -104,10 +104,10 @@ def main() -> None:
             if mode == "fwd":
                 row = {"backend": backend, "mode": mode, "way": "cuda_graph"}
                 try:
-                    replay, out = bc.cuda_graph(eager_call)
+                    replay, out = bt.cuda_graph(eager_call)
                     replay()
                     row["rel_err_vs_eager"] = rel(out, reference)
-                    row.update(bc.call_views(replay, args.reps, b2b_calls=5))
+                    row.update(bt.call_views(replay, args.reps, b2b_calls=5))
                 except Exception as exc:
                     row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
                 print(json.dumps(row), flush=True)

@@ -24,7 +24,7 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import bench_common as bc
+import bench_report as brep
 
 from vsa_core import BlockSparseLayout, block_sparse_attn
 
@@ -196,10 +196,10 @@ def main() -> int:
         if "tflops" in r and r["mode"] in dense:
             r["vs_fa4_dense"] = r["tflops"] / dense[r["mode"]]
     result = {
-        **bc.gpu_result_header("bench_triton_kernels"),
+        **brep.gpu_result_header("bench_triton_kernels"),
         "command": " ".join(sys.argv),
-        "versions": bc.runtime_versions(
-            bc.distribution_versions(
+        "versions": brep.runtime_versions(
+            brep.distribution_versions(
                 ("triton", "flash-attn-4", "nvidia-cutlass-dsl", "vsa-core", "vsa-triton")
             )
         ),

@@ -11,7 +11,7 @@ Arms (--arms): our op with each fine backend named (auto, fa4, triton, reference
 FastVideo's published op (`fastvideo_arm.py`: ``fastvideo``, its Triton composition, and
 ``fastvideo_tk``, its ThunderKittens sm_90 kernels where its compiled extension loads), all on
 the same inputs; dense is always there. All arms of one cell are timed call by call in
-alternation (round robin, the order rotated per round: `bench_common.time_views`), in two
+alternation (round robin, the order rotated per round: `bench_timing.time_views`), in two
 views: back to back (N calls of an arm between two CUDA events, nothing synchronized, the host
 runs ahead: device throughput) and once (CUDA events around one call, then a synchronize, the
 median over calls: latency, with the host time before the first kernel launch in full), plus
@@ -68,7 +68,10 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import bench_common as bc
+import bench_reference as bref
+import bench_report as brep
+import bench_run as brun
+import bench_timing as bt
 import bench_vsa
 import fastvideo_arm as fva
 
@@ -210,7 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--modes",
-        type=bc.parse_mode,
+        type=brun.parse_mode,
         nargs="+",
         default=["fwd", "fwd+bwd"],
         help="fwd and/or fwd+bwd (alias fwdbwd); default both",
@@ -232,7 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--dtype",
-        choices=sorted(bc.DTYPES),
+        choices=sorted(brun.DTYPES),
         help="default bf16 (with --sequence-parallel on a CPU: float32)",
     )
     g.add_argument(
@@ -292,7 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     o = p.add_argument_group("output")
     o.add_argument("--out", type=Path, help="JSON path; the .md table goes beside it")
-    bc.add_run_options(o)
+    brun.add_run_options(o)
     return p
 
 
@@ -349,7 +352,7 @@ class Config:
             "modes": self.modes,
             "dense": self.dense,
             "coarse_gate": self.coarse_gate,
-            "dtype": bc.DTYPE_NAMES[self.dtype],
+            "dtype": brun.DTYPE_NAMES[self.dtype],
             "warmup": self.warmup,
             "reps": self.reps,
             "budget_s": self.budget_s,
@@ -394,7 +397,7 @@ def make_config(args: argparse.Namespace, device: torch.device) -> Config:
     if args.b2b_calls is not None and args.b2b_calls < 1:
         raise SystemExit("--b2b-calls must be at least 1")
     if args.dtype is not None:
-        dtype = bc.DTYPES[args.dtype]
+        dtype = brun.DTYPES[args.dtype]
     else:  # sequence parallel on a CPU: float32, so that its gate is tight
         dtype = torch.float32 if sp and device.type != "cuda" else torch.bfloat16
     return Config(
@@ -521,7 +524,7 @@ def op_leaves(inputs: OpInputs, mode: str) -> list[torch.Tensor]:
     """q, k, v (and the gate) as the leaves of ``mode`` (copies that require grad, except in
     fwd); runners may share them, since each call takes its gradients with autograd.grad."""
     tensors = [inputs.q, inputs.k, inputs.v] + ([inputs.gate] if inputs.gate is not None else [])
-    return bc.make_leaves(tensors, mode, lambda t: t)
+    return bt.make_leaves(tensors, mode, lambda t: t)
 
 
 def attn_runner(
@@ -529,7 +532,7 @@ def attn_runner(
     mode: str,
     attn: Callable[..., Any],
     leaves: list[torch.Tensor] | None = None,
-) -> bc.Runner:
+) -> bt.Runner:
     """``attn(q, k, v, coarse_gate=gate, scale=scale)`` on ``inputs`` as a runner of ``mode``
     (the gradients: dq, dk, dv and, with a gate, dgate), on ``leaves`` (`op_leaves`, made here
     when None)."""
@@ -540,7 +543,7 @@ def attn_runner(
         return attn(q, k, v, coarse_gate=gate[0] if gate else None, scale=scale)
 
     names = ("dq", "dk", "dv", "dgate")[: len(leaves)]
-    return bc.autograd_runner(forward, leaves, inputs.dout, mode, names=names)
+    return bt.autograd_runner(forward, leaves, inputs.dout, mode, names=names)
 
 
 def _variant_note(cfg: dict[str, Any]) -> str:
@@ -569,7 +572,7 @@ def op_runner(
     backend: str,
     mode: str,
     leaves: list[torch.Tensor] | None = None,
-) -> bc.Runner:
+) -> bt.Runner:
     attn = partial(video_sparse_attn, tiling=tiling, topk=topk, backend=backend, validate=False)
     return attn_runner(inputs, mode, attn, leaves)
 
@@ -609,7 +612,7 @@ def op_reference(
         t.detach().float().requires_grad_(need_grads) for t in (inputs.q, inputs.k, inputs.v)
     )
     gate32 = None if inputs.gate is None else inputs.gate.detach().float()
-    with bc.ieee_fp32_matmul(), torch.set_grad_enabled(need_grads):
+    with bref.ieee_fp32_matmul(), torch.set_grad_enabled(need_grads):
         fine, _ = reference_block_sparse_attn(q32, k32, v32, layout, inputs.scale)
         pooled = [pool_tiles(t, valid) for t in (q32, k32, v32)]
         coarse = coarse_attention(*pooled, valid, inputs.scale)
@@ -628,7 +631,7 @@ def op_reference(
 
 def piece_runners(
     inputs: OpInputs, tiling: VideoTiling, topk: int, backends: Sequence[str], mode: str
-) -> dict[str, bc.Runner]:
+) -> dict[str, bt.Runner]:
     """The op's stages as separate runners: pool (q, k, v), coarse, select, and the fine
     attention of each backend (``fine:NAME``)."""
     device = inputs.q.device
@@ -644,20 +647,20 @@ def piece_runners(
     def coarse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return coarse_attention(q, k, v, valid, scale)
 
-    runners = {"select": bc.Runner(select)}
+    runners = {"select": bt.Runner(select)}
     qkv = (inputs.q, inputs.k, inputs.v)
-    fine_leaves = bc.make_leaves(qkv, mode, lambda t: t)
+    fine_leaves = bt.make_leaves(qkv, mode, lambda t: t)
     for backend in dict.fromkeys(backends):
 
         def fine(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: str = backend) -> Any:
             return block_sparse_attn(q, k, v, layout, backend=b, scale=scale)[0]
 
-        runners[f"fine:{backend}"] = bc.autograd_runner(fine, fine_leaves, inputs.dout, mode)
+        runners[f"fine:{backend}"] = bt.autograd_runner(fine, fine_leaves, inputs.dout, mode)
     d_pooled = torch.randn_like(pooled[0])
-    runners["coarse"] = bc.autograd_runner(
-        coarse, bc.make_leaves(pooled, mode, lambda t: t), d_pooled, mode
+    runners["coarse"] = bt.autograd_runner(
+        coarse, bt.make_leaves(pooled, mode, lambda t: t), d_pooled, mode
     )
-    leaves = bc.make_leaves(qkv, mode, lambda t: t)
+    leaves = bt.make_leaves(qkv, mode, lambda t: t)
     if mode == "fwd":
 
         def pool(_: Any) -> dict[str, torch.Tensor]:
@@ -672,7 +675,7 @@ def piece_runners(
             grads = torch.autograd.grad(outs, leaves, [d_pooled] * 3)
             return {f"g{i}": g for i, g in enumerate(grads)}
 
-    runners["pool"] = bc.Runner(pool)
+    runners["pool"] = bt.Runner(pool)
     return runners
 
 
@@ -709,7 +712,7 @@ def dense_arms(choice: str, device: torch.device) -> list[bench_vsa.Arm]:
 
 def prepare_dense(
     cfg: Config, shape: Shape, tokens: int, mode: str, device: torch.device
-) -> tuple[bc.Runner | None, dict[str, Any]]:
+) -> tuple[bt.Runner | None, dict[str, Any]]:
     """Dense attention on the real tokens: the first arm that is available and passes its
     gate. Returns (its runner, fields naming the arm, its gate and the arms passed over), or
     (None, fields saying why none could run)."""
@@ -731,9 +734,9 @@ def prepare_dense(
         try:
             runner = arm.prepare(inputs, cell)
             outputs = runner.once()
-            bc.synchronize(device)
-            ref = bc.masked_attention_reference(q.index_select(1, rows), k, v, inputs.scale)
-            gate = bc.gate_check({"out": outputs["out"].index_select(1, rows)}, ref, cfg.dtype)
+            bt.synchronize(device)
+            ref = bref.masked_attention_reference(q.index_select(1, rows), k, v, inputs.scale)
+            gate = bref.gate_check({"out": outputs["out"].index_select(1, rows)}, ref, cfg.dtype)
             for name in ("dq", "dk", "dv"):
                 if name in outputs:
                     finite = bool(torch.isfinite(outputs[name]).all())
@@ -754,9 +757,9 @@ def prepare_dense(
             }
             return runner, fields
         except Exception as exc:
-            tried.append(f"{arm.name}: {bc.error_text(exc, 500)}")
+            tried.append(f"{arm.name}: {brep.error_text(exc, 500)}")
             runner = None
-            bc.recover_after_error(device)
+            brun.recover_after_error(device)
     return None, {"dense_status": "unavailable", "dense_tried": tried}
 
 
@@ -769,13 +772,13 @@ def run_dense(
     if runner is None:
         return fields
     try:
-        timing = bc.time_runner(runner, device, cfg)
+        timing = bt.time_runner(runner, device, cfg)
         fields.update(dense_ms=timing.median_ms, dense_timing=timing.as_dict(),
-                      dense_peak_mib=bc.peak_extra_mib(runner.once, device))  # fmt: skip
+                      dense_peak_mib=bt.peak_extra_mib(runner.once, device))  # fmt: skip
     except Exception as exc:
-        fields["dense_tried"].append(f"{fields.pop('dense_arm')}: {bc.error_text(exc, 500)}")
+        fields["dense_tried"].append(f"{fields.pop('dense_arm')}: {brep.error_text(exc, 500)}")
         fields["dense_status"] = "unavailable"
-        bc.recover_after_error(device)
+        brun.recover_after_error(device)
     return fields
 
 
@@ -790,7 +793,7 @@ def base_record(cfg: Config, shape: Shape, tiling: VideoTiling, sparsity: float,
         "heads": shape.heads,
         "head_dim": cfg.head_dim,
         "batch": cfg.batch,
-        "dtype": bc.DTYPE_NAMES[cfg.dtype],
+        "dtype": brun.DTYPE_NAMES[cfg.dtype],
         "sparsity": sparsity,
         "mode": mode,
         "num_tiles": tiling.num_tiles,
@@ -812,11 +815,11 @@ class ArmFailed(Exception):
     """An arm's call raised while the arms were timed together."""
 
     def __init__(self, arm: str, exc: BaseException) -> None:
-        super().__init__(f"{arm}: {bc.error_text(exc)}")
+        super().__init__(f"{arm}: {brep.error_text(exc)}")
         self.arm, self.cause = arm, exc
 
 
-def _tagged(name: str, runner: bc.Runner) -> bc.Runner:
+def _tagged(name: str, runner: bt.Runner) -> bt.Runner:
     """``runner`` whose calls raise `ArmFailed` naming ``name``."""
 
     def run(state: Any) -> Any:
@@ -825,7 +828,7 @@ def _tagged(name: str, runner: bc.Runner) -> bc.Runner:
         except Exception as exc:
             raise ArmFailed(name, exc) from exc
 
-    return bc.Runner(run, runner.setup, runner.info)
+    return bt.Runner(run, runner.setup, runner.info)
 
 
 @dataclass
@@ -845,20 +848,20 @@ class CellContext:
         return ("out",) if self.mode == "fwd" else ("out", "dq", "dk", "dv")
 
     def gate(
-        self, runner: bc.Runner, ref: dict[str, torch.Tensor]
-    ) -> tuple[bc.GateResult, dict[str, torch.Tensor]]:
+        self, runner: bt.Runner, ref: dict[str, torch.Tensor]
+    ) -> tuple[bref.GateResult, dict[str, torch.Tensor]]:
         """One call of ``runner`` against ``ref`` on the real tokens; returns (the gate, the
         outputs checked)."""
         outputs = runner.once()
-        bc.synchronize(self.device)
+        bt.synchronize(self.device)
         got = {n: outputs[n] for n in self.wanted}
         rows = self.tiling.indices(self.device).nonpad_index
-        return bc.gate_check(got, ref, self.cfg.dtype, rows=rows), got
+        return bref.gate_check(got, ref, self.cfg.dtype, rows=rows), got
 
 
 def gate_our_arm(
     ctx: CellContext, rec: dict[str, Any], name: str, shared: dict[str, Any]
-) -> bc.Runner | None:
+) -> bt.Runner | None:
     """Our op with backend ``name``: resolved, gated against the float32 composition on its
     selection (computed once per cell in ``shared``); its runner, or None (``rec`` says why)."""
     cfg = ctx.cfg
@@ -903,10 +906,10 @@ def gate_fastvideo_arm(
     name: str,
     pkg: fva.Package | None,
     shared: dict[str, Any],
-) -> bc.Runner | None:
+) -> bt.Runner | None:
     """FastVideo's arm ``name`` on our inputs (converted once), gated against the float32
     composition on its own selection (`fastvideo_arm.selection`); where the max-abs gate fails
-    but the relative L2 errors of `bench_common.match_check` (bf16: 1e-2 out, 2e-2 gradients)
+    but the relative L2 errors of `bench_reference.match_check` (bf16: 1e-2 out, 2e-2 gradients)
     pass, it is timed with ``gate_level`` saying so. Its runner, or None (``rec`` says why)."""
     why = fva.NOT_INSTALLED if pkg is None else pkg.why_not(name)
     if pkg is not None:
@@ -938,7 +941,7 @@ def gate_fastvideo_arm(
     rec["gate_level"] = "max_abs"
     if not gate.passed:
         rows = ctx.tiling.indices(device).nonpad_index
-        loose = bc.match_check(got, ref, ctx.cfg.dtype, rows=rows)
+        loose = bref.match_check(got, ref, ctx.cfg.dtype, rows=rows)
         rec["gate_rel_l2"] = loose.as_dict()
         if not loose.passed:
             rec.update(status="failed", reason=f"correctness gate: {gate.reason}")
@@ -948,22 +951,22 @@ def gate_fastvideo_arm(
 
 
 def time_arms(
-    ctx: CellContext, recs: dict[str, dict[str, Any]], runners: dict[str, bc.Runner]
+    ctx: CellContext, recs: dict[str, dict[str, Any]], runners: dict[str, bt.Runner]
 ) -> None:
-    """The gated arms timed together in alternation (`bench_common.time_views`), then each
+    """The gated arms timed together in alternation (`bench_timing.time_views`), then each
     one's peak memory, into ``recs``. An arm whose call raises is reported as an error and the
     others are timed again without it."""
     timed = {name: _tagged(name, r) for name, r in runners.items()}
     while timed:
         ctx.log(f"time {', '.join(timed)} in alternation")
         try:
-            views = bc.time_views(timed, ctx.device, ctx.cfg, max_calls=ctx.cfg.b2b_calls,
+            views = bt.time_views(timed, ctx.device, ctx.cfg, max_calls=ctx.cfg.b2b_calls,
                                   turn_ms=ctx.cfg.b2b_turn_ms)  # fmt: skip
             break
         except ArmFailed as exc:
-            recs[exc.arm].update(status="error", **bc.error_fields(exc.cause))
+            recs[exc.arm].update(status="error", **brep.error_fields(exc.cause))
             del timed[exc.arm]
-            bc.recover_after_error(ctx.device)
+            brun.recover_after_error(ctx.device)
     else:
         return
     for name, view in views.items():
@@ -976,10 +979,10 @@ def time_arms(
             timing=view.as_dict(),
         )
         try:
-            recs[name]["peak_mib"] = bc.peak_extra_mib(runners[name].once, ctx.device)
+            recs[name]["peak_mib"] = bt.peak_extra_mib(runners[name].once, ctx.device)
         except Exception as exc:
-            recs[name]["peak_mib_error"] = bc.error_text(exc, 500)
-            bc.recover_after_error(ctx.device)
+            recs[name]["peak_mib_error"] = brep.error_text(exc, 500)
+            brun.recover_after_error(ctx.device)
 
 
 def time_pieces(ctx: CellContext, recs: dict[str, dict[str, Any]], shared: dict[str, Any]) -> None:
@@ -992,11 +995,11 @@ def time_pieces(ctx: CellContext, recs: dict[str, dict[str, Any]], shared: dict[
     fines = [recs[n]["fine_backend"] for n in ours]
     try:
         pieces = piece_runners(ctx.inputs, ctx.tiling, ctx.topk, fines, ctx.mode)
-        times = {n: bc.time_runner(p, ctx.device, ctx.cfg).median_ms for n, p in pieces.items()}
+        times = {n: bt.time_runner(p, ctx.device, ctx.cfg).median_ms for n, p in pieces.items()}
     except Exception as exc:
         for n in ours:
-            recs[n]["pieces_error"] = bc.error_text(exc, 500)
-        bc.recover_after_error(ctx.device)
+            recs[n]["pieces_error"] = brep.error_text(exc, 500)
+        brun.recover_after_error(ctx.device)
         return
     for n in ours:
         fine = times[f"fine:{recs[n]['fine_backend']}"]
@@ -1007,7 +1010,7 @@ def time_pieces(ctx: CellContext, recs: dict[str, dict[str, Any]], shared: dict[
 def run_cell(
     ctx: CellContext,
     base: dict[str, Any],
-    dense: tuple[bc.Runner | None, dict[str, Any]],
+    dense: tuple[bt.Runner | None, dict[str, Any]],
     fastvideo: fva.Package | None,
 ) -> list[dict[str, Any]]:
     """Every arm of one cell, dense first, then ``--arms`` in their order: each gated (our
@@ -1015,7 +1018,7 @@ def run_cell(
     apart; one record per arm. Never raises."""
     names = [DENSE, *ctx.cfg.arms]
     recs = {n: {**base, "arm": n, "arm_kind": arm_kind(n), "status": None} for n in names}
-    runners: dict[str, bc.Runner] = {}
+    runners: dict[str, bt.Runner] = {}
     dense_runner, dense_fields = dense
     recs[DENSE].update(dense_fields)
     if dense_runner is None:
@@ -1037,8 +1040,8 @@ def run_cell(
                 else:
                     runner = gate_our_arm(ctx, recs[name], name, shared)
             except Exception as exc:
-                recs[name].update(status="error", **bc.error_fields(exc))
-                bc.recover_after_error(ctx.device)
+                recs[name].update(status="error", **brep.error_fields(exc))
+                brun.recover_after_error(ctx.device)
                 continue
             if runner is not None:
                 runners[name] = runner
@@ -1048,8 +1051,8 @@ def run_cell(
     except Exception as exc:  # outside any one arm (the selection): every arm not yet done
         for rec in recs.values():
             if rec["status"] is None:
-                rec.update(status="error", **bc.error_fields(exc))
-        bc.recover_after_error(ctx.device)
+                rec.update(status="error", **brep.error_fields(exc))
+        brun.recover_after_error(ctx.device)
     for rec in recs.values():
         if rec["status"] is None:  # gated but never timed (another arm's failure)
             rec.update(status="error", reason="not timed")
@@ -1064,7 +1067,7 @@ def run_benchmark(
     cfg: Config,
     device: torch.device,
     *,
-    replica: bc.Replica | None = None,
+    replica: brun.Replica | None = None,
     on_result: Callable[[list[dict[str, Any]]], None] | None = None,
 ) -> list[dict[str, Any]]:
     torch.manual_seed(cfg.seed)
@@ -1078,26 +1081,26 @@ def run_benchmark(
             f"{fastvideo.info.get('version')}, ThunderKittens: "
             f"{fastvideo.tk_unavailable or 'loads'}"
         )
-        bc.log(f"fastvideo-kernel: {found}", replica=replica)
+        brun.log(f"fastvideo-kernel: {found}", replica=replica)
     cells = 0
     for shape in cfg.shapes:
         tiling = VideoTiling(shape.latent, cfg.tile)
         inputs: OpInputs | None = None
         for mode in cfg.modes:
-            dense: tuple[bc.Runner | None, dict[str, Any]] | None = None
+            dense: tuple[bt.Runner | None, dict[str, Any]] | None = None
             for sparsity in cfg.sparsities:
                 cells += 1
                 base = base_record(cfg, shape, tiling, sparsity, mode)
                 label = cell_label(cells, total, shape, sparsity, mode)
 
                 def log(step: str, label: str = label) -> None:
-                    bc.log(f"{label}: {step}", replica=replica)
+                    brun.log(f"{label}: {step}", replica=replica)
 
-                if bc.budget_spent(cfg.time_budget_min, started):
+                if brun.budget_spent(cfg.time_budget_min, started):
                     recs = [{**base, "arm": n, "arm_kind": arm_kind(n)}
                             for n in [DENSE, *cfg.arms]]  # fmt: skip
                     for rec in recs:
-                        bc.mark_not_run(rec, cfg.time_budget_min)
+                        brun.mark_not_run(rec, cfg.time_budget_min)
                 else:
                     if dense is None:
                         log(f"dense baseline on {tiling.seq_len} real tokens: gate")
@@ -1114,16 +1117,16 @@ def run_benchmark(
                 if on_result is not None:
                     on_result(results)
             del dense
-            bc.recover_after_error(device)
+            brun.recover_after_error(device)
         del inputs
-        bc.recover_after_error(device)
+        brun.recover_after_error(device)
     return results
 
 
 # ---- sequence parallel ----------------------------------------------------------------------
 # Every rank runs the same cells in the same order and makes the same collective calls: the
 # decisions that could differ between ranks (time budget, gates, errors) are agreed on with
-# bc.any_rank before they change what runs next. Rank 0 alone runs the single-GPU op and the
+# bt.any_rank before they change what runs next. Rank 0 alone runs the single-GPU op and the
 # dense baseline (the other ranks wait in the next collective) and keeps the results.
 
 
@@ -1155,7 +1158,7 @@ def sp_op_runner(
     mode: str,
     head_chunk: int | None = None,
     recompute: bool = False,
-) -> bc.Runner:
+) -> bt.Runner:
     """`sequence_parallel_video_sparse_attn` on this rank's shards (outputs: its shards)."""
     attn = partial(
         sequence_parallel_video_sparse_attn,
@@ -1189,9 +1192,9 @@ def run_single_gpu_op(
         ref = op_reference(inputs, tiling, topk, need_grads)
         runner = op_runner(inputs, tiling, topk, fine, mode)
         outputs = runner.once()
-        bc.synchronize(device)
+        bt.synchronize(device)
         rows = tiling.indices(device).nonpad_index
-        gate = bc.gate_check({n: outputs[n] for n in wanted}, ref, cfg.dtype, rows=rows)
+        gate = bref.gate_check({n: outputs[n] for n in wanted}, ref, cfg.dtype, rows=rows)
         del ref
         rec["op_gate"] = gate.as_dict()
         if not gate.passed:
@@ -1200,14 +1203,14 @@ def run_single_gpu_op(
         kept = {n: outputs[n].detach() for n in wanted}
         del outputs
         log("single-GPU op: time")
-        timing = bc.time_runner(runner, device, cfg)
+        timing = bt.time_runner(runner, device, cfg)
         rec["op_ms"] = timing.median_ms
         rec["op_timing"] = timing.as_dict()
-        rec["op_peak_mib"] = bc.peak_extra_mib(runner.once, device)
+        rec["op_peak_mib"] = bt.peak_extra_mib(runner.once, device)
         return kept
     except Exception as exc:
-        rec.update(status="error", **bc.error_fields(exc))
-        bc.recover_after_error(device)
+        rec.update(status="error", **brep.error_fields(exc))
+        brun.recover_after_error(device)
         return None
     finally:
         del runner
@@ -1236,7 +1239,7 @@ def run_sp_cell(
     if rank == 0:
         assert full is not None
         single = run_single_gpu_op(cfg, rec, full, tiling, fine, device, log)
-    if bc.any_rank(rank == 0 and single is None, device):
+    if bt.any_rank(rank == 0 and single is None, device):
         if rank != 0:
             rec.update(status="failed", reason="the single-GPU op failed on rank 0")
         return
@@ -1251,7 +1254,7 @@ def run_sp_cell(
         if rank == 0:
             assert single is not None
             rows = tiling.indices(device).nonpad_index
-            gate = bc.match_check(gathered, single, cfg.dtype, rows=rows)
+            gate = bref.match_check(gathered, single, cfg.dtype, rows=rows)
             rec["sp_gate"] = gate.as_dict()
             if not gate.passed:
                 failed = True
@@ -1262,9 +1265,9 @@ def run_sp_cell(
         del gathered, single
     except Exception as exc:
         failed = True
-        rec.update(status="error", **bc.error_fields(exc))
-        bc.recover_after_error(device)
-    if bc.any_rank(failed, device):
+        rec.update(status="error", **brep.error_fields(exc))
+        brun.recover_after_error(device)
+    if bt.any_rank(failed, device):
         if not failed:
             rec.update(status="failed", reason="failed on another rank")
         return
@@ -1273,13 +1276,13 @@ def run_sp_cell(
     # leave the others waiting, so an error ends the run (torchrun stops every rank).
     try:
         log(f"sequence-parallel op: time ({cfg.warmup} warm-up + {cfg.reps} timed calls)")
-        timing = bc.time_fn_distributed(
+        timing = bt.time_fn_distributed(
             runner.run, device, setup=runner.setup, warmup=cfg.warmup, reps=cfg.reps
         )
         rec["sp_ms"] = timing.median_ms
         rec["sp_timing"] = timing.as_dict()
-        peak = bc.peak_extra_mib(runner.once, device)
-        per_rank = bc.gather_per_rank(peak, device) if device.type == "cuda" else None
+        peak = bt.peak_extra_mib(runner.once, device)
+        per_rank = bt.gather_per_rank(peak, device) if device.type == "cuda" else None
         rec["sp_peak_mib_per_rank"] = per_rank
         rec["sp_peak_mib"] = max(x for x in per_rank if x is not None) if per_rank else None
         rec["status"] = "ok"
@@ -1306,7 +1309,7 @@ def run_sequence_parallel(
     rank: int,
     world: int,
     process_group: str,
-    replica: bc.Replica | None = None,
+    replica: brun.Replica | None = None,
     on_result: Callable[[list[dict[str, Any]]], None] | None = None,
 ) -> list[dict[str, Any]]:
     """The grid in sequence-parallel mode, on every rank (rank 0's results are the report)."""
@@ -1329,13 +1332,13 @@ def run_sequence_parallel(
 
                 def log(step: str, label: str = label) -> None:
                     if rank == 0:
-                        bc.log(f"{label}: {step}", replica=replica)
+                        brun.log(f"{label}: {step}", replica=replica)
 
                 # every rank must agree, since the cell's collectives follow
-                if cfg.time_budget_min is not None and bc.any_rank(
-                    bc.budget_spent(cfg.time_budget_min, started), device
+                if cfg.time_budget_min is not None and bt.any_rank(
+                    brun.budget_spent(cfg.time_budget_min, started), device
                 ):
-                    bc.mark_not_run(rec, cfg.time_budget_min)
+                    brun.mark_not_run(rec, cfg.time_budget_min)
                 elif unsupported is not None:
                     rec.update(status="skipped", reason=unsupported)
                 else:
@@ -1359,8 +1362,8 @@ def run_sequence_parallel(
                 if on_result is not None:
                     on_result(results)
         del full, local
-        bc.recover_after_error(device)
-    bc.barrier(device)
+        brun.recover_after_error(device)
+    bt.barrier(device)
     return results
 
 
@@ -1370,7 +1373,7 @@ def arm_summary(rec: dict[str, Any]) -> str:
     if rec.get("fine_backend") and rec["fine_backend"] != name:
         name += f" ({rec['fine_backend']})"
     if rec["status"] != "ok":
-        return f"{name}: {rec['status']}: {bc.first_line(rec.get('reason'), 200)}"
+        return f"{name}: {rec['status']}: {brep.first_line(rec.get('reason'), 200)}"
     text = (
         f"{name}: back to back {rec['b2b_ms']:.3f} ms, once {rec['once_ms']:.3f} ms, "
         f"host {rec['host_ms']:.3f} ms"
@@ -1382,7 +1385,7 @@ def arm_summary(rec: dict[str, Any]) -> str:
 
 def summary_line(rec: dict[str, Any]) -> str:
     if rec["status"] != "ok":
-        return f"{rec['status']}: {bc.first_line(rec.get('reason'), 200)}"
+        return f"{rec['status']}: {brep.first_line(rec.get('reason'), 200)}"
     text = f"op {rec['op_ms']:.3f} ms"
     if "speedup" in rec:
         text += (
@@ -1416,7 +1419,7 @@ def _sparsity(r: dict[str, Any]) -> str:
 
 def _status(r: dict[str, Any], limit: int = 200) -> str:
     status = r["status"] if r["status"] == "ok" else f"{r['status']}: {r.get('reason', '')}"
-    return bc.first_line(status, limit)
+    return brep.first_line(status, limit)
 
 
 def _gate_word(r: dict[str, Any]) -> str:
@@ -1456,7 +1459,7 @@ def speedup_table(results: list[dict[str, Any]], arms: list[str]) -> str:
                 row.append(r["status"] if r["status"] != "ok" else "ok, no dense")
         row.append(_fmt(first.get("ideal_speedup"), ".2f", "x"))
         rows.append(row)
-    return bc.markdown_table(headers, rows)
+    return brep.markdown_table(headers, rows)
 
 
 def render_markdown(doc: dict[str, Any]) -> str:
@@ -1520,7 +1523,7 @@ def render_markdown(doc: dict[str, Any]) -> str:
                 _status(r),
             ]
         )
-    lines.append(bc.markdown_table(headers, rows))
+    lines.append(brep.markdown_table(headers, rows))
     notes = []
     unavailable = {"; ".join(r.get("dense_tried") or []) for r in results if r.get("dense_tried")}
     if unavailable:
@@ -1627,10 +1630,10 @@ def render_markdown_sp(doc: dict[str, Any]) -> str:
                 _fmt(r.get("scaling_efficiency"), ".0%"),
                 mem,
                 gate,
-                bc.first_line(status, 200),
+                brep.first_line(status, 200),
             ]
         )
-    lines.append(bc.markdown_table(headers, rows))
+    lines.append(brep.markdown_table(headers, rows))
     unavailable = {"; ".join(r.get("dense_tried") or []) for r in results if r.get("dense_tried")}
     if unavailable:
         lines += ["", "Dense arms passed over: " + " | ".join(sorted(unavailable))]
@@ -1647,7 +1650,7 @@ def finish_doc(doc: dict[str, Any], out: Path | None) -> str:
         derive_arms(doc["results"])
     text = render_markdown_sp(doc) if sequence_parallel else render_markdown(doc)
     if out is not None:
-        bc.write_json_and_markdown(out, doc, text)
+        brep.write_json_and_markdown(out, doc, text)
     return text
 
 
@@ -1655,17 +1658,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.sequence_parallel:
         return main_sequence_parallel(args, argv)
-    replica = bc.replica_from_env()
-    device = bc.pick_device(args.device, replica)
+    replica = brun.replica_from_env()
+    device = brun.pick_device(args.device, replica)
     cfg = make_config(args, device)
     started_unix = time.time()
     command = sys.argv if argv is None else ["bench_video.py", *argv]
-    meta = bc.collect_metadata(device, seed=cfg.seed, argv=command, replica=replica)
-    doc = bc.result_doc(
+    meta = brep.collect_metadata(device, seed=cfg.seed, argv=command, replica=replica)
+    doc = brun.result_doc(
         "bench_video", started_unix=started_unix, metadata=meta, config=cfg.as_dict()
     )
-    bc.log(f"bench_video on {meta['device'].get('name')} ({device})", replica=replica)
-    return bc.run_and_report(
+    brun.log(f"bench_video on {meta['device'].get('name')} ({device})", replica=replica)
+    return brun.run_and_report(
         doc,
         lambda checkpoint: run_benchmark(cfg, device, replica=replica, on_result=checkpoint),
         finish_doc,
@@ -1682,13 +1685,13 @@ def main_sequence_parallel(args: argparse.Namespace, argv: Sequence[str] | None)
     """``--sequence-parallel``: every rank runs the grid; rank 0 writes and prints the report."""
     import torch.distributed as dist
 
-    replica = bc.replica_from_env()
+    replica = brun.replica_from_env()
     if replica is None:
         raise SystemExit(
             "--sequence-parallel runs under torchrun: torchrun --standalone --nproc-per-node=N "
             "benchmarks/bench_video.py --sequence-parallel ..."
         )
-    device = bc.pick_device(args.device, replica)
+    device = brun.pick_device(args.device, replica)
     cfg = make_config(args, device)
     process_group = "nccl" if device.type == "cuda" else "gloo"
     init: dict[str, Any] = {"timeout": datetime.timedelta(seconds=cfg.replica_timeout_s)}
@@ -1698,7 +1701,7 @@ def main_sequence_parallel(args: argparse.Namespace, argv: Sequence[str] | None)
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
 
-        def run(checkpoint: bc.ResultsCallback | None) -> list[dict[str, Any]]:
+        def run(checkpoint: brun.ResultsCallback | None) -> list[dict[str, Any]]:
             return run_sequence_parallel(
                 cfg,
                 device,
@@ -1715,7 +1718,7 @@ def main_sequence_parallel(args: argparse.Namespace, argv: Sequence[str] | None)
             return 0
         started_unix = time.time()
         command = sys.argv if argv is None else ["bench_video.py", *argv]
-        meta = bc.collect_metadata(device, seed=cfg.seed, argv=command, replica=replica)
+        meta = brep.collect_metadata(device, seed=cfg.seed, argv=command, replica=replica)
         sp_info = {
             "world_size": world,
             "process_group": process_group,
@@ -1723,19 +1726,19 @@ def main_sequence_parallel(args: argparse.Namespace, argv: Sequence[str] | None)
             "barriers; per call the max over ranks (all_reduce MAX), median over calls",
             "reference": "the single-GPU op and dense on rank 0 alone",
         }
-        doc = bc.result_doc(
+        doc = brun.result_doc(
             "bench_video",
             started_unix=started_unix,
             metadata=meta,
             config=cfg.as_dict(),
             sequence_parallel=sp_info,
         )
-        bc.log(
+        brun.log(
             f"bench_video --sequence-parallel on {world} x {meta['device'].get('name')} "
             f"({process_group})",
             replica=replica,
         )
-        status = bc.run_and_report(
+        status = brun.run_and_report(
             doc,
             run,
             finish_doc,

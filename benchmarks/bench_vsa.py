@@ -51,7 +51,10 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import bench_common as bc
+import bench_reference as bref
+import bench_report as brep
+import bench_run as brun
+import bench_timing as bt
 
 from vsa_core import BlockSparseLayout, block_sparse_attn
 from vsa_core.backends import AttentionCall, backend_entries, get_backend
@@ -157,7 +160,7 @@ class Config:
             "batch": self.batch,
             "heads": self.heads,
             "head_dim": self.head_dim,
-            "dtype": bc.DTYPE_NAMES[self.dtype],
+            "dtype": brun.DTYPE_NAMES[self.dtype],
             "masks": self.masks,
             "partial_blocks": self.partial_blocks,
             "pacing": self.pacing,
@@ -197,7 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--modes",
-        type=bc.parse_mode,
+        type=brun.parse_mode,
         nargs="+",
         default=list(DEFAULT_MODES),
         help="fwd, bwd (backward only), fwd+bwd (alias fwdbwd); default: all three",
@@ -212,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--batch", type=int, default=1)
     g.add_argument("--heads", type=int, help="default 12 (CPU: 2)")
     g.add_argument("--head-dim", type=int, help="default 128 (CPU: 32)")
-    g.add_argument("--dtype", choices=sorted(bc.DTYPES), default="bf16")
+    g.add_argument("--dtype", choices=sorted(brun.DTYPES), default="bf16")
     g.add_argument(
         "--masks",
         choices=("exact256", "native"),
@@ -275,7 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         help="dense bf16 peak for MFU (default by device: H100/H200 989, B200 2250, GB200 2500)",
     )
-    bc.add_run_options(o)
+    brun.add_run_options(o)
     return p
 
 
@@ -303,7 +306,7 @@ def make_config(args: argparse.Namespace, device: torch.device) -> Config:
         batch=args.batch,
         heads=pick("heads"),
         head_dim=pick("head_dim"),
-        dtype=bc.DTYPES[args.dtype],
+        dtype=brun.DTYPES[args.dtype],
         masks=args.masks,
         seed=args.seed,
         warmup=pick("warmup"),
@@ -459,7 +462,7 @@ class Arm:
         """Why this arm cannot run ``cell``, or None."""
         return None
 
-    def prepare(self, inputs: Inputs, cell: Cell) -> bc.Runner:
+    def prepare(self, inputs: Inputs, cell: Cell) -> bt.Runner:
         raise NotImplementedError
 
     def classify_error(self, exc: BaseException) -> str | None:
@@ -514,15 +517,15 @@ class VsaBackendArm(Arm):
         )
         return self.backend.supports(call)
 
-    def prepare(self, inputs: Inputs, cell: Cell) -> bc.Runner:
+    def prepare(self, inputs: Inputs, cell: Cell) -> bt.Runner:
         layout, name, scale = cell.layout, self.backend_name, inputs.scale
 
         def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             with self.context():
                 return block_sparse_attn(q, k, v, layout, backend=name, scale=scale)[0]
 
-        leaves = bc.make_leaves((inputs.q, inputs.k, inputs.v), cell.mode, lambda t: t)
-        return bc.autograd_runner(forward, leaves, inputs.dout, cell.mode)
+        leaves = bt.make_leaves((inputs.q, inputs.k, inputs.v), cell.mode, lambda t: t)
+        return bt.autograd_runner(forward, leaves, inputs.dout, cell.mode)
 
 
 class Fa4VariantArm(VsaBackendArm):
@@ -596,11 +599,11 @@ class Fa4RawArm(Arm):
             from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
             from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd
         except Exception as exc:
-            return f"flash_attn.cute (flash-attn-4) not importable: {bc.error_text(exc, 300)}"
+            return f"flash_attn.cute (flash-attn-4) not importable: {brep.error_text(exc, 300)}"
         self.fwd, self.bwd = _flash_attn_fwd, _flash_attn_bwd
         self.tensor_cls = BlockSparseTensorsTorch
         self.capability = torch.cuda.get_device_capability(device)
-        self.version = bc.distribution_versions(["flash-attn-4"])["flash-attn-4"]
+        self.version = brep.distribution_versions(["flash-attn-4"])["flash-attn-4"]
         return None
 
     def refuse(self, cfg: Config, inputs: Inputs, cell: Cell) -> str | None:
@@ -630,10 +633,10 @@ class Fa4RawArm(Arm):
         if isinstance(exc, (ValueError, AssertionError, NotImplementedError)) and any(
             s in msg for s in refusal
         ):
-            return f"upstream FA4 refuses: {bc.first_line(msg, 300)}"
+            return f"upstream FA4 refuses: {brep.first_line(msg, 300)}"
         return None
 
-    def prepare(self, inputs: Inputs, cell: Cell) -> bc.Runner:
+    def prepare(self, inputs: Inputs, cell: Cell) -> bt.Runner:
         assert cell.layout is not None
         fwd_t, bwd_t = fa4_block_sparse_tensors(
             self.tensor_cls, cell.layout, need_backward=cell.mode != "fwd"
@@ -662,18 +665,18 @@ class Fa4RawArm(Arm):
             return {"dq": dq, "dk": dk, "dv": dv}
 
         if cell.mode == "fwd":
-            return bc.Runner(lambda _: {"out": forward(False)[0]}, info=info)
+            return bt.Runner(lambda _: {"out": forward(False)[0]}, info=info)
         if cell.mode == "bwd":
             out, lse = forward(True)
             assert lse is not None
-            return bc.Runner(lambda _: backward(out, lse), info=info)
+            return bt.Runner(lambda _: backward(out, lse), info=info)
 
         def run_both(_: Any) -> dict[str, torch.Tensor]:
             out, lse = forward(True)
             assert lse is not None
             return {"out": out, **backward(out, lse)}
 
-        return bc.Runner(run_both, info=info)
+        return bt.Runner(run_both, info=info)
 
 
 class Fa4DenseArm(Arm):
@@ -689,18 +692,18 @@ class Fa4DenseArm(Arm):
         try:
             from flash_attn.cute import flash_attn_func
         except Exception as exc:
-            return f"flash_attn.cute (flash-attn-4) not importable: {bc.error_text(exc, 300)}"
+            return f"flash_attn.cute (flash-attn-4) not importable: {brep.error_text(exc, 300)}"
         self.fn = flash_attn_func
         return None
 
-    def prepare(self, inputs: Inputs, cell: Cell) -> bc.Runner:
+    def prepare(self, inputs: Inputs, cell: Cell) -> bt.Runner:
         fn, scale = self.fn, inputs.scale
 
         def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             return _first(fn(q, k, v, softmax_scale=scale))
 
-        leaves = bc.make_leaves((inputs.q, inputs.k, inputs.v), cell.mode, lambda t: t)
-        return bc.autograd_runner(forward, leaves, inputs.dout, cell.mode)
+        leaves = bt.make_leaves((inputs.q, inputs.k, inputs.v), cell.mode, lambda t: t)
+        return bt.autograd_runner(forward, leaves, inputs.dout, cell.mode)
 
 
 def raise_dynamo_limits() -> None:
@@ -777,7 +780,7 @@ class FlexArm(Arm):
         try:
             from torch.nn.attention.flex_attention import flex_attention
         except Exception as exc:
-            return f"torch.nn.attention.flex_attention not importable: {bc.error_text(exc, 300)}"
+            return f"torch.nn.attention.flex_attention not importable: {brep.error_text(exc, 300)}"
         if self.compile:
             raise_dynamo_limits()
             self.fn = torch.compile(flex_attention, dynamic=False)
@@ -785,7 +788,7 @@ class FlexArm(Arm):
             self.fn = flex_attention
         return None
 
-    def prepare(self, inputs: Inputs, cell: Cell) -> bc.Runner:
+    def prepare(self, inputs: Inputs, cell: Cell) -> bt.Runner:
         assert cell.layout is not None
         layout = cell.layout
         block_mask = flex_block_mask(layout, eager=not self.compile)
@@ -801,8 +804,8 @@ class FlexArm(Arm):
         def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             return fn(q, k, v, block_mask=block_mask, scale=scale, kernel_options=options)
 
-        leaves = bc.make_leaves((inputs.q, inputs.k, inputs.v), cell.mode, _bhsd)
-        runner = bc.autograd_runner(forward, leaves, _bhsd(inputs.dout), cell.mode, _bshd_view)
+        leaves = bt.make_leaves((inputs.q, inputs.k, inputs.v), cell.mode, _bhsd)
+        runner = bt.autograd_runner(forward, leaves, _bhsd(inputs.dout), cell.mode, _bshd_view)
         runner.info = {"kernel_options": options, "compiled": self.compile}
         return runner
 
@@ -821,7 +824,7 @@ class SdpaArm(Arm):
             return cuda_only(device, "cuDNN / flash SDPA")
         return None
 
-    def prepare(self, inputs: Inputs, cell: Cell) -> bc.Runner:
+    def prepare(self, inputs: Inputs, cell: Cell) -> bt.Runner:
         import torch.nn.functional as F
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -832,7 +835,7 @@ class SdpaArm(Arm):
             ]
         else:
             candidates = [("math", SDPBackend.MATH)]
-        leaves = bc.make_leaves((inputs.q, inputs.k, inputs.v), cell.mode, _bhsd)
+        leaves = bt.make_leaves((inputs.q, inputs.k, inputs.v), cell.mode, _bhsd)
         dout, scale = _bhsd(inputs.dout), inputs.scale
         failures: list[str] = []
         for label, backend in candidates:
@@ -843,13 +846,13 @@ class SdpaArm(Arm):
                 with sdpa_kernel([_b]):
                     return F.scaled_dot_product_attention(q, k, v, scale=scale)
 
-            runner = bc.autograd_runner(forward, leaves, dout, cell.mode, _bshd_view)
+            runner = bt.autograd_runner(forward, leaves, dout, cell.mode, _bshd_view)
             try:
                 runner.once()
-                bc.synchronize(inputs.device)
+                bt.synchronize(inputs.device)
             except Exception as exc:
-                failures.append(f"{label}: {bc.error_text(exc, 300)}")
-                bc.recover_after_error(inputs.device)
+                failures.append(f"{label}: {brep.error_text(exc, 300)}")
+                brun.recover_after_error(inputs.device)
                 continue
             runner.info = {"sdpa_backend": label}
             if failures:
@@ -903,7 +906,7 @@ def base_record(cfg: Config, cell: Cell, arm: Arm) -> dict[str, Any]:
         "batch": cfg.batch,
         "heads": cfg.heads,
         "head_dim": cfg.head_dim,
-        "dtype": bc.DTYPE_NAMES[cfg.dtype],
+        "dtype": brun.DTYPE_NAMES[cfg.dtype],
         "total_pairs": cell.total_pairs,
         "kept_fraction": cell.total_pairs / full,
         "status": None,
@@ -918,7 +921,7 @@ def run_cell(
     reference: Callable[[], dict[str, torch.Tensor]],
     arm_unavailable: str | None,
     announce: Callable[[], None] | None = None,
-    pacer: bc.Runner | None = None,
+    pacer: bt.Runner | None = None,
 ) -> dict[str, Any]:
     """Gate, then time, one arm on one cell; every failure is caught and reported. With a
     ``pacer`` (fa4_dense's runner of the same length and mode, `--pacing dense`) the arm is
@@ -931,7 +934,7 @@ def run_cell(
         try:
             reason = arm.refuse(cfg, inputs, cell)
         except Exception as exc:
-            reason = f"could not ask the arm: {bc.error_text(exc)}"
+            reason = f"could not ask the arm: {brep.error_text(exc)}"
     if reason is not None:
         rec.update(status="skipped", reason=reason)
         return rec
@@ -944,18 +947,18 @@ def run_cell(
         runner = arm.prepare(inputs, cell)
         rec["info"] = runner.info
         outputs = runner.once()
-        bc.synchronize(device)
+        bt.synchronize(device)
         wanted = {"fwd": ("out",), "bwd": ("dq", "dk", "dv")}.get(
             cell.mode, ("out", "dq", "dk", "dv")
         )
         missing = [n for n in wanted if n not in outputs]
         if missing:
-            gate = bc.GateResult(False, reason=f"missing outputs {missing}")
+            gate = bref.GateResult(False, reason=f"missing outputs {missing}")
         elif ref is None:
             gate = None
             rec["ungated"] = f"S={cell.seq_len} > --gate-max-seq {cfg.gate_max_seq}"
         else:
-            gate = bc.gate_check({n: outputs[n] for n in wanted}, ref, inputs.dtype)
+            gate = bref.gate_check({n: outputs[n] for n in wanted}, ref, inputs.dtype)
         del outputs
         if gate is not None:
             rec["gate"] = gate.as_dict()
@@ -963,16 +966,16 @@ def run_cell(
                 rec.update(status="failed", reason=f"correctness gate: {gate.reason}")
                 return rec
         if pacer is None:
-            timing = bc.time_runner(runner, device, cfg)
+            timing = bt.time_runner(runner, device, cfg)
         else:
-            timing, dense = bc.time_paced(runner, pacer, device, cfg)
+            timing, dense = bt.time_paced(runner, pacer, device, cfg)
             rec.update(
                 paced_dense_median_ms=dense.median_ms,
                 paced_dense_times_ms=dense.times_ms,
                 paced_dense_pairs=cfg.batch * cfg.heads * cell.seq_len**2,
             )
         rec.update(timing.as_dict())
-        rec["peak_mem_mib"] = bc.peak_extra_mib(runner.once, device)
+        rec["peak_mem_mib"] = bt.peak_extra_mib(runner.once, device)
         rec["status"] = "ok"
     except ArmRefused as exc:
         rec.update(status="skipped", reason=str(exc))
@@ -981,8 +984,8 @@ def run_cell(
         if skip is not None:
             rec.update(status="skipped", reason=skip)
         else:
-            rec.update(status="error", **bc.error_fields(exc))
-        bc.recover_after_error(device)
+            rec.update(status="error", **brep.error_fields(exc))
+        brun.recover_after_error(device)
     finally:
         del runner
     return rec
@@ -995,7 +998,7 @@ def derive_metrics(results: list[dict[str, Any]], peak: float | None) -> None:
     dense: dict[tuple[int, str], dict[str, Any]] = {}
     for r in results:
         if r.get("status") == "ok" and isinstance(r.get("median_ms"), (int, float)):
-            r["tflops"] = bc.tflops(r["head_dim"], r["total_pairs"], r["mode"], r["median_ms"])
+            r["tflops"] = brep.tflops(r["head_dim"], r["total_pairs"], r["mode"], r["median_ms"])
             r["mfu"] = r["tflops"] / peak if peak else None
             if r["arm"] == "fa4_dense":
                 dense[(r["seq_len"], r["mode"])] = r
@@ -1010,7 +1013,7 @@ def derive_metrics(results: list[dict[str, Any]], peak: float | None) -> None:
             dense_ms, dense_pairs = base["median_ms"], base["total_pairs"]
         else:
             continue
-        dense_tflops = bc.tflops(r["head_dim"], dense_pairs, r["mode"], dense_ms)
+        dense_tflops = brep.tflops(r["head_dim"], dense_pairs, r["mode"], dense_ms)
         r["efficiency_vs_fa4_dense"] = r["tflops"] / dense_tflops
         r["speedup_vs_fa4_dense"] = dense_ms / r["median_ms"]
 
@@ -1027,7 +1030,7 @@ def run_benchmark(
     device: torch.device,
     arms: Sequence[Arm],
     *,
-    replica: bc.Replica | None = None,
+    replica: brun.Replica | None = None,
     on_result: Callable[[list[dict[str, Any]]], None] | None = None,
 ) -> list[dict[str, Any]]:
     torch.manual_seed(cfg.seed)
@@ -1036,9 +1039,9 @@ def run_benchmark(
         try:
             unavailable[arm.name] = arm.unavailable(device)
         except Exception as exc:
-            unavailable[arm.name] = f"availability check failed: {bc.error_text(exc)}"
+            unavailable[arm.name] = f"availability check failed: {brep.error_text(exc)}"
         if unavailable[arm.name]:
-            bc.log(f"arm {arm.name}: unavailable: {unavailable[arm.name]}", replica=replica)
+            brun.log(f"arm {arm.name}: unavailable: {unavailable[arm.name]}", replica=replica)
     total = plan_cells(cfg, arms)
     done = 0
     results: list[dict[str, Any]] = []
@@ -1051,13 +1054,13 @@ def run_benchmark(
         results.append(rec)
         status = rec["status"]
         if status == "ok":
-            flops = bc.tflops(rec["head_dim"], rec["total_pairs"], rec["mode"], rec["median_ms"])
+            flops = brep.tflops(rec["head_dim"], rec["total_pairs"], rec["mode"], rec["median_ms"])
             detail = f"{rec['median_ms']:.3f} ms, {fmt_tflops(flops)} TFLOP/s"
         elif status == "failed":
             detail = rec["reason"]
         else:
-            detail = bc.first_line(rec.get("reason"), 200)
-        bc.log(f"[{done}/{total}] {label}: {status}: {detail}", replica=replica)
+            detail = brep.first_line(rec.get("reason"), 200)
+        brun.log(f"[{done}/{total}] {label}: {status}: {detail}", replica=replica)
         if on_result is not None:
             on_result(results)
 
@@ -1068,13 +1071,13 @@ def run_benchmark(
             f"S={cell.seq_len} {cell.mode} {sparsity_label(cell.sparsity)} "
             f"{block_label(cell.block_shape) or '-'} {arm.name}"
         )
-        if bc.budget_spent(cfg.time_budget_min, started):
+        if brun.budget_spent(cfg.time_budget_min, started):
             rec = base_record(cfg, cell, arm)
-            bc.mark_not_run(rec, cfg.time_budget_min)
+            brun.mark_not_run(rec, cfg.time_budget_min)
         else:
 
             def announce() -> None:
-                bc.log(f"[{done + 1}/{total}] {label} ...", replica=replica)
+                brun.log(f"[{done + 1}/{total}] {label} ...", replica=replica)
 
             rec = run_cell(cfg, arm, cell, inputs, ref, unavailable[arm.name], announce, pacer)
         record(rec, label)
@@ -1083,7 +1086,7 @@ def run_benchmark(
         inputs = make_inputs(cfg, seq_len, device)
         refs = References(inputs, need_grads, replica)
         dense_pairs = cfg.batch * cfg.heads * seq_len * seq_len
-        pacers: dict[str, bc.Runner] = {}  # mode -> fa4_dense's runner (--pacing dense)
+        pacers: dict[str, bt.Runner] = {}  # mode -> fa4_dense's runner (--pacing dense)
         for mode in cfg.modes:
             for arm in arms:
                 if arm.dense:
@@ -1106,14 +1109,14 @@ def run_benchmark(
             refs.keep_only("dense")
         refs.keep_only(None)
         del inputs, pacers
-        bc.recover_after_error(device)
+        brun.recover_after_error(device)
     return results
 
 
 class References:
     """The float32 references of one sequence length, computed on first use and cached."""
 
-    def __init__(self, inputs: Inputs, need_grads: bool, replica: bc.Replica | None) -> None:
+    def __init__(self, inputs: Inputs, need_grads: bool, replica: brun.Replica | None) -> None:
         self.inputs, self.need_grads, self.replica = inputs, need_grads, replica
         self.cache: dict[Any, dict[str, torch.Tensor]] = {}
 
@@ -1126,9 +1129,9 @@ class References:
         if key not in self.cache:
             inputs = self.inputs
             device = inputs.device
-            bc.log(f"float32 reference S={inputs.q.shape[1]} {key}", replica=self.replica)
+            brun.log(f"float32 reference S={inputs.q.shape[1]} {key}", replica=self.replica)
             lay = None if layout is None else layout.to(device)
-            self.cache[key] = bc.masked_attention_reference(
+            self.cache[key] = bref.masked_attention_reference(
                 inputs.q,
                 inputs.k,
                 inputs.v,
@@ -1210,7 +1213,7 @@ def render_markdown(doc: dict[str, Any]) -> str:
                         row += [cell_text(index.get((s, mode, sp, shape, a)), value) for a in arms]
                         if any(row[4:]):
                             rows.append(row)
-        return bc.markdown_table(["S", "mode", "sparsity", "block", *arms], rows)
+        return brep.markdown_table(["S", "mode", "sparsity", "block", *arms], rows)
 
     lines += ["", "## TFLOP/s (sparse-aware)", "", table("tflops")]
     if any("efficiency_vs_fa4_dense" in r for r in results):
@@ -1227,7 +1230,7 @@ def render_markdown(doc: dict[str, Any]) -> str:
     notes: dict[tuple[str, str, str], int] = {}
     for r in results:
         if r["status"] in ("skipped", "error", "not_run"):
-            key = (r["arm"], r["status"], bc.first_line(r.get("reason"), 300))
+            key = (r["arm"], r["status"], brep.first_line(r.get("reason"), 300))
             notes[key] = notes.get(key, 0) + 1
     failed = [r for r in results if r["status"] == "failed"]
     ungated = sorted({r["ungated"] for r in results if r.get("ungated")})
@@ -1239,7 +1242,7 @@ def render_markdown(doc: dict[str, Any]) -> str:
             lines.append(f"- `{arm}` {status} in {count} cell(s): {reason}")
         for r in failed[:50]:
             gate = r.get("gate") or {}
-            summary = bc.GateResult(False, gate.get("tensors", {})).summary()
+            summary = bref.GateResult(False, gate.get("tensors", {})).summary()
             lines.append(
                 f"- `{r['arm']}` FAILED the gate at S={r['seq_len']} {r['mode']} "
                 f"{r['sparsity_label']} {r['block_shape']}: {summary}"
@@ -1251,7 +1254,7 @@ def render_markdown(doc: dict[str, Any]) -> str:
 
 
 def write_plots(doc: dict[str, Any], out: Path) -> dict[str, Any]:
-    plt, why = bc.load_pyplot()
+    plt, why = brep.load_pyplot()
     if plt is None:
         return {"skipped": why}
     cfg, results = doc["config"], doc["results"]
@@ -1297,7 +1300,7 @@ def write_plots(doc: dict[str, Any], out: Path) -> dict[str, Any]:
         fig.suptitle(f"bench_vsa on {dev}: {mode}")
         fig.tight_layout()
         if drew:
-            path = out.with_name(f"{out.stem}.{bc.mode_slug(mode)}.png")
+            path = out.with_name(f"{out.stem}.{brun.mode_slug(mode)}.png")
             fig.savefig(path, dpi=120)
             written.append(str(path))
         plt.close(fig)
@@ -1311,29 +1314,29 @@ def finish_doc(doc: dict[str, Any], out: Path | None, want_plots: bool) -> str:
         try:
             doc["plots"] = write_plots(doc, out)
         except Exception as exc:  # a plot must never cost the results
-            doc["plots"] = {"skipped": f"plotting failed: {bc.error_text(exc, 300)}"}
+            doc["plots"] = {"skipped": f"plotting failed: {brep.error_text(exc, 300)}"}
         if doc["plots"].get("skipped"):
             print(f"bench_vsa: plots skipped: {doc['plots']['skipped']}", file=sys.stderr)
     elif want_plots:
         doc["plots"] = {"skipped": "no --out given"}
     text = render_markdown(doc)
     if out is not None:
-        bc.write_json_and_markdown(out, doc, text)
+        brep.write_json_and_markdown(out, doc, text)
     return text
 
 
 def main(argv: Sequence[str] | None = None, arms: Sequence[Arm] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    replica = bc.replica_from_env()
-    device = bc.pick_device(args.device, replica)
+    replica = brun.replica_from_env()
+    device = brun.pick_device(args.device, replica)
     cfg = make_config(args, device)
     arm_objs = list(arms) if arms is not None else build_arms(cfg.arms)
     cfg.arms = [a.name for a in arm_objs]
     started_unix = time.time()
     command = sys.argv if argv is None else ["bench_vsa.py", *argv]
-    meta = bc.collect_metadata(device, seed=cfg.seed, argv=command, replica=replica)
-    peak = bc.peak_tflops_for(meta["device"].get("name"), cfg.peak_tflops)
-    doc = bc.result_doc(
+    meta = brep.collect_metadata(device, seed=cfg.seed, argv=command, replica=replica)
+    peak = brep.peak_tflops_for(meta["device"].get("name"), cfg.peak_tflops)
+    doc = brun.result_doc(
         "bench_vsa",
         started_unix=started_unix,
         metadata=meta,
@@ -1348,13 +1351,15 @@ def main(argv: Sequence[str] | None = None, arms: Sequence[Arm] | None = None) -
     ) -> None:
         agg["rank_devices"] = {str(r): d["metadata"]["device"] for r, d in docs.items()}
         if missing:
-            bc.log(f"aggregate without ranks {missing} (no complete file in time)", replica=replica)
+            brun.log(
+                f"aggregate without ranks {missing} (no complete file in time)", replica=replica
+            )
 
-    bc.log(
+    brun.log(
         f"bench_vsa on {meta['device'].get('name')} ({device}); arms: {', '.join(cfg.arms)}",
         replica=replica,
     )
-    return bc.run_and_report(
+    return brun.run_and_report(
         doc,
         lambda checkpoint: run_benchmark(
             cfg, device, arm_objs, replica=replica, on_result=checkpoint

@@ -18,7 +18,7 @@ import pstats
 import statistics
 import sys
 
-import bench_common as bc
+import bench_timing as bt
 import torch
 
 from vsa_core import VideoTiling, video_sparse_attn
@@ -42,8 +42,8 @@ def _inputs(tiling: VideoTiling, heads: int, grad: bool):
 def graph_ms(fn) -> float | None:
     """Median replay time of ``fn`` captured in a CUDA graph (None if capture fails)."""
     try:
-        replay, _ = bc.cuda_graph(fn)
-        return statistics.median(bc.events_ms(replay, 10) for _ in range(3))
+        replay, _ = bt.cuda_graph(fn)
+        return statistics.median(bt.events_ms(replay, 10) for _ in range(3))
     except Exception as exc:  # capture failures are a finding, not a crash
         print(f"graph capture failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return None
@@ -85,7 +85,7 @@ def main() -> None:
                     row = {"shape": name, "mode": mode, "backend": backend, "coarse": coarse}
                     try:
                         with torch.no_grad() if not grad else torch.enable_grad():
-                            row.update(bc.call_views(call, args.reps))
+                            row.update(bt.call_views(call, args.reps))
                             if not grad:
                                 row["graph_ms"] = graph_ms(call)
                     except Exception as exc:

@@ -45,7 +45,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import bench_common as bc
+import bench_report as brep
+import bench_timing as bt
 import torch
 
 DIST = "fastvideo-kernel"
@@ -114,7 +115,7 @@ def probe(device: torch.device, *, require_cuda: bool = True) -> Package:
     try:
         pkg.module = importlib.import_module(MODULE)
     except Exception as exc:
-        pkg.unavailable = f"import failed: {bc.error_text(exc, 500)}"
+        pkg.unavailable = f"import failed: {brep.error_text(exc, 500)}"
         return pkg
     pkg.info["module_file"] = getattr(pkg.module, "__file__", None)
     pkg.info["entry_point"] = f"{MODULE}.video_sparse_attn"
@@ -124,7 +125,9 @@ def probe(device: torch.device, *, require_cuda: bool = True) -> Package:
         if missing:
             pkg.tk_unavailable = f"its `_C` extension loads but lacks {', '.join(missing)}"
     except Exception as exc:
-        pkg.tk_unavailable = f"its compiled `_C` extension does not load: {bc.error_text(exc, 500)}"
+        pkg.tk_unavailable = (
+            f"its compiled `_C` extension does not load: {brep.error_text(exc, 500)}"
+        )
         need = pkg.info["torch_requirement"]
         if need:
             pkg.tk_unavailable += f" (the wheel requires {need}; this is torch {torch.__version__})"
@@ -199,7 +202,7 @@ def to_fastvideo(x: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor:
 class Prepared:
     """An arm's runner and what its gate needs."""
 
-    runner: bc.Runner
+    runner: bt.Runner
     q: torch.Tensor  # FastVideo's BHSD inputs (padding zeroed)
     k: torch.Tensor
     valid_sizes: torch.Tensor  # int32 [N] on the device
@@ -228,7 +231,7 @@ def prepare(
     tensors = [to_fastvideo(t, real) for t in (q, k, v)]
     if gate is not None:
         tensors.append(to_fastvideo(gate, None))
-    leaves = bc.make_leaves(tensors, mode, lambda t: t)
+    leaves = bt.make_leaves(tensors, mode, lambda t: t)
     vbs = valid_sizes.to(device=q.device, dtype=torch.int32).contiguous()
     env = routing_env(pkg, arm)
     scope: Callable[[], contextlib.AbstractContextManager[Any]] = (
@@ -240,7 +243,7 @@ def prepare(
             return fv.video_sparse_attn(q, k, v, vbs, vbs, topk, tile_shape, g[0] if g else None)
 
     names = ("dq", "dk", "dv", "dgate")[: len(leaves)]
-    runner = bc.autograd_runner(
+    runner = bt.autograd_runner(
         forward, leaves, to_fastvideo(dout, None), mode, lambda t: t.transpose(1, 2), names
     )
     runner.info = {

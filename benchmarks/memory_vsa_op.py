@@ -26,7 +26,8 @@ import torch.nn.functional as F
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import bench_common as bc
+import bench_report as brep
+import bench_timing as bt
 
 from vsa_core import VideoTiling, video_sparse_attn
 from vsa_core.backends import AttentionCall, Backend, register_backend, select_backend
@@ -84,7 +85,7 @@ def training(fn, inputs):
 
 def measure(fn) -> float:
     fn()  # warm-up: caches, cuBLAS/cuDNN workspaces
-    return bc.peak_extra_mib(fn, torch.device("cuda"))
+    return bt.peak_extra_mib(fn, torch.device("cuda"))
 
 
 def main() -> int:
@@ -155,8 +156,8 @@ def main() -> int:
             rows[arm][f"{mode}_vs_dense_real"] = rows[arm][f"{mode}_mib"] / base[f"{mode}_mib"]
 
     result = {
-        **bc.gpu_result_header("memory_vsa_op"),
-        "versions": bc.runtime_versions(
+        **brep.gpu_result_header("memory_vsa_op"),
+        "versions": brep.runtime_versions(
             {"cuda": torch.version.cuda, "vsa-core": version("vsa-core")}
         ),
         "command": " ".join(sys.argv),

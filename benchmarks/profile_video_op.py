@@ -18,7 +18,7 @@ from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
-import bench_common as bc
+import bench_report as brep
 import bench_video as bv
 import torch
 
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     tiling = VideoTiling(shape.latent, (4, 4, 4))
     topk = bv.topk_for(args.sparsity, tiling.num_tiles)
     inputs = bv.make_op_inputs(cfg, tiling, shape.heads, device)
-    header = bc.gpu_result_header("profile_video_op") if cuda else {}
+    header = brep.gpu_result_header("profile_video_op") if cuda else {}
     summary = {**header, "command": " ".join(["python3", *sys.argv]), "shape": args.shape,
                "heads": shape.heads, "topk": topk, "runs": []}  # fmt: skip
     kind = "CUDA" if cuda else "CPU"

@@ -933,3 +933,21 @@ def test_bench_dit_smoke_run_on_a_tiny_wan_checks_vsa_against_dense(tmp_path):
     assert rows[0]["check"].startswith("all tiles") and rows[0]["rel_err"] < 1e-5
     assert [(r["mode"], r["way"]) for r in rows[1:]] == [("fwd", "eager"), ("train", "eager")]
     assert not any("error" in key for r in rows for key in r)
+
+
+def test_bench_common_is_a_facade_over_the_modules_that_own_the_harness():
+    """bench_common re-exports the harness (older scripts and research/ import it): each name
+    is the same object as in the one module that owns it; the benchmark scripts import the
+    owners."""
+    import importlib
+
+    owners = [importlib.import_module(n) for n in ("bench_timing", "bench_reference",
+                                                   "bench_report", "bench_run")]  # fmt: skip
+    for name in bc.__all__:
+        homes = [m for m in owners if name in vars(m) and getattr(m, name) is getattr(bc, name)]
+        assert len(homes) >= 1, name
+    for name in ("time_views", "gate_check", "collect_metadata", "run_and_report", "Runner"):
+        assert name in bc.__all__
+    for script in BENCHMARKS.glob("*.py"):
+        if script.name != "bench_common.py":
+            assert "import bench_common" not in script.read_text(), script.name
