@@ -16,6 +16,7 @@ import sm90_cases as cases
 import torch
 
 from flash_attn_vsa import bwd_sm90, mask_sm90, upstream_version
+from flash_attn_vsa.experimental import bwd_configs
 
 needs_upstream = pytest.mark.skipif(upstream_version() is None, reason="needs flash-attn-4")
 
@@ -81,7 +82,7 @@ def test_scope_swaps_upstream_globals_only_inside_and_only_for_its_thread():
 
 
 def test_configs_scope_overrides_config_for_on_this_thread_only():
-    two_ctas = bwd_sm90.EXPERIMENTAL_CONFIGS["kv64-dq-2parts-two-ctas"]
+    two_ctas = bwd_configs.EXPERIMENTAL_CONFIGS["kv64-dq-2parts-two-ctas"]
     seen_elsewhere = []
     with bwd_sm90.configs_scope({(64, 64): two_ctas}):
         assert bwd_sm90.config_for((64, 64)) is two_ctas
@@ -112,7 +113,7 @@ def test_configs_scope_refuses_what_it_cannot_run(configs, match):
 
 def test_our_fields_stay_out_of_upstreams_config():
     pytest.importorskip("flash_attn.cute.interface")
-    config = bwd_sm90.EXPERIMENTAL_CONFIGS["kv64-dq-2parts-two-ctas"]
+    config = bwd_configs.EXPERIMENTAL_CONFIGS["kv64-dq-2parts-two-ctas"]
     upstream = config.upstream()
     ours = ("dq_parts", "dq_buffers", "ctas_per_sm", "ablate_dq")
     assert not any(hasattr(upstream, f) for f in ours)
@@ -135,10 +136,10 @@ def test_each_config_runs_its_own_kernel_class():
     assert bwd_sm90.KV64_CONFIG.kernel_class() is shipped
     double = kernel_class(1, DqStaging(parts=1, buffers=2))
     halves = kernel_class(2, DqStaging(parts=2, buffers=1))
-    assert bwd_sm90.EXPERIMENTAL_CONFIGS["kv64-dq-1part-2buffers"].kernel_class() is double
-    assert bwd_sm90.EXPERIMENTAL_CONFIGS["kv64-dq-2parts-two-ctas"].kernel_class() is halves
+    assert bwd_configs.EXPERIMENTAL_CONFIGS["kv64-dq-1part-2buffers"].kernel_class() is double
+    assert bwd_configs.EXPERIMENTAL_CONFIGS["kv64-dq-2parts-two-ctas"].kernel_class() is halves
     assert kernel_class(2, DqStaging(2, 1), True) is halves  # however the arguments come
-    assert bwd_sm90.ABLATIONS["kv64-two-ctas-no-dq"].kernel_class() is not halves
+    assert bwd_configs.ABLATIONS["kv64-two-ctas-no-dq"].kernel_class() is not halves
     assert issubclass(halves, bwd_sm90.kernel_class())
     with pytest.raises(ValueError, match="ctas_per_sm must be 1 or 2"):
         kernel_class(3)
@@ -203,12 +204,12 @@ def test_kv64_backward_matches_the_reference(head_dim, dtype, q_block):
 @pytest.mark.gpu
 @needs_upstream
 @pytest.mark.skipif(not cases.sm90(), reason="needs an sm_90 GPU")
-@pytest.mark.parametrize("name", sorted(bwd_sm90.EXPERIMENTAL_CONFIGS))
+@pytest.mark.parametrize("name", sorted(bwd_configs.EXPERIMENTAL_CONFIGS))
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_experimental_configs_match_the_reference(name, head_dim):
     """Every configuration under measurement (dQ sent in parts, two CTAs per SM), on the same
     cases as the shipped one, through `configs_scope`."""
-    config = bwd_sm90.EXPERIMENTAL_CONFIGS[name]
+    config = bwd_configs.EXPERIMENTAL_CONFIGS[name]
     q_block = config.m_block_size
     with bwd_sm90.configs_scope({(q_block, 64): config}):
         test_kv64_backward_matches_the_reference(head_dim, torch.bfloat16, q_block)

@@ -21,7 +21,7 @@ def test_configs_cover_what_the_adapter_uses():
         kind, *options = c.direction.split("+")
         assert kind in ("fwd", "bwd", "bwd-kv64", *cg.FORK_FORWARDS), c.direction
         if kind == "bwd-kv64":  # the option names a configuration under measurement
-            from flash_attn_vsa.bwd_sm90 import EXPERIMENTAL_CONFIGS
+            from flash_attn_vsa.experimental.bwd_configs import EXPERIMENTAL_CONFIGS
 
             assert len(options) <= 1 and set(options) <= set(EXPERIMENTAL_CONFIGS), c.direction
         else:

@@ -95,7 +95,10 @@ def test_pair_lists_refuse_what_cannot_pair():
 @needs_upstream
 @pytest.mark.parametrize(
     "module,mask_mod,tile_n",
-    [("fwd_sm90_paired", "pair_mask_mod", 128), ("fwd_sm90_streams", "stream_mask_mod", 64)],
+    [
+        ("fwd_sm90_paired", "pair_mask_mod", 128),
+        ("experimental.fwd_sm90_streams", "stream_mask_mod", 64),
+    ],
 )
 def test_packed_entry_masks_apply_only_their_mask_and_skip_the_seqlen_mask(
     monkeypatch, module, mask_mod, tile_n

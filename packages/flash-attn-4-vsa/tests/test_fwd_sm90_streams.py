@@ -1,4 +1,4 @@
-"""The two-stream forward (`flash_attn_vsa.fwd_sm90_streams`).
+"""The two-stream forward (`flash_attn_vsa.experimental.fwd_sm90_streams`).
 
 CPU: `stream_lists` (every block of each 64-row query block's list exactly once, on its own
 side, in the right list; zeros after; refusals) and the scope (the mask class's dispatch is
@@ -22,7 +22,7 @@ I32 = torch.int32
 
 
 def streams():
-    from flash_attn_vsa import fwd_sm90_streams
+    from flash_attn_vsa.experimental import fwd_sm90_streams
 
     return fwd_sm90_streams
 

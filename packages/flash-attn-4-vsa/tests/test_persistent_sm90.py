@@ -1,7 +1,7 @@
-"""Persistent tiles (`flash_attn_vsa.persistent_sm90`, delta 7) on the CPU: the scheduler
-upstream's forward sees, the O tile staged in its own buffer, and the kernels' scope; their GPU
-correctness runs in each forward's GPU test (``sm90_cases.PERSISTENT``: 5 CTAs walking many
-tiles)."""
+"""Persistent tiles (`flash_attn_vsa.experimental.persistent_sm90`, delta 7) on the CPU: the
+scheduler upstream's forward sees, the O tile staged in its own buffer, and the kernels' scope;
+their GPU correctness runs in each forward's GPU test (``sm90_cases.PERSISTENT``: 5 CTAs walking
+many tiles)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ needs_upstream = pytest.mark.skipif(upstream_version() is None, reason="needs fl
 
 
 def persistent():
-    from flash_attn_vsa import persistent_sm90
+    from flash_attn_vsa.experimental import persistent_sm90
 
     return persistent_sm90
 
@@ -77,7 +77,7 @@ def test_forward_kernels_store_their_persistent_ctas():
 
 @needs_upstream
 def test_persistent_scope_opens_the_scheduler_and_builds_the_persistent_class():
-    from flash_attn_vsa import fwd_sm90_streams
+    from flash_attn_vsa.experimental import fwd_sm90_streams
 
     with fwd_sm90_streams.streams_scope(persistent=5):
         assert sm90_operands.thread_stack("ctas") == (5,)

@@ -49,7 +49,8 @@ def test_forward_variant_routes_to_the_fork_kernels(
 ):
     import flash_attn.cute.interface as interface
 
-    from flash_attn_vsa import fwd_sm90, fwd_sm90_paired, fwd_sm90_streams
+    from flash_attn_vsa import fwd_sm90, fwd_sm90_paired
+    from flash_attn_vsa.experimental import fwd_sm90_streams
 
     seen = []
 

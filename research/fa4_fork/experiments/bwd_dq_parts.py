@@ -43,12 +43,13 @@ wait for each half's read).
 
 Arms at each length (H=12, D=128, random top-k lists at 87.5%, all blocks full, lists rotated
 by the CTAs running at once): dense FA4, the shipped 64x64 kernel and each configuration of
-``bwd_sm90.EXPERIMENTAL_CONFIGS`` and ``bwd_sm90.ABLATIONS``. Gradients of every arm against
-the shipped kernel first (dQ to ~1e-5: the reductions' order differs; dK and dV bit-equal at
-one CTA per SM, ~1e-4 at two, whose lists are rotated differently), then interleaved timing,
-two rounds. ``--q-blocks 64 128`` also runs 128-row query blocks: the shipped 128x64 kernel
-against the same lists split into 64-row blocks on the shipped 64x64 kernel (``split-64x64``:
-0.71 against 0.69 in bench_vsa, session 9, so vsa-fa4 might route 128x64 backwards there). ::
+``flash_attn_vsa.experimental.bwd_configs`` (``EXPERIMENTAL_CONFIGS``, ``ABLATIONS``).
+Gradients of every arm against the shipped kernel first (dQ to ~1e-5: the reductions' order
+differs; dK and dV bit-equal at one CTA per SM, ~1e-4 at two, whose lists are rotated
+differently), then interleaved timing, two rounds. ``--q-blocks 64 128`` also runs 128-row
+query blocks: the shipped 128x64 kernel against the same lists split into 64-row blocks on the
+shipped 64x64 kernel (``split-64x64``: 0.71 against 0.69 in bench_vsa, session 9, so vsa-fa4
+might route 128x64 backwards there). ::
 
     python3 -m research.fa4_fork.experiments.bwd_dq_parts --out DIR   # H200
 """
@@ -78,6 +79,7 @@ def run_block(emit, seq: int, heads: int, keep: float, reps: int, sms: int, q_bl
     """Check, then time, the shipped kernel and each experimental configuration of one block
     size (``q_block`` x 64) against dense."""
     from flash_attn_vsa import bwd_sm90
+    from flash_attn_vsa.experimental import bwd_configs
     from vsa_fa4 import launch
     from vsa_fa4.metadata import backward_lists
     from vsa_fa4.ops import forward_impl
@@ -93,7 +95,7 @@ def run_block(emit, seq: int, heads: int, keep: float, reps: int, sms: int, q_bl
     idx, cnt, valid = lay.kv_indices, lay.kv_counts, lay.kv_valid_sizes
     out, lse = forward_impl(q, k, v, idx, cnt, valid, scale, q_block, KV, False)
     configs = {"shipped": bwd_sm90.config_for(block)}
-    named = {**bwd_sm90.EXPERIMENTAL_CONFIGS, **bwd_sm90.ABLATIONS}
+    named = {**bwd_configs.EXPERIMENTAL_CONFIGS, **bwd_configs.ABLATIONS}
     configs.update((name, c) for name, c in named.items() if c.m_block_size == q_block)
     # arm -> (physical block, configuration, lists). Lists rotated by the CTAs running at once
     # (SMs x CTAs per SM), as the backward op does.

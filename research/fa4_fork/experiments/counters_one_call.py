@@ -70,9 +70,10 @@ def build(seq: int, heads: int, keep: float):
     from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd
 
     from flash_attn_vsa import bwd_sm90
+    from flash_attn_vsa.experimental.bwd_configs import ABLATIONS
+    from flash_attn_vsa.experimental.fwd_sm90_streams import block_sparse_forward_streams
     from flash_attn_vsa.fwd_sm90 import block_sparse_forward_q64
     from flash_attn_vsa.fwd_sm90_paired import block_sparse_forward_paired
-    from flash_attn_vsa.fwd_sm90_streams import block_sparse_forward_streams
     from vsa_core.rotation import rotation_width
     from vsa_fa4 import launch
     from vsa_fa4.metadata import backward_lists, forward_lists
@@ -130,7 +131,7 @@ def build(seq: int, heads: int, keep: float):
             fa4_bwd(lists, out, lse, (64, 64))
 
     staged = bwd_sm90.KV64_STAGED_CONFIG
-    no_dq = bwd_sm90.ABLATIONS["kv64-two-ctas-no-dq"]
+    no_dq = ABLATIONS["kv64-two-ctas-no-dq"]
 
     return {
         "dense_fwd": lambda: _flash_attn_fwd(q, k, v, softmax_scale=scale),

@@ -71,7 +71,7 @@ def stream_tensors(layout):
     then `fwd_sm90_streams.stream_lists`."""
     from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
 
-    from flash_attn_vsa import fwd_sm90_streams as streams
+    from flash_attn_vsa.experimental import fwd_sm90_streams as streams
     from vsa_fa4.metadata import forward_lists
 
     split = forward_lists(layout.kv_indices, layout.kv_counts, layout.kv_valid_sizes, 64)
@@ -98,9 +98,9 @@ def prepare(arm, layout):
 def forward(arm, q, k, v, prepared, scale, out=None, lse=None):
     """One forward of ``arm``: delta 2, 6 or 4, as shipped or with its variants (Q in
     registers, delta 5; persistent tiles, delta 7)."""
+    from flash_attn_vsa.experimental.fwd_sm90_streams import block_sparse_forward_streams
     from flash_attn_vsa.fwd_sm90 import block_sparse_forward_q64
     from flash_attn_vsa.fwd_sm90_paired import block_sparse_forward_paired
-    from flash_attn_vsa.fwd_sm90_streams import block_sparse_forward_streams
 
     _, kernel, variants = ARMS[arm]
     if kernel == "two_cta":

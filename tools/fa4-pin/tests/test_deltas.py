@@ -19,9 +19,24 @@ UPSTREAM_MD = ROOT / "UPSTREAM.md"
 SOURCE = Path(flash_attn_vsa.__file__).resolve().parent
 
 
+def _package_modules() -> set[str]:
+    """Every module of ``flash_attn_vsa`` but the package ``__init__`` files, dotted below the
+    package (``"experimental.bwd_configs"``)."""
+    return {
+        ".".join(p.relative_to(SOURCE).with_suffix("").parts)
+        for p in SOURCE.rglob("*.py")
+        if p.stem != "__init__"
+    }
+
+
 def test_every_module_of_the_package_is_in_the_registry():
-    modules = {p.stem for p in SOURCE.glob("*.py") if p.stem != "__init__"}
-    registered = [d.module for d in deltas.DELTAS] + [*deltas.SUPPORT] + [*deltas.TOOLING]
+    modules = _package_modules()
+    registered = [
+        *(d.module for d in deltas.DELTAS),
+        *deltas.SUPPORT,
+        *deltas.EXPERIMENTS,
+        *deltas.TOOLING,
+    ]
     assert len(registered) == len(set(registered)), registered
     missing = sorted(modules - set(registered))
     assert not missing, f"modules missing from flash_attn_vsa_tools.deltas: {missing}"
@@ -33,7 +48,17 @@ def test_pin_tools_are_the_tools_package():
     assert str(tools).replace("\\", "/").endswith(deltas.TOOLS_SOURCE)
     modules = {p.stem for p in tools.glob("*.py") if p.stem != "__init__"}
     assert modules == set(deltas.PIN_TOOLS)
-    assert not set(deltas.PIN_TOOLS) & {p.stem for p in SOURCE.glob("*.py")}
+    assert not set(deltas.PIN_TOOLS) & {m.rpartition(".")[2] for m in _package_modules()}
+
+
+def test_the_package_is_laid_out_by_lifecycle():
+    """Experimental deltas and the experiments' modules in ``flash_attn_vsa.experimental``,
+    shipped deltas and what they share at the package's top."""
+    prefix = deltas.EXPERIMENTAL_PACKAGE + "."
+    for d in deltas.DELTAS:
+        assert d.module.startswith(prefix) == (d.status == "experimental"), d
+    assert all(name.startswith(prefix) for name in deltas.EXPERIMENTS)
+    assert not any(name.startswith(prefix) for name in [*deltas.SUPPORT, *deltas.TOOLING])
 
 
 def test_deltas_are_numbered_and_well_formed():
@@ -60,7 +85,8 @@ def test_every_delta_builds_on_a_fingerprinted_source():
 
 def _first_paragraph(module: str) -> str:
     """The first paragraph of the module's docstring, read without importing it."""
-    doc = ast.get_docstring(ast.parse((SOURCE / f"{module}.py").read_text())) or ""
+    path = SOURCE.parents[1] / deltas.module_file(module)
+    doc = ast.get_docstring(ast.parse(path.read_text())) or ""
     return " ".join(doc.split("\n\n")[0].split())
 
 
@@ -78,11 +104,12 @@ def test_package_docstring_lists_shipped_and_experimental_deltas_as_the_registry
     doc = flash_attn_vsa.__doc__ or ""
     shipped_part = doc.split("Shipped", 1)[1].split("Experimental", 1)[0]
     experimental_part = doc.split("Experimental", 1)[1].split("\n\n", 1)[0]
-    named = re.compile(r"``flash_attn_vsa\.(\w+)``")
-    assert set(named.findall(shipped_part)) == {
+    named = re.compile(r"``flash_attn_vsa\.([\w.]+)``")
+    modules = {d.module for d in deltas.DELTAS}  # the deltas named, not other modules
+    assert set(named.findall(shipped_part)) & modules == {
         d.module for d in deltas.DELTAS if d.status == "shipped"
     }
-    assert set(named.findall(experimental_part)) == {
+    assert set(named.findall(experimental_part)) & modules == {
         d.module for d in deltas.DELTAS if d.status == "experimental"
     }
 

@@ -25,11 +25,11 @@ owning 64 query rows (`Q128_KV64_CONFIG`): 0.67-0.68 of dense against 0.64-0.65 
 blocks split into 64-row ones.
 
 This module is that delta: the tile configurations (`config_for` a block size; `configs_scope`
-to run others), `kernel_class()` (the subclass with the register split; `TileConfig.kernel_class`
-picks delta 8's where a configuration asks for it) and `block_sparse_backward_kv64`,
-which runs upstream's ``_flash_attn_bwd`` with both swapped in for the duration of the call.
-Everything else (preprocess, postprocess, block-sparse iteration, mask_mod on partial blocks)
-is upstream's.
+to run others, such as those under measurement in `flash_attn_vsa.experimental.bwd_configs`),
+`kernel_class()` (the subclass with the register split; `TileConfig.kernel_class` picks delta
+8's where a configuration asks for it) and `block_sparse_backward_kv64`, which runs upstream's
+``_flash_attn_bwd`` with both swapped in for the duration of the call. Everything else
+(preprocess, postprocess, block-sparse iteration, mask_mod on partial blocks) is upstream's.
 
 Upstream internals this relies on (fingerprinted in ``upstream_api.json``):
 ``interface._tile_size_bwd_sm90`` and ``interface.FlashAttentionBackwardSm90`` (looked up as
@@ -60,12 +60,11 @@ from flash_attn_vsa.bwd_sm90_kv64 import kernel_class
 from flash_attn_vsa.sm90_blocks import BWD_BLOCK_SIZES, HEAD_DIMS, ScopedCompileCache, check_call
 
 __all__ = [
-    "ABLATIONS",
     "BWD_BLOCK_SIZES",
-    "EXPERIMENTAL_CONFIGS",
     "HEAD_DIMS",
     "KV64_CONFIG",
     "KV64_STAGED_CONFIG",
+    "KV64_TWO_CTAS_BASE",
     "Q128_KV64_CONFIG",
     "block_sparse_backward_kv64",
     "check_call",
@@ -149,40 +148,18 @@ of dO and P/dS: 226 KB of shared memory at head dim 128, the most a CTA may have
 0.67-0.68 of dense backward where the same blocks split into two 64-row ones run at 0.64-0.65
 (one stage of Q: 0.41; NOTES.md, experiment 4)."""
 
-_TWO_CTAS = replace(KV64_STAGED_CONFIG, num_stages_dO=1, num_stages_PdS=1, ctas_per_sm=2)
+KV64_TWO_CTAS_BASE = replace(KV64_STAGED_CONFIG, num_stages_dO=1, num_stages_PdS=1, ctas_per_sm=2)
 """64x64 tiles for two CTAs per SM: one stage of dO and of P/dS (Q keeps two), 96 KB before dQ's
-buffers (a CTA may have 113 KB)."""
+buffers (a CTA may have 113 KB); the base of `KV64_CONFIG` and of the two-CTA configurations in
+`flash_attn_vsa.experimental.bwd_configs` (it runs only with ``dq_parts``)."""
 
-KV64_CONFIG = replace(_TWO_CTAS, dq_parts=2, dq_buffers=1, dq_sender="producer")
+KV64_CONFIG = replace(KV64_TWO_CTAS_BASE, dq_parts=2, dq_buffers=1, dq_sender="producer")
 """The shipped 64x64 backward (delta 8, `bwd_sm90_dq_parts`): two CTAs per SM (113 KB of shared
 memory each), each with one MMA warpgroup whose dQ goes to L2 in halves through a 16 KB buffer,
 sent by upstream's otherwise idle producer warp (mbarrier handover). On an H200 (experiment
 13d, S = 32k / 128k, lists rotated by the CTAs running at once: `ctas_per_sm`) 0.70 / 0.72 of
 dense against 0.65-0.66 / 0.68-0.69 for the staged kernel of session 8 (`KV64_STAGED_CONFIG`);
 the same kernel with dQ never sent runs 1.02-1.05: sending dQ is what is left."""
-
-EXPERIMENTAL_CONFIGS = {
-    "kv64-staged": KV64_STAGED_CONFIG,
-    "kv64-dq-4parts-2buffers-two-ctas": replace(_TWO_CTAS, dq_parts=4, dq_buffers=2),
-    "kv64-dq-1part-2buffers": replace(KV64_STAGED_CONFIG, dq_parts=1, dq_buffers=2),
-    "kv64-dq-2parts-two-ctas": replace(_TWO_CTAS, dq_parts=2),
-    "kv64-dq-8parts-4buffers-two-ctas": replace(_TWO_CTAS, dq_parts=8, dq_buffers=4),
-    "kv64-dq-4parts-2buffers-producer-two-ctas": replace(
-        _TWO_CTAS, dq_parts=4, dq_buffers=2, dq_sender="producer"
-    ),
-    "kv64-dq-8parts-4buffers-producer-two-ctas": replace(
-        _TWO_CTAS, dq_parts=8, dq_buffers=4, dq_sender="producer"
-    ),
-}
-"""Configurations under measurement or kept for comparison (session 9), by name
-(`bwd_sm90_dq_parts`: the MMA warpgroup sends dQ in parts through buffers of its own);
-`configs_scope` runs them."""
-
-ABLATIONS = {
-    "kv64-two-ctas-no-dq": replace(_TWO_CTAS, dq_parts=2, ablate_dq=True),
-    "kv64-no-dq": replace(KV64_STAGED_CONFIG, dq_parts=2, ablate_dq=True),
-}
-"""Configurations whose dQ is wrong on purpose (`TileConfig.ablate_dq`): timing bounds only."""
 
 
 def config_for(block_size: tuple[int, int]) -> TileConfig:

@@ -123,7 +123,7 @@ CONFIGS: tuple[GateConfig, ...] = (
         (128, 64),
         "FlashAttentionForwardSm90TwoStreams",
         "the fork's 64x64 forward as two query streams per 128-row tile "
-        "(flash_attn_vsa.fwd_sm90_streams; measured slower, not routed)",
+        "(flash_attn_vsa.experimental.fwd_sm90_streams; measured slower, not routed)",
     ),
     GateConfig(
         "fwd-sparse-q64-kv64-two-streams-q-in-registers",
@@ -137,7 +137,7 @@ CONFIGS: tuple[GateConfig, ...] = (
         "fwd-streams+persistent",
         (128, 64),
         "FlashAttentionForwardSm90TwoStreamsPersistent",
-        "the two-stream forward on persistent CTAs (flash_attn_vsa.persistent_sm90; "
+        "the two-stream forward on persistent CTAs (flash_attn_vsa.experimental.persistent_sm90; "
         "experimental, not routed)",
     ),
     GateConfig(
@@ -190,7 +190,7 @@ CONFIGS: tuple[GateConfig, ...] = (
         (64, 64),
         "FlashAttentionBackwardSm90KV64",
         "the 64x64 backward shipped until session 9: one CTA per SM, dQ staged for upstream's "
-        "producer warp (flash_attn_vsa.bwd_sm90; kept for comparison)",
+        "producer warp (flash_attn_vsa.experimental.bwd_configs; kept for comparison)",
     ),
 )
 
@@ -459,7 +459,7 @@ FORK_FORWARDS = {
     # direction -> (module, entry point, takes the key blocks' valid sizes)
     "fwd-q64": ("fwd_sm90", "block_sparse_forward_q64", False),
     "fwd-paired": ("fwd_sm90_paired", "block_sparse_forward_paired", True),
-    "fwd-streams": ("fwd_sm90_streams", "block_sparse_forward_streams", True),
+    "fwd-streams": ("experimental.fwd_sm90_streams", "block_sparse_forward_streams", True),
 }
 FORK_FORWARD_OPTIONS = {"q-regs": "q_in_registers", "persistent": "persistent"}
 """A fork forward's direction is ``KIND[+OPTION...]``: the options are its variants."""
@@ -479,17 +479,18 @@ def _fork_forward(direction: str, q: Any, k: Any, v: Any, sparse: Any) -> None:
 
 
 def _fork_backward(config: GateConfig, *tensors: Any) -> None:
-    """The fork's KV64 backward; ``bwd-kv64+NAME`` runs `bwd_sm90.EXPERIMENTAL_CONFIGS[NAME]`."""
+    """The fork's KV64 backward; ``bwd-kv64+NAME`` runs
+    `flash_attn_vsa.experimental.bwd_configs.EXPERIMENTAL_CONFIGS` [NAME]."""
     import contextlib
 
     from flash_attn_vsa import bwd_sm90
 
     _, *names = config.direction.split("+")
-    scope = (
-        bwd_sm90.configs_scope({config.block_size: bwd_sm90.EXPERIMENTAL_CONFIGS[names[0]]})
-        if names
-        else contextlib.nullcontext()
-    )
+    scope: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+    if names:
+        from flash_attn_vsa.experimental.bwd_configs import EXPERIMENTAL_CONFIGS
+
+        scope = bwd_sm90.configs_scope({config.block_size: EXPERIMENTAL_CONFIGS[names[0]]})
     with scope:
         bwd_sm90.block_sparse_backward_kv64(*tensors, softmax_scale=HEAD_DIM**-0.5)
 

@@ -70,9 +70,9 @@ PRODUCER_REGISTERS = 256 - MMA_REGISTERS
 
 def kernel_class(q_in_registers: bool = False, persistent: bool | int = False) -> type:
     """Upstream's sm_90 forward kernel class, sized and launched for two CTAs per SM; with
-    ``q_in_registers`` QK^T reads Q from registers (delta 5), with ``persistent`` its CTAs
-    walk the tiles (delta 7); both experimental, so vsa-fa4 does not ask for them by default.
-    One class object per variant."""
+    ``q_in_registers`` QK^T reads Q from registers (delta 5, what vsa-fa4 runs), with
+    ``persistent`` its CTAs walk the tiles (delta 7, experimental: vsa-fa4 asks for it only on
+    request). One class object per variant."""
     return ForwardKernel(TWO_CTAS, q_in_registers, persistent).kernel_class()
 
 
@@ -106,17 +106,17 @@ PAIRED_KEYS = "paired_keys"
 TWO_STREAMS = "two_streams"
 KINDS = (TWO_CTAS, PAIRED_KEYS, TWO_STREAMS)
 """The fork's sm_90 forward kernels: this module's two-CTA one, `fwd_sm90_paired`'s and
-`fwd_sm90_streams`'s."""
+`experimental.fwd_sm90_streams`'s."""
 
 
 @dataclass(frozen=True)
 class ForwardKernel:
     """One of the fork's sm_90 forward kernels, as `forward_scope` has upstream build it:
     ``kind`` (one of `KINDS`), with Q in registers for QK^T (delta 5, `q_regs_sm90`) or not,
-    and on persistent CTAs (delta 7, `persistent_sm90`): ``persistent`` True for as many as
-    the GPU holds at once, a positive int for that many (tests use a few, so that each walks
-    many tiles), False for one CTA per tile (upstream's launch). Stored as the number of CTAs
-    (0: not persistent), so that equal kernels compare and hash equal."""
+    and on persistent CTAs (delta 7, `experimental.persistent_sm90`): ``persistent`` True for
+    as many as the GPU holds at once, a positive int for that many (tests use a few, so that
+    each walks many tiles), False for one CTA per tile (upstream's launch). Stored as the
+    number of CTAs (0: not persistent), so that equal kernels compare and hash equal."""
 
     kind: str
     q_in_registers: bool = False
@@ -150,7 +150,7 @@ class ForwardKernel:
 
             cls = _paired_class()
         else:
-            from flash_attn_vsa.streams_sm90 import _streams_class
+            from flash_attn_vsa.experimental.streams_sm90 import _streams_class
 
             cls = _streams_class()
         if self.q_in_registers:
@@ -158,7 +158,7 @@ class ForwardKernel:
 
             cls = with_q_in_registers(cls)
         if self.persistent:
-            from flash_attn_vsa.persistent_sm90 import with_persistent_tiles
+            from flash_attn_vsa.experimental.persistent_sm90 import with_persistent_tiles
 
             cls = with_persistent_tiles(cls)
         return cls
@@ -171,7 +171,7 @@ class ForwardKernel:
 
             return paired_sm90.mask_class()
         if self.kind == TWO_STREAMS:
-            from flash_attn_vsa import streams_sm90
+            from flash_attn_vsa.experimental import streams_sm90
 
             return streams_sm90.mask_class()
         return None
@@ -211,7 +211,7 @@ def forward_scope(kernel: ForwardKernel) -> Iterator[None]:
     sm_90 forward as ``kernel`` (`ForwardKernel.kernel_class`), from that kernel's own compile
     cache; the two-stream kernel's stages get two blocks' rows
     (`sm90_operands.staged_rows_hook`), persistent kernels their scheduler
-    (`persistent_sm90.persistent_tiles` over ``kernel.persistent`` CTAs)."""
+    (`experimental.persistent_sm90.persistent_tiles` over ``kernel.persistent`` CTAs)."""
     if not isinstance(kernel, ForwardKernel):
         raise ValueError(f"scope must be a ForwardKernel, got {kernel!r}")
     _install()
@@ -225,7 +225,7 @@ def forward_scope(kernel: ForwardKernel) -> Iterator[None]:
 
             hooks.enter_context(sm90_operands.staged_rows_hook(2))
         if kernel.persistent:
-            from flash_attn_vsa.persistent_sm90 import persistent_tiles
+            from flash_attn_vsa.experimental.persistent_sm90 import persistent_tiles
 
             hooks.enter_context(persistent_tiles(kernel.persistent))
         _active.stack = (*getattr(_active, "stack", ()), kernel)
@@ -279,7 +279,8 @@ def block_sparse_forward_q64(
     lists, optional preallocated ``out`` [B, S, H, D] and ``lse`` [B, H, S] float32. Returns
     ``(out, lse)``; rows that see no key get out 0 and lse -inf. ``q_in_registers``: QK^T
     reads Q from registers (delta 5, `q_regs_sm90`), ``persistent``: CTAs walk the tiles
-    (delta 7, `persistent_sm90`); both experimental until measured.
+    (delta 7, `experimental.persistent_sm90`, experimental). vsa-fa4 runs this forward with Q
+    in registers and without persistent CTAs unless asked otherwise.
     """
     from flash_attn.cute.interface import _flash_attn_fwd
 

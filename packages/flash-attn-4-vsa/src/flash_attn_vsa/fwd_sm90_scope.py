@@ -3,7 +3,8 @@ pushes a `ForwardKernel` on it), read by the patches of upstream's forward that 
 class or mask (`fwd_sm90._install`, `paired_sm90._install`).
 
 A leaf: it imports nothing of the fork, so the kernel bodies below `fwd_sm90` (`paired_sm90`,
-`streams_sm90`) read the scope without importing the module that defines `ForwardKernel`.
+`experimental.streams_sm90`) read the scope without importing the module that defines
+`ForwardKernel`.
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ _hooks = threading.local()
 
 def thread_stack(name: str) -> tuple[Any, ...]:
     """The values pushed under ``name`` on this thread (innermost last): the hooks here, and
-    the other tracing-time state of the fork's deltas (`persistent_sm90`)."""
+    the other tracing-time state of the fork's deltas (`experimental.persistent_sm90`)."""
     return getattr(_hooks, name, ())
 
 

@@ -38,11 +38,11 @@ class ForwardVariant:
     the 64x64, 128x64 and two-stream forwards; ``None`` (the default): only in the kernels an
     H200 measured faster that way (`Q_IN_REGISTERS_WHERE_FASTER`). ``two_streams``: 64x64
     forwards run two 64-row query blocks per 128-row tile, one per warpgroup, each with its own
-    list (`flash_attn_vsa.fwd_sm90_streams`, delta 6; head dim 128, an even number of query
-    blocks, sm_90). ``persistent``: the fork's forwards walk their tiles on persistent CTAs
-    (`flash_attn_vsa.persistent_sm90`, delta 7). The last two are off in `SHIPPED_FORWARD`:
-    the H200 measured them slower (experiment 10); benchmarks compare them with
-    `forward_variant`."""
+    list (`flash_attn_vsa.experimental.fwd_sm90_streams`, delta 6; head dim 128, an even number
+    of query blocks, sm_90). ``persistent``: the fork's forwards walk their tiles on persistent
+    CTAs (`flash_attn_vsa.experimental.persistent_sm90`, delta 7). The last two are off in
+    `SHIPPED_FORWARD`: the H200 measured them slower (experiment 10); benchmarks compare them
+    with `forward_variant`."""
 
     q_in_registers: bool | None = None
     two_streams: bool = False
@@ -170,7 +170,7 @@ def run_forward(
         return
     if variant.two_streams and _runs_two_streams(q, kv_valid_sizes, block_size):
         # query blocks 2t and 2t + 1 side by side in 128-row tile t
-        from flash_attn_vsa import fwd_sm90_streams as streams
+        from flash_attn_vsa.experimental import fwd_sm90_streams as streams
 
         run = (
             streams.block_sparse_forward_streams,
@@ -256,7 +256,7 @@ def _runs_two_streams(
 ) -> bool:
     """Whether a forward fits the two-stream kernel: 64x64 blocks, head dim 128, an even
     number of 64-row query blocks, key block ids that pack in 16 bits, sm_90."""
-    from flash_attn_vsa import fwd_sm90_streams as streams
+    from flash_attn_vsa.experimental import fwd_sm90_streams as streams
 
     return (
         tuple(block_size) == (streams.KEY_BLOCK, streams.KEY_BLOCK)

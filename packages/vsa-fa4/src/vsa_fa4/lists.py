@@ -7,7 +7,7 @@ tensor-op builders, which re-export both names) and the Triton builders
 `vsa_fa4.paired_lists_triton`) import, so that the builders and `metadata`, which picks
 between them, import each other one way. The packed pairs inside the paired and two-stream
 lists are the fork's (`flash_attn_vsa.fwd_sm90_paired.pair_lists`,
-`flash_attn_vsa.fwd_sm90_streams.stream_lists`).
+`flash_attn_vsa.experimental.fwd_sm90_streams.stream_lists`).
 """
 
 from __future__ import annotations

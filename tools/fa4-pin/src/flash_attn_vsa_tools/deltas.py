@@ -8,7 +8,9 @@ runs it by default) or **experimental** (only on request), and where ``vsa_fa4.l
 it. The statuses and routes below were read from ``vsa_fa4.launch`` (``run_forward``,
 ``run_backward``, ``SHIPPED_FORWARD``, ``Q_IN_REGISTERS_WHERE_FASTER``) and from
 ``bwd_sm90.config_for``; a test checks that the modules exist and every module of the package is
-accounted for (`SUPPORT`, `TOOLING`), and that `PIN_TOOLS` are this tools package's modules.
+accounted for (`SUPPORT`, `EXPERIMENTS`, `TOOLING`), that experimental deltas and only they live
+in ``flash_attn_vsa.experimental`` (the package's lifecycle: shipped code at its top), and that
+`PIN_TOOLS` are this tools package's modules.
 
 It lives in ``flash-attn-4-vsa-tools`` (``tools/fa4-pin``, a workspace member that is not
 published), beside the other pin tools: only maintainers run it, so the runtime wheel does not
@@ -34,6 +36,8 @@ from typing import Literal
 
 __all__ = [
     "DELTAS",
+    "EXPERIMENTAL_PACKAGE",
+    "EXPERIMENTS",
     "PIN_TOOLS",
     "SUPPORT",
     "TABLE_BEGIN",
@@ -43,6 +47,7 @@ __all__ = [
     "Delta",
     "by_module",
     "main",
+    "module_file",
     "render_table",
     "replace_table",
     "table_section",
@@ -64,7 +69,8 @@ class Delta:
     number: int
     """Its number in the docs ("delta 4"), in the order the deltas landed."""
     module: str
-    """The module of ``flash_attn_vsa`` that holds it (``"bwd_sm90"``)."""
+    """The module of ``flash_attn_vsa`` that holds it, dotted below the package (``"bwd_sm90"``,
+    ``"experimental.persistent_sm90"``)."""
     title: str
     builds_on: str
     """The upstream symbol it subclasses, wraps or departs from (fingerprinted, source hashed)."""
@@ -78,7 +84,17 @@ class Delta:
     @property
     def file(self) -> str:
         """Its file, relative to ``packages/flash-attn-4-vsa/``."""
-        return f"src/flash_attn_vsa/{self.module}.py"
+        return module_file(self.module)
+
+
+EXPERIMENTAL_PACKAGE = "experimental"
+"""The subpackage of ``flash_attn_vsa`` that holds what ``vsa-fa4`` does not run by default."""
+
+
+def module_file(module: str) -> str:
+    """The file of a module of ``flash_attn_vsa`` (dotted below the package), relative to
+    ``packages/flash-attn-4-vsa/``."""
+    return f"src/flash_attn_vsa/{module.replace('.', '/')}.py"
 
 
 _FWD = "flash_attn.cute.flash_fwd_sm90.FlashAttentionForwardSm90"
@@ -92,8 +108,8 @@ DELTAS: tuple[Delta, ...] = (
         _BWD,
         "shipped",
         "`run_backward`: every backward with 64-token key blocks (64x64 `KV64_CONFIG` with delta "
-        "8, 128x64 `Q128_KV64_CONFIG`); `EXPERIMENTAL_CONFIGS` and `ABLATIONS` only inside "
-        "`configs_scope`",
+        "8, 128x64 `Q128_KV64_CONFIG`); the configurations of `experimental.bwd_configs` only "
+        "inside `configs_scope`",
     ),
     Delta(
         2,
@@ -132,7 +148,7 @@ DELTAS: tuple[Delta, ...] = (
     ),
     Delta(
         6,
-        "fwd_sm90_streams",
+        "experimental.fwd_sm90_streams",
         "Two query streams per CTA",
         _FWD,
         "experimental",
@@ -141,7 +157,7 @@ DELTAS: tuple[Delta, ...] = (
     ),
     Delta(
         7,
-        "persistent_sm90",
+        "experimental.persistent_sm90",
         "Persistent tiles for the fork's forwards",
         "flash_attn.cute.tile_scheduler.StaticPersistentTileScheduler",
         "experimental",
@@ -169,12 +185,20 @@ SUPPORT: dict[str, str] = {
     "patches of upstream's forward",
     "paired_sm90": "delta 4's body (packed pairs, mask, kernel class, the patch of upstream's "
     "forward module), below `fwd_sm90`'s `ForwardKernel`; `fwd_sm90_paired` re-exports it",
-    "streams_sm90": "delta 6's body (packed entries, mask, kernel class), below `fwd_sm90`'s "
-    "`ForwardKernel`; `fwd_sm90_streams` re-exports it",
     "bwd_sm90_kv64": "delta 1's kernel class (the register split), a leaf below `bwd_sm90` and "
     "delta 8, which subclasses it; `bwd_sm90` re-exports it",
 }
 """Modules the deltas share that change no kernel on their own."""
+
+EXPERIMENTS: dict[str, str] = {
+    "experimental.streams_sm90": "delta 6's body (packed entries, mask, kernel class), below "
+    "`fwd_sm90`'s `ForwardKernel`; `experimental.fwd_sm90_streams` re-exports it",
+    "experimental.bwd_configs": "the KV64 backward's configurations that vsa-fa4 does not run "
+    "by default (deltas 1 and 8): `EXPERIMENTAL_CONFIGS` under measurement, `ABLATIONS` (dQ "
+    "wrong on purpose, timing bounds), run through `bwd_sm90.configs_scope`",
+}
+"""Modules of ``flash_attn_vsa.experimental`` that are no delta of their own: an experimental
+delta's body, and configurations of shipped deltas that are not routed."""
 
 TOOLING: dict[str, str] = {
     "compile_gate": "every kernel configuration we use compiles for sm_90a on a CPU (in the "
@@ -219,9 +243,10 @@ def render_table() -> str:
             f"| {d.status} | {_cell(d.routed)} | {d.offered_upstream} |"
         )
     lines += ["", "Not deltas, also in the package:", ""]
-    for name, what in {**SUPPORT, **TOOLING}.items():
-        kind = "shared by the deltas" if name in SUPPORT else "pin tooling"
-        lines.append(f"- `src/flash_attn_vsa/{name}.py` ({kind}): {what}")
+    kinds = {"shared by the deltas": SUPPORT, "experimental": EXPERIMENTS, "pin tooling": TOOLING}
+    for kind, modules in kinds.items():
+        for name, what in modules.items():
+            lines.append(f"- `{module_file(name)}` ({kind}): {what}")
     lines += ["", "Pin tooling, in the unpublished workspace member `tools/fa4-pin`:", ""]
     for name, what in PIN_TOOLS.items():
         lines.append(f"- `{TOOLS_SOURCE}/{name}.py`: {what}")

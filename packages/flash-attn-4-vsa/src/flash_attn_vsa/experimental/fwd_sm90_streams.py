@@ -40,20 +40,14 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-from flash_attn_vsa.fwd_sm90 import TWO_STREAMS, ForwardKernel, forward_scope
-from flash_attn_vsa.paired_sm90 import HEAD_DIM, KEY_BLOCK, NO_BLOCK, two_block_stage_forward
-from flash_attn_vsa.streams_sm90 import (  # re-exported: this module's names before the split
+from flash_attn_vsa.experimental.streams_sm90 import (  # the body's names, re-exported
     BLOCK_SIZE,
     mask_class,
     stream_lists,
     stream_mask_mod,
 )
-from flash_attn_vsa.streams_sm90 import (  # the rest of them, for callers and tests
-    STREAM_MASK_ATTR as STREAM_MASK_ATTR,
-)
-from flash_attn_vsa.streams_sm90 import _own_half as _own_half
-from flash_attn_vsa.streams_sm90 import _rest as _rest
-from flash_attn_vsa.streams_sm90 import _streams_class as _streams_class
+from flash_attn_vsa.fwd_sm90 import TWO_STREAMS, ForwardKernel, forward_scope
+from flash_attn_vsa.paired_sm90 import HEAD_DIM, KEY_BLOCK, NO_BLOCK, two_block_stage_forward
 
 __all__ = [
     "BLOCK_SIZE",

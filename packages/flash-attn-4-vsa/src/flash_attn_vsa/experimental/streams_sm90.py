@@ -1,12 +1,12 @@
-"""The body of the two-stream forward (delta 6, `flash_attn_vsa.fwd_sm90_streams`,
-experimental): its packed lists (`stream_lists`), its mask (`stream_mask_mod`, `mask_class`)
-and the kernel class (`_streams_class`, the paired-key producer's with each MMA warpgroup on
-its own half of every stage).
+"""The body of the two-stream forward (delta 6, experimental; `fwd_sm90_streams` beside it):
+its packed lists (`stream_lists`), its mask (`stream_mask_mod`, `mask_class`) and the kernel
+class (`_streams_class`, the paired-key producer's with each MMA warpgroup on its own half of
+every stage).
 
 Below `flash_attn_vsa.fwd_sm90` (whose `ForwardKernel` builds these classes), above
-`paired_sm90` and `sm90_operands`. The entry points (`streams_scope`,
-`block_sparse_forward_streams`, `kernel_class`) and the delta's description are in
-`fwd_sm90_streams`, which re-exports this module's names.
+`flash_attn_vsa.paired_sm90` and `flash_attn_vsa.sm90_operands`. The entry points
+(`streams_scope`, `block_sparse_forward_streams`, `kernel_class`) and the delta's description
+are in `fwd_sm90_streams`, which re-exports this module's names.
 """
 
 from __future__ import annotations
@@ -99,7 +99,9 @@ def stream_mask_mod() -> Any:
     not see); tracing its body anywhere else raises."""
     from flash_attn_vsa.paired_sm90 import marked_mask_mod
 
-    return marked_mask_mod("flash_attn_vsa.fwd_sm90_streams", "stream_mask_mod", STREAM_MASK_ATTR)
+    return marked_mask_mod(
+        "flash_attn_vsa.experimental.fwd_sm90_streams", "stream_mask_mod", STREAM_MASK_ATTR
+    )
 
 
 @functools.cache
