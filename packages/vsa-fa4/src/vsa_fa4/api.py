@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from vsa_core.layout import BlockSparseLayout
-from vsa_core.validation import check_qkv
+from vsa_core.ops import _check_layout_matches as check_layout_matches
+from vsa_core.validation import check_qkv, check_scale
 from vsa_fa4.backend import FA4Backend
 
 
@@ -37,30 +36,17 @@ def block_sparse_attn(
         ``(out, lse)``: out in q's format (a view of a BSHD tensor for BHSD); lse [B, H, Sq]
         float32, natural log, -inf for query rows that see no real key (their out is 0).
 
-    Raises ``ValueError`` naming the reason when FA4 cannot run the call (see
+    Raises ``ValueError`` naming the argument for inputs `vsa_core.block_sparse_attn` refuses
+    (its own checks: `vsa_core.validation.check_qkv`, the layout against q and k,
+    `vsa_core.validation.check_scale`), and naming the reason when FA4 cannot run the call (see
     `FA4Backend.supports`).
     """
     check_qkv(q, k, v, qkv_format)
     if qkv_format == "bhsd":
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-    if not isinstance(layout, BlockSparseLayout):
-        raise ValueError(f"layout must be a BlockSparseLayout, got {type(layout).__name__}")
-    batch, q_len, heads, dim = q.shape
-    for what, have, want in (
-        ("batch", layout.batch, batch),
-        ("heads", layout.heads, heads),
-        ("q_len (num_q_blocks * q_block)", layout.q_len, q_len),
-        ("kv_len (num_kv_blocks * kv_block)", layout.kv_len, k.shape[1]),
-    ):
-        if have != want:
-            raise ValueError(f"layout must have {what} = {want} to match q/k, got {have}")
-    if layout.device != q.device:
-        raise ValueError(f"layout must be on q's device {q.device}, got {layout.device}")
-    if scale is None:
-        scale = dim**-0.5
-    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < math.inf:
-        raise ValueError(f"scale must be a positive float or None, got {scale!r}")
-    out, lse = FA4Backend(schedule).forward(q, k, v, layout, float(scale))
+    check_layout_matches(layout, q, k)
+    scale = check_scale(scale, q.shape[-1])
+    out, lse = FA4Backend(schedule).forward(q, k, v, layout, scale)
     if qkv_format == "bhsd":
         out = out.transpose(1, 2)
     return out, lse
