@@ -1016,8 +1016,7 @@ def run_cell(
     """Every arm of one cell, dense first, then ``--arms`` in their order: each gated (our
     arms, then FastVideo's), the gated ones timed together (`time_arms`), our op's pieces
     apart; one record per arm. Never raises."""
-    names = [DENSE, *ctx.cfg.arms]
-    recs = {n: {**base, "arm": n, "arm_kind": arm_kind(n), "status": None} for n in names}
+    recs = {rec["arm"]: rec for rec in arm_records(base, ctx.cfg.arms)}
     runners: dict[str, bt.Runner] = {}
     dense_runner, dense_fields = dense
     recs[DENSE].update(dense_fields)
@@ -1056,71 +1055,152 @@ def run_cell(
     for rec in recs.values():
         if rec["status"] is None:  # gated but never timed (another arm's failure)
             rec.update(status="error", reason="not timed")
-    return [recs[n] for n in names]
+    return list(recs.values())
 
 
 def cell_label(number: int, total: int, shape: Shape, sparsity: float, mode: str) -> str:
     return f"[{number}/{total}] {shape.name} x{shape.heads} heads {sparsity * 100:g}% {mode}"
 
 
-def run_benchmark(
-    cfg: Config,
-    device: torch.device,
-    *,
-    replica: brun.Replica | None = None,
-    on_result: Callable[[list[dict[str, Any]]], None] | None = None,
+# ---- the grid: one cell loop for the single-GPU and the sequence-parallel runs ---------------
+class GridRun:
+    """What a run does in its cells; `run_grid` walks them the same way for every run.
+
+    The loop (shapes x modes x sparsities, in that order) makes the op's inputs once per shape
+    (``inputs(shape, tiling)``) and the dense baseline once per (shape, mode) (``dense(shape,
+    tiling, mode, log)``), each at the first cell that runs; a cell is ``not_run`` once
+    ``budget_spent(started)``, ``skipped`` when ``unsupported(shape, tiling)`` says why, else
+    ``run_cell(base, tiling, dense, inputs, log)`` measures its records inside
+    ``--fa4-variant``'s context. Then ``derive(recs)``, a progress line per record
+    (``summary(rec)``, where this process ``logs``) and a checkpoint. The subclasses say what
+    differs: `SingleDevice` (one record per arm, the arms gated and timed together) and
+    `SequenceParallel` (one record per cell on every rank, the ranks agreeing on every
+    decision that changes what runs next); ``records(base)`` are a cell's records not yet run.
+    """
+
+    label_suffix = ""  # after each cell's progress label
+    logs = True  # whether this process prints progress
+
+    def __init__(self, cfg: Config, device: torch.device, replica: brun.Replica | None) -> None:
+        self.cfg, self.device, self.replica = cfg, device, replica
+
+    def log(self, msg: str) -> None:
+        if self.logs:
+            brun.log(msg, replica=self.replica)
+
+    def start(self) -> None:
+        """Before the first cell."""
+
+    def end(self) -> None:
+        """After the last cell."""
+
+    def unsupported(self, shape: Shape, tiling: VideoTiling) -> str | None:
+        return None
+
+    def budget_spent(self, started: float) -> bool:
+        return brun.budget_spent(self.cfg.time_budget_min, started)
+
+
+def run_grid(
+    grid: GridRun, *, on_result: Callable[[list[dict[str, Any]]], None] | None = None
 ) -> list[dict[str, Any]]:
+    """Every cell of ``grid``'s config, in order (see `GridRun`); ``on_result(results)`` after
+    each cell. Returns the records."""
+    cfg, device = grid.cfg, grid.device
     torch.manual_seed(cfg.seed)
     total = len(cfg.shapes) * len(cfg.modes) * len(cfg.sparsities)
     results: list[dict[str, Any]] = []
     started = time.monotonic()
-    fastvideo = None
-    if any(name in fva.ARMS for name in cfg.arms):
-        fastvideo = fva.probe(device)
-        found = fastvideo.unavailable or (
-            f"{fastvideo.info.get('version')}, ThunderKittens: "
-            f"{fastvideo.tk_unavailable or 'loads'}"
-        )
-        brun.log(f"fastvideo-kernel: {found}", replica=replica)
+    grid.start()
     cells = 0
     for shape in cfg.shapes:
         tiling = VideoTiling(shape.latent, cfg.tile)
-        inputs: OpInputs | None = None
+        unsupported = grid.unsupported(shape, tiling)
+        inputs: Any = None
         for mode in cfg.modes:
-            dense: tuple[bt.Runner | None, dict[str, Any]] | None = None
+            dense: Any = None
             for sparsity in cfg.sparsities:
                 cells += 1
                 base = base_record(cfg, shape, tiling, sparsity, mode)
-                label = cell_label(cells, total, shape, sparsity, mode)
+                label = cell_label(cells, total, shape, sparsity, mode) + grid.label_suffix
 
                 def log(step: str, label: str = label) -> None:
-                    brun.log(f"{label}: {step}", replica=replica)
+                    grid.log(f"{label}: {step}")
 
-                if brun.budget_spent(cfg.time_budget_min, started):
-                    recs = [{**base, "arm": n, "arm_kind": arm_kind(n)}
-                            for n in [DENSE, *cfg.arms]]  # fmt: skip
+                if grid.budget_spent(started):
+                    recs = grid.records(base)
                     for rec in recs:
                         brun.mark_not_run(rec, cfg.time_budget_min)
+                elif unsupported is not None:
+                    recs = grid.records(base)
+                    for rec in recs:
+                        rec.update(status="skipped", reason=unsupported)
                 else:
                     if dense is None:
-                        log(f"dense baseline on {tiling.seq_len} real tokens: gate")
-                        dense = prepare_dense(cfg, shape, tiling.seq_len, mode, device)
+                        dense = grid.dense(shape, tiling, mode, log)
                     if inputs is None:
-                        inputs = make_op_inputs(cfg, tiling, shape.heads, device)
-                    ctx = CellContext(cfg, inputs, tiling, base["topk"], mode, device, log)
+                        inputs = grid.inputs(shape, tiling)
                     with cfg.fa4_variant_context():
-                        recs = run_cell(ctx, base, dense, fastvideo)
+                        recs = grid.run_cell(base, tiling, dense, inputs, log)
+                grid.derive(recs)
                 results.extend(recs)
-                derive_arms(recs)
-                for rec in recs:
-                    log(arm_summary(rec))
+                if grid.logs:  # (only rank 0's sequence-parallel records hold its numbers)
+                    for rec in recs:
+                        log(grid.summary(rec))
                 if on_result is not None:
                     on_result(results)
             del dense
             brun.recover_after_error(device)
         del inputs
         brun.recover_after_error(device)
+    grid.end()
     return results
+
+
+def arm_records(base: dict[str, Any], arms: Sequence[str]) -> list[dict[str, Any]]:
+    """A single-GPU cell's records: dense's, then one per arm of ``--arms``."""
+    return [{**base, "arm": n, "arm_kind": arm_kind(n), "status": None} for n in [DENSE, *arms]]
+
+
+class SingleDevice(GridRun):
+    """The single-GPU run (under torchrun, every replica on its own): one record per arm, dense
+    first; every arm of a cell gated, then the gated ones timed together (`run_cell`)."""
+
+    def __init__(self, cfg: Config, device: torch.device, replica: brun.Replica | None) -> None:
+        super().__init__(cfg, device, replica)
+        self.fastvideo: fva.Package | None = None
+
+    def start(self) -> None:
+        if any(name in fva.ARMS for name in self.cfg.arms):
+            self.fastvideo = fva.probe(self.device)
+            found = self.fastvideo.unavailable or (
+                f"{self.fastvideo.info.get('version')}, ThunderKittens: "
+                f"{self.fastvideo.tk_unavailable or 'loads'}"
+            )
+            self.log(f"fastvideo-kernel: {found}")
+
+    def records(self, base: dict[str, Any]) -> list[dict[str, Any]]:
+        return arm_records(base, self.cfg.arms)
+
+    def dense(
+        self, shape: Shape, tiling: VideoTiling, mode: str, log: Callable[[str], None]
+    ) -> Any:
+        log(f"dense baseline on {tiling.seq_len} real tokens: gate")
+        return prepare_dense(self.cfg, shape, tiling.seq_len, mode, self.device)
+
+    def inputs(self, shape: Shape, tiling: VideoTiling) -> OpInputs:
+        return make_op_inputs(self.cfg, tiling, shape.heads, self.device)
+
+    def run_cell(self, base: dict[str, Any], tiling: VideoTiling, dense: Any, inputs: Any,
+                 log: Callable[[str], None]) -> list[dict[str, Any]]:  # fmt: skip
+        ctx = CellContext(self.cfg, inputs, tiling, base["topk"], base["mode"], self.device, log)
+        return run_cell(ctx, base, dense, self.fastvideo)
+
+    def derive(self, recs: list[dict[str, Any]]) -> None:
+        derive_arms(recs)
+
+    def summary(self, rec: dict[str, Any]) -> str:
+        return arm_summary(rec)
 
 
 # ---- sequence parallel ----------------------------------------------------------------------
@@ -1183,24 +1263,19 @@ def run_single_gpu_op(
     """Rank 0: the single-GPU op, gated against the float32 composition, timed (fixed counts)
     and measured into ``rec``; returns its outputs (the sequence-parallel gate's reference),
     None when it failed (``rec`` says why). Never raises."""
-    mode, topk = rec["mode"], rec["topk"]
-    need_grads = mode != "fwd"
-    wanted = ("out", "dq", "dk", "dv") if need_grads else ("out",)
+    ctx = CellContext(cfg, inputs, tiling, rec["topk"], rec["mode"], device, log)
     runner = None
     try:
         log("single-GPU op: gate")
-        ref = op_reference(inputs, tiling, topk, need_grads)
-        runner = op_runner(inputs, tiling, topk, fine, mode)
-        outputs = runner.once()
-        bt.synchronize(device)
-        rows = tiling.indices(device).nonpad_index
-        gate = bref.gate_check({n: outputs[n] for n in wanted}, ref, cfg.dtype, rows=rows)
+        ref = op_reference(inputs, tiling, ctx.topk, ctx.mode != "fwd")
+        runner = op_runner(inputs, tiling, ctx.topk, fine, ctx.mode)
+        gate, outputs = ctx.gate(runner, ref)
         del ref
         rec["op_gate"] = gate.as_dict()
         if not gate.passed:
             rec.update(status="failed", reason=f"correctness gate (single-GPU op): {gate.reason}")
             return None
-        kept = {n: outputs[n].detach() for n in wanted}
+        kept = {n: t.detach() for n, t in outputs.items()}
         del outputs
         log("single-GPU op: time")
         timing = bt.time_runner(runner, device, cfg)
@@ -1302,69 +1377,74 @@ def derive_sp(rec: dict[str, Any]) -> None:
         rec["sp_speedup_vs_dense"] = dense / sp
 
 
-def run_sequence_parallel(
-    cfg: Config,
-    device: torch.device,
-    *,
-    rank: int,
-    world: int,
-    process_group: str,
-    replica: brun.Replica | None = None,
-    on_result: Callable[[list[dict[str, Any]]], None] | None = None,
-) -> list[dict[str, Any]]:
-    """The grid in sequence-parallel mode, on every rank (rank 0's results are the report)."""
-    torch.manual_seed(cfg.seed)
-    total = len(cfg.shapes) * len(cfg.modes) * len(cfg.sparsities)
-    results: list[dict[str, Any]] = []
-    started = time.monotonic()
-    for shape in cfg.shapes:
-        tiling = VideoTiling(shape.latent, cfg.tile)
-        unsupported = sp_unsupported(shape, tiling, world)
-        full: OpInputs | None = None
-        local: OpInputs | None = None
-        for mode in cfg.modes:
-            dense: dict[str, Any] | None = None
-            for sparsity in cfg.sparsities:
-                rec = base_record(cfg, shape, tiling, sparsity, mode)
-                rec.update(backend=cfg.backend, world_size=world, process_group=process_group)
-                label = cell_label(len(results) + 1, total, shape, sparsity, mode)
-                label += f", {world} ranks"
+class SequenceParallel(GridRun):
+    """The sequence-parallel run, on every rank: one record per cell (the single-GPU op and
+    dense on rank 0, then the sequence-parallel op on every rank: `run_sp_cell`). The ranks
+    agree on the time budget (`bench_timing.any_rank`); only rank 0 logs, and only its records
+    hold the single-GPU op's and dense's numbers. A barrier after the last cell."""
 
-                def log(step: str, label: str = label) -> None:
-                    if rank == 0:
-                        brun.log(f"{label}: {step}", replica=replica)
+    def __init__(
+        self,
+        cfg: Config,
+        device: torch.device,
+        replica: brun.Replica | None,
+        *,
+        rank: int,
+        world: int,
+        process_group: str,
+    ) -> None:
+        super().__init__(cfg, device, replica)
+        self.rank, self.world, self.process_group = rank, world, process_group
+        self.label_suffix = f", {world} ranks"
+        self.logs = rank == 0
 
-                # every rank must agree, since the cell's collectives follow
-                if cfg.time_budget_min is not None and bt.any_rank(
-                    brun.budget_spent(cfg.time_budget_min, started), device
-                ):
-                    brun.mark_not_run(rec, cfg.time_budget_min)
-                elif unsupported is not None:
-                    rec.update(status="skipped", reason=unsupported)
-                else:
-                    if rank == 0 and dense is None:
-                        log(f"dense baseline on {tiling.seq_len} real tokens (rank 0)")
-                        dense = run_dense(cfg, shape, tiling.seq_len, mode, device)
-                    if rank == 0:
-                        rec.update(dense or {})
-                    if local is None:  # the same full inputs on every rank, then its shards
-                        full = make_op_inputs(cfg, tiling, shape.heads, device)
-                        local = shard_inputs(full, tiling)
-                        if rank != 0:
-                            full = None
-                    with cfg.fa4_variant_context():
-                        run_sp_cell(cfg, rec, full, local, tiling, device, rank, log)
-                derive(rec)
-                derive_sp(rec)
-                results.append(rec)
-                if rank == 0:  # the other ranks' records lack rank 0's numbers
-                    log(summary_line(rec))
-                if on_result is not None:
-                    on_result(results)
-        del full, local
-        brun.recover_after_error(device)
-    bt.barrier(device)
-    return results
+    def end(self) -> None:
+        bt.barrier(self.device)
+
+    def unsupported(self, shape: Shape, tiling: VideoTiling) -> str | None:
+        return sp_unsupported(shape, tiling, self.world)
+
+    def budget_spent(self, started: float) -> bool:
+        # every rank must agree, since the cell's collectives follow
+        return self.cfg.time_budget_min is not None and bt.any_rank(
+            super().budget_spent(started), self.device
+        )
+
+    def records(self, base: dict[str, Any]) -> list[dict[str, Any]]:
+        rec = dict(base)
+        rec.update(backend=self.cfg.backend, world_size=self.world,
+                   process_group=self.process_group)  # fmt: skip
+        return [rec]
+
+    def dense(
+        self, shape: Shape, tiling: VideoTiling, mode: str, log: Callable[[str], None]
+    ) -> Any:
+        if self.rank != 0:
+            return {}
+        log(f"dense baseline on {tiling.seq_len} real tokens (rank 0)")
+        return run_dense(self.cfg, shape, tiling.seq_len, mode, self.device)
+
+    def inputs(self, shape: Shape, tiling: VideoTiling) -> tuple[OpInputs | None, OpInputs]:
+        """The same full inputs on every rank, then its shards; rank 0 keeps the full ones."""
+        full = make_op_inputs(self.cfg, tiling, shape.heads, self.device)
+        local = shard_inputs(full, tiling)
+        return (full if self.rank == 0 else None), local
+
+    def run_cell(self, base: dict[str, Any], tiling: VideoTiling, dense: Any, inputs: Any,
+                 log: Callable[[str], None]) -> list[dict[str, Any]]:  # fmt: skip
+        (rec,) = self.records(base)
+        rec.update(dense)  # rank 0's dense baseline (nothing on the other ranks)
+        full, local = inputs
+        run_sp_cell(self.cfg, rec, full, local, tiling, self.device, self.rank, log)
+        return [rec]
+
+    def derive(self, recs: list[dict[str, Any]]) -> None:
+        for rec in recs:
+            derive(rec)
+            derive_sp(rec)
+
+    def summary(self, rec: dict[str, Any]) -> str:
+        return summary_line(rec)
 
 
 def arm_summary(rec: dict[str, Any]) -> str:
@@ -1654,6 +1734,21 @@ def finish_doc(doc: dict[str, Any], out: Path | None) -> str:
     return text
 
 
+def start_doc(
+    cfg: Config,
+    device: torch.device,
+    argv: Sequence[str] | None,
+    replica: brun.Replica | None,
+    **extra: Any,
+) -> dict[str, Any]:
+    """The run's (incomplete) document: the machine, the command line, the config, ``extra``."""
+    started_unix = time.time()
+    command = sys.argv if argv is None else ["bench_video.py", *argv]
+    meta = brep.collect_metadata(device, seed=cfg.seed, argv=command, replica=replica)
+    return brun.result_doc("bench_video", started_unix=started_unix, metadata=meta,
+                           config=cfg.as_dict(), **extra)  # fmt: skip
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.sequence_parallel:
@@ -1661,16 +1756,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     replica = brun.replica_from_env()
     device = brun.pick_device(args.device, replica)
     cfg = make_config(args, device)
-    started_unix = time.time()
-    command = sys.argv if argv is None else ["bench_video.py", *argv]
-    meta = brep.collect_metadata(device, seed=cfg.seed, argv=command, replica=replica)
-    doc = brun.result_doc(
-        "bench_video", started_unix=started_unix, metadata=meta, config=cfg.as_dict()
-    )
+    doc = start_doc(cfg, device, argv, replica)
+    meta = doc["metadata"]
     brun.log(f"bench_video on {meta['device'].get('name')} ({device})", replica=replica)
     return brun.run_and_report(
         doc,
-        lambda checkpoint: run_benchmark(cfg, device, replica=replica, on_result=checkpoint),
+        lambda checkpoint: run_grid(SingleDevice(cfg, device, replica), on_result=checkpoint),
         finish_doc,
         out=cfg.out,
         replica=replica,
@@ -1701,24 +1792,16 @@ def main_sequence_parallel(args: argparse.Namespace, argv: Sequence[str] | None)
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
 
+        grid = SequenceParallel(cfg, device, replica, rank=rank, world=world,
+                                process_group=process_group)  # fmt: skip
+
         def run(checkpoint: brun.ResultsCallback | None) -> list[dict[str, Any]]:
-            return run_sequence_parallel(
-                cfg,
-                device,
-                rank=rank,
-                world=world,
-                process_group=process_group,
-                replica=replica,
-                on_result=checkpoint,
-            )
+            return run_grid(grid, on_result=checkpoint)
 
         if rank != 0:
             run(None)
             dist.barrier()  # see below: leave together with rank 0
             return 0
-        started_unix = time.time()
-        command = sys.argv if argv is None else ["bench_video.py", *argv]
-        meta = brep.collect_metadata(device, seed=cfg.seed, argv=command, replica=replica)
         sp_info = {
             "world_size": world,
             "process_group": process_group,
@@ -1726,13 +1809,8 @@ def main_sequence_parallel(args: argparse.Namespace, argv: Sequence[str] | None)
             "barriers; per call the max over ranks (all_reduce MAX), median over calls",
             "reference": "the single-GPU op and dense on rank 0 alone",
         }
-        doc = brun.result_doc(
-            "bench_video",
-            started_unix=started_unix,
-            metadata=meta,
-            config=cfg.as_dict(),
-            sequence_parallel=sp_info,
-        )
+        doc = start_doc(cfg, device, argv, replica, sequence_parallel=sp_info)
+        meta = doc["metadata"]
         brun.log(
             f"bench_video --sequence-parallel on {world} x {meta['device'].get('name')} "
             f"({process_group})",
