@@ -432,3 +432,22 @@ def transpose_kv_lists(
     offsets = torch.zeros(*lead, num_kv + 1, dtype=torch.int32, device=device)
     offsets[..., 1:] = torch.cumsum(counts, dim=-1)
     return KVToQLists(q_indices, offsets, counts)
+
+
+def check_layout_matches(layout: BlockSparseLayout, q: torch.Tensor, k: torch.Tensor) -> None:
+    """ValueError unless ``layout`` is a `BlockSparseLayout` for BSHD q and k: the same batch,
+    heads and lengths, and on q's device (what every block-sparse entry point checks)."""
+    if not isinstance(layout, BlockSparseLayout):
+        raise ValueError(f"layout must be a BlockSparseLayout, got {type(layout).__name__}")
+    batch, q_len, heads, _ = q.shape
+    expected = {
+        "batch": (layout.batch, batch),
+        "heads": (layout.heads, heads),
+        "q_len (num_q_blocks * q_block)": (layout.q_len, q_len),
+        "kv_len (num_kv_blocks * kv_block)": (layout.kv_len, k.shape[1]),
+    }
+    for what, (have, want) in expected.items():
+        if have != want:
+            raise ValueError(f"layout must have {what} = {want} to match q/k, got {have}")
+    if layout.device != q.device:
+        raise ValueError(f"layout must be on q's device {q.device}, got {layout.device}")

@@ -20,7 +20,7 @@ from vsa_core.backends import AttentionCall, select_backend
 from vsa_core.backends.registry import OVERRIDE_ENV, registry_generation
 from vsa_core.coarse import coarse_attention, coarse_stage, layout_from_selection, zero_padding
 from vsa_core.host_cache import resolved_once
-from vsa_core.layout import BlockSparseLayout, _full_on_host
+from vsa_core.layout import BlockSparseLayout, _full_on_host, check_layout_matches
 from vsa_core.tiling import VideoTiling
 from vsa_core.validation import (
     check_coarse_gate,
@@ -63,7 +63,7 @@ def block_sparse_attn(
     """
     batch, q_len, _, heads, _ = check_qkv(q, k, v, qkv_format)
     q, k, v = (_as_bshd(t, qkv_format) for t in (q, k, v))
-    _check_layout_matches(layout, q, k)
+    check_layout_matches(layout, q, k)
     scale = check_scale(scale, q.shape[-1])
     if batch == 0:  # nothing to attend: empty results, out in q's format (differentiable)
         out = _from_bshd(empty_batch_result(q, k, v), qkv_format)
@@ -267,21 +267,7 @@ def _resolve_tiles(tiling, kv_valid_sizes, seq, token_order, device, validate):
     return kv_valid_sizes.to(torch.int32), seq // num_tiles
 
 
-def _check_layout_matches(layout: BlockSparseLayout, q: torch.Tensor, k: torch.Tensor) -> None:
-    if not isinstance(layout, BlockSparseLayout):
-        raise ValueError(f"layout must be a BlockSparseLayout, got {type(layout).__name__}")
-    batch, q_len, heads, _ = q.shape
-    expected = {
-        "batch": (layout.batch, batch),
-        "heads": (layout.heads, heads),
-        "q_len (num_q_blocks * q_block)": (layout.q_len, q_len),
-        "kv_len (num_kv_blocks * kv_block)": (layout.kv_len, k.shape[1]),
-    }
-    for what, (have, want) in expected.items():
-        if have != want:
-            raise ValueError(f"layout must have {what} = {want} to match q/k, got {have}")
-    if layout.device != q.device:
-        raise ValueError(f"layout must be on q's device {q.device}, got {layout.device}")
+_check_layout_matches = check_layout_matches  # the name vsa-fa4 imported first
 
 
 def _as_bshd(x: torch.Tensor, qkv_format: str) -> torch.Tensor:
