@@ -267,9 +267,6 @@ def _resolve_tiles(tiling, kv_valid_sizes, seq, token_order, device, validate):
     return kv_valid_sizes.to(torch.int32), seq // num_tiles
 
 
-_check_layout_matches = check_layout_matches  # the name vsa-fa4 imported first
-
-
 def _as_bshd(x: torch.Tensor, qkv_format: str) -> torch.Tensor:
     return x if qkv_format == "bshd" else x.transpose(1, 2)
 

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from vsa_core.layout import BlockSparseLayout
-from vsa_core.ops import _check_layout_matches as check_layout_matches
+from vsa_core.layout import BlockSparseLayout, check_layout_matches
 from vsa_core.validation import check_qkv, check_scale
 from vsa_fa4.backend import FA4Backend
 
