@@ -19,8 +19,6 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 
 ALLOWED: dict[str, set[str]] = {
@@ -170,10 +168,12 @@ def test_no_import_cycles():
     )
 
 
-@pytest.mark.parametrize("component", sorted(KNOWN_CYCLES, key=sorted), ids=lambda c: min(c))
-def test_known_cycles_are_still_there(component):
-    """Remove the entry from KNOWN_CYCLES once the cycle is gone."""
-    assert component in cycles(EDGES), f"{sorted(component)} is no cycle any more"
+def test_known_cycles_are_still_there():
+    """Remove an entry from KNOWN_CYCLES once its cycle is gone. (A loop, not a parametrize:
+    pytest 8.0, the dev floor, cannot name the tests of an empty parameter set.)"""
+    found = cycles(EDGES)
+    gone = [sorted(c) for c in KNOWN_CYCLES if c not in found]
+    assert not gone, f"no cycle any more: {gone}"
 
 
 def test_no_upward_imports():

@@ -188,10 +188,21 @@ def _backend_for(q, k, v, block_shape, q_group_size, kv_blocks_full, backend):
     if not isinstance(backend, str):
         raise ValueError(f"backend must be a backend name or 'auto', got {backend!r}")
     return _fine_backend(
-        backend, os.environ.get(OVERRIDE_ENV, "").strip(), registry_generation(),
+        backend, _override_env(), registry_generation(),
         q.device, q.dtype, q.shape[-1], block_shape, requires_grad,
         q_group_size, kv_blocks_full, q.shape[0] * q.shape[1] * q.shape[2],
     )  # fmt: skip
+
+
+def _override_env() -> str:
+    """``VSA_BACKEND`` as set now (eager calls read it on every call; a compiled graph reads it
+    once, when traced: dynamo of torch 2.4 cannot trace ``os.environ.get``)."""
+    return os.environ.get(OVERRIDE_ENV, "").strip()
+
+
+# What torch.compiler.assume_constant_result does, without importing torch._dynamo when
+# vsa-core is imported (as vsa_core.host_cache does for its cached decisions).
+_override_env._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def _tiles_all_full(tiling, valid_sizes, tile_tokens) -> bool:
