@@ -10,7 +10,6 @@ import argparse
 import ctypes
 import json
 import math
-import os
 import platform
 import sys
 import time
@@ -20,6 +19,7 @@ from typing import NoReturn
 import torch
 
 from vsa_core.backends import OVERRIDE_ENV, AttentionCall, backend_entries, select_backend
+from vsa_core.backends.registry import backend_override
 from vsa_core.coarse import pool_tiles, select_topk
 from vsa_core.layout import BlockSparseLayout
 from vsa_core.ops import block_sparse_attn, video_sparse_attn
@@ -396,7 +396,7 @@ def run_demo(args: argparse.Namespace) -> int:
     try:
         backend = select_backend(AttentionCall.describe(q, k, v, layout), args.backend)
     except ValueError as exc:
-        from_env = args.backend == "auto" and os.environ.get(OVERRIDE_ENV, "").strip()
+        from_env = args.backend == "auto" and backend_override()
         what = f"a backend that runs {dtype} on {device} with {tiling.tile_tokens}-token tiles"
         _demo_error(OVERRIDE_ENV if from_env else "--backend", f"{what}; {exc}")
     _say(f"backend: {backend.name}")

@@ -11,13 +11,12 @@ Both take BSHD tensors ([batch, seq, heads, head_dim], the native format) or BHS
 
 from __future__ import annotations
 
-import os
 from typing import Literal
 
 import torch
 
 from vsa_core.backends import AttentionCall, select_backend
-from vsa_core.backends.registry import OVERRIDE_ENV, registry_generation
+from vsa_core.backends.registry import backend_override, registry_generation
 from vsa_core.coarse import coarse_attention, coarse_stage, layout_from_selection, zero_padding
 from vsa_core.host_cache import resolved_once
 from vsa_core.layout import BlockSparseLayout, _full_on_host, check_layout_matches
@@ -188,21 +187,10 @@ def _backend_for(q, k, v, block_shape, q_group_size, kv_blocks_full, backend):
     if not isinstance(backend, str):
         raise ValueError(f"backend must be a backend name or 'auto', got {backend!r}")
     return _fine_backend(
-        backend, _override_env(), registry_generation(),
+        backend, backend_override(), registry_generation(),
         q.device, q.dtype, q.shape[-1], block_shape, requires_grad,
         q_group_size, kv_blocks_full, q.shape[0] * q.shape[1] * q.shape[2],
     )  # fmt: skip
-
-
-def _override_env() -> str:
-    """``VSA_BACKEND`` as set now (eager calls read it on every call; a compiled graph reads it
-    once, when traced: dynamo of torch 2.4 cannot trace ``os.environ.get``)."""
-    return os.environ.get(OVERRIDE_ENV, "").strip()
-
-
-# What torch.compiler.assume_constant_result does, without importing torch._dynamo when
-# vsa-core is imported (as vsa_core.host_cache does for its cached decisions).
-_override_env._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def _tiles_all_full(tiling, valid_sizes, tile_tokens) -> bool:

@@ -110,6 +110,18 @@ def explain(call: AttentionCall) -> list[tuple[str, str | None]]:
     return rows
 
 
+def backend_override() -> str:
+    """``VSA_BACKEND`` as set now, stripped ("" when unset). Eager calls read it on every call;
+    a compiled graph reads it once, when traced (dynamo of torch 2.4 cannot trace
+    ``os.environ.get``)."""
+    return os.environ.get(OVERRIDE_ENV, "").strip()
+
+
+# What torch.compiler.assume_constant_result does, without importing torch._dynamo when
+# vsa-core is imported (as vsa_core.host_cache does for its cached decisions).
+backend_override._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
 def select_backend(call: AttentionCall, backend: str = "auto") -> Backend:
     """The backend that will run ``call``: see the module doc for the rules.
 
@@ -118,8 +130,7 @@ def select_backend(call: AttentionCall, backend: str = "auto") -> Backend:
     Backends' ``supports`` and ``priority_for`` must therefore depend on the call alone."""
     if not isinstance(backend, str):
         raise ValueError(f"backend must be a backend name or 'auto', got {backend!r}")
-    override = os.environ.get(OVERRIDE_ENV, "").strip()
-    return _select(call, backend, override, _generation[0])
+    return _select(call, backend, backend_override(), _generation[0])
 
 
 @functools.lru_cache(maxsize=256)
