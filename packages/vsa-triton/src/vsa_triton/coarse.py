@@ -113,12 +113,12 @@ def _pool_clean(
     cleans = [torch.empty_like(t, memory_format=torch.contiguous_format) if c else t.new_empty(0)
               for t, c in zip((q, k, v), flags, strict=True)]  # fmt: skip
     if pooled[0].numel():
-        strides = torch.empty_like(q, memory_format=torch.contiguous_format).stride()
+        strides = (seq * heads * dim, heads * dim, dim)  # the clean copies' (contiguous BSHD)
         targets = [c if flag else t for c, t, flag in zip(cleans, (q, k, v), flags, strict=True)]
         _kernels().pool_fwd_kernel[(num_tiles, batch * heads)](
             q, k, v, *pooled, *targets, valid_sizes,  # targets: never written where not clean
             *_bshd_strides(q), *_bshd_strides(k), *_bshd_strides(v), *_bshd_strides(pooled[0]),
-            *strides[:3], heads, CLEAN_Q=clean_q, CLEAN_K=clean_k, CLEAN_V=clean_v,
+            *strides, heads, CLEAN_Q=clean_q, CLEAN_K=clean_k, CLEAN_V=clean_v,
             **_tile_constants(tile_tokens, dim),
         )  # fmt: skip
     return (*pooled, *cleans)
