@@ -8,7 +8,13 @@ processors, PyTorch SDPA) and the same model after `vsa_core.integrations.diffus
 are timed one after the other (not interleaved: the switch reinstalls processors), in both
 views (`bench_timing.call_views`: one call waited for, and back to back), with peak extra
 memory; on a CPU nothing is timed (a smoke run). Before timing, VSA with every tile
-selected and no coarse term is checked against the dense model (bf16 tolerance). ::
+selected and no coarse term is checked against the dense model (bf16 tolerance).
+
+Arms (``--arms``): ``dense`` (diffusers' processors), ``vsa``, and two that run VSA's own
+processor with its attention step replaced, so everything around attention is identical to the
+``vsa`` arm: ``dense_fa4`` (FlashAttention-4's dense ``flash_attn_func``: the baseline the
+issue's targets name) and ``no_attention`` (the values passed through: the step's floor when
+attention is free). ::
 
     python3 benchmarks/bench_dit.py --config wan1.3b --sparsities 0.875 0.9 --out $OUT/dit.json
     python3 benchmarks/bench_dit.py --config tiny --device cpu --ways eager --reps 1   # smoke
@@ -26,7 +32,7 @@ import bench_report as brep
 import bench_timing as bt
 import torch
 
-from vsa_core.integrations.diffusers import disable_vsa, enable_vsa
+from vsa_core.integrations.diffusers import VSAWanAttnProcessor, disable_vsa, enable_vsa
 
 _WAN = dict(
     patch_size=(1, 2, 2), attention_head_dim=128, in_channels=16, out_channels=16, text_dim=4096,
@@ -55,6 +61,37 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "text_tokens": 8,
     },
 }  # fmt: skip
+
+
+class DenseFA4Processor(VSAWanAttnProcessor):
+    """VSA's processor with dense FA4 attention in place of VSA (raster-order BSHD)."""
+
+    def attend(self, query, key, value, tiling, gate):
+        from flash_attn.cute import flash_attn_func
+
+        return flash_attn_func(query, key, value)[0]
+
+
+class NoAttentionProcessor(VSAWanAttnProcessor):
+    """VSA's processor with attention replaced by the values: what the step costs without it."""
+
+    def attend(self, query, key, value, tiling, gate):
+        return value
+
+
+ARMS = ("dense", "dense_fa4", "no_attention", "vsa")
+
+
+def install(model, arm: str, sparsity: float, tile, backend: str) -> bool:
+    """Put ``arm``'s attention into the model; True when `disable_vsa` must undo it."""
+    if arm == "dense":
+        return False
+    settings = enable_vsa(model, sparsity=sparsity, tile=tile, backend=backend)
+    processor = {"dense_fa4": DenseFA4Processor, "no_attention": NoAttentionProcessor}.get(arm)
+    if processor is not None:
+        for block in model.blocks:
+            block.attn1.set_processor(processor(settings))
+    return True
 
 
 def build(config: dict[str, Any], device: torch.device, dtype: torch.dtype):
@@ -114,6 +151,7 @@ def main() -> int:
     ap.add_argument("--sparsities", type=float, nargs="+", default=[0.875, 0.9])
     ap.add_argument("--modes", nargs="+", default=["fwd", "train"])
     ap.add_argument("--ways", nargs="+", default=["eager", "compile"])
+    ap.add_argument("--arms", nargs="+", choices=ARMS, default=["dense", "vsa"])
     ap.add_argument("--backend", default="auto", help="VSA's fine backend")
     ap.add_argument("--tile", type=int, nargs=3, default=[4, 4, 4])
     ap.add_argument("--device", default="cuda")
@@ -142,24 +180,27 @@ def main() -> int:
             runner = torch.compile(model) if way == "compile" else model
             for sparsity in args.sparsities:
                 arms = {}
-                for arm in ("dense", "vsa"):
-                    if arm == "vsa":
-                        enable_vsa(model, sparsity=sparsity, tile=tile, backend=args.backend)
+                for arm in args.arms:
+                    installed = install(model, arm, sparsity, tile, args.backend)
                     try:
                         fn = step_fn(runner, inputs, mode)
                         arms[arm] = measure(fn, device, args.reps)
                     except Exception as exc:  # a failure is a finding: record it, go on
                         arms[arm] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
                     finally:
-                        if arm == "vsa":
+                        if installed:
                             disable_vsa(model)
                         model.zero_grad(set_to_none=True)
+                    print(f"# {mode} {way} {sparsity} {arm}: {arms[arm]}", file=sys.stderr)
                 row = {"mode": mode, "way": way, "sparsity": sparsity, **{
                     f"{arm}_{k}": v for arm, d in arms.items() for k, v in d.items()
                 }}  # fmt: skip
-                for view in ("once_ms", "b2b_ms"):
-                    if view in arms["dense"] and view in arms["vsa"]:
-                        row[f"speedup_{view[:-3]}"] = arms["dense"][view] / arms["vsa"][view]
+                for base in ("dense", "dense_fa4"):
+                    for view in ("once_ms", "b2b_ms"):
+                        pair = arms.get(base, {}), arms.get("vsa", {})
+                        if view in pair[0] and view in pair[1]:
+                            speedup = pair[0][view] / pair[1][view]
+                            row[f"speedup_vs_{base}_{view[:-3]}"] = speedup
                 log(row)
     if args.out:
         result = {

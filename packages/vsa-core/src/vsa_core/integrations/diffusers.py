@@ -113,13 +113,21 @@ class VSAWanAttnProcessor:
         query, key, value = (t.unflatten(2, (attn.heads, -1)) for t in (query, key, value))
         if rotary_emb is not None:
             query, key = _rotate(query, *rotary_emb), _rotate(key, *rotary_emb)
-        gate = self._gate(attn, hidden_states, query)
-        out = video_sparse_attn(
-            query, key, value, topk=settings.topk_for(tiling), tiling=tiling,
-            coarse_gate=gate, backend=settings.backend, token_order="raster",
-        )  # fmt: skip
+        out = self.attend(query, key, value, tiling, lambda: self._gate(attn, hidden_states, query))
         out = out.flatten(2, 3).type_as(query)
         return attn.to_out[1](attn.to_out[0](out))
+
+    def attend(self, query, key, value, tiling: VideoTiling, gate) -> torch.Tensor:
+        """The attention itself on raster-order BSHD q, k, v (``gate()`` gives the coarse gate).
+
+        The one step a subclass replaces to run the same block with another attention (the
+        step-time benchmark's dense arms do): everything around it stays identical.
+        """
+        settings = self.settings
+        return video_sparse_attn(
+            query, key, value, topk=settings.topk_for(tiling), tiling=tiling,
+            coarse_gate=gate(), backend=settings.backend, token_order="raster",
+        )  # fmt: skip
 
     def _gate(self, attn: nn.Module, hidden_states: torch.Tensor, query: torch.Tensor):
         coarse = self.settings.coarse
