@@ -7,10 +7,14 @@
 Needs `git` and access to github.com (each tag is resolved with `git ls-remote`, annotated tags
 dereferenced to their commit). A pinned line keeps its tag as a comment:
 
-    - uses: actions/checkout@<40 hex digits> # v5
+    - uses: actions/checkout@<40 hex digits> # v5.0.0
 
 Local (`./...`) and docker references are left alone. Dependabot keeps the pins and the comments
 up to date afterwards.
+
+The pins now in the workflows were set where github.com was unreachable, from public files that
+pin the same SHA with the same tag comment; .github/PINS.md records the evidence for each.
+`--check` is how to re-verify them against the tags themselves.
 """
 
 from __future__ import annotations
@@ -33,12 +37,20 @@ TAG_COMMENT = re.compile(r"#\s*(?P<tag>v?\d[\w.-]*)")
 def resolve(action: str, tag: str) -> str:
     """The commit a tag of an action's repository points at (annotated tags dereferenced)."""
     owner_repo = "/".join(action.split("/")[:2])
-    out = subprocess.run(
-        ["git", "ls-remote", f"https://github.com/{owner_repo}", f"refs/tags/{tag}*"],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout
+    try:
+        out = subprocess.run(
+            ["git", "ls-remote", f"https://github.com/{owner_repo}", f"refs/tags/{tag}*"],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        ).stdout
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
+        detail = (getattr(e, "stderr", None) or "").strip().splitlines()
+        raise SystemExit(
+            f"{owner_repo}: could not list its tags ({detail[-1] if detail else e}); "
+            "this needs github.com"
+        ) from None
     refs = dict(reversed(line.split("\t")) for line in out.splitlines() if "\t" in line)
     sha = refs.get(f"refs/tags/{tag}^{{}}") or refs.get(f"refs/tags/{tag}")
     if sha is None:
