@@ -27,7 +27,7 @@ from vsa_core import (
 from vsa_core.backends import select_backend
 from vsa_fa4 import block_sparse_attn as fa4_attn
 from vsa_fa4 import ops
-from vsa_fa4.backend import FA4Backend
+from vsa_fa4.backend import TRITON_FIRST_FROM_QUERY_ROWS, FA4Backend
 from vsa_fa4.schedule import BLOCK_SHAPES, make_plan
 
 pytestmark = [
@@ -220,8 +220,10 @@ def test_sm90_kv64_backward_runs_on_the_fork(block_shape, head_dim):
     q, k, v = make_inputs(layout, head_dim=head_dim)
     call = AttentionCall.describe(q, k, v, layout)
     assert FA4Backend().supports(call) is None
-    # auto ranks fa4 below triton for unpaired 64-row query blocks (FA4Backend.priority_for)
-    assert select_backend(call).name == ("triton" if block_shape[0] == 64 else "fa4")
+    # auto keeps fa4 first: TRAINING_RULE puts triton ahead only from
+    # TRITON_FIRST_FROM_QUERY_ROWS query rows, far above this call's
+    assert call.query_rows < TRITON_FIRST_FROM_QUERY_ROWS
+    assert select_backend(call).name == "fa4"
     out, _ = block_sparse_attn(q, k, v, layout, backend="fa4")
     dout = torch.randn_like(out)
     _, _, ref_grads = reference(q, k, v, layout, dout)
