@@ -109,6 +109,7 @@ from vsa_core.backends import AttentionCall, select_backend
 from vsa_core.ops import QKVFormat, video_sparse_attn
 from vsa_core.tiling import VideoTiling
 from vsa_core.validation import (
+    as_flag,
     as_int,
     check_coarse_gate,
     check_qkv,
@@ -142,6 +143,7 @@ def sequence_parallel_video_sparse_attn(
     qkv_format: QKVFormat = "bshd",
     head_chunk: int | None = None,
     recompute: bool = False,
+    deterministic: bool = False,
 ) -> torch.Tensor:
     """`video_sparse_attn` on a sequence sharded over the ranks of ``group`` (Ulysses).
 
@@ -177,6 +179,10 @@ def sequence_parallel_video_sparse_attn(
             backward (activation checkpointing of the op, see the module doc for the memory);
             costs one more forward and input exchange. The result and gradients do not
             depend on it.
+        deterministic: as for `video_sparse_attn`: bitwise-reproducible output and
+            gradient shards run to run (each step's op runs with it; ``auto`` is decided with
+            it; the exchanges move data without arithmetic, and a replicated gate's gradient
+            sums the steps in a fixed order).
 
     Returns:
         this rank's shard of the output, in q's format and dtype. An empty batch (B = 0, on
@@ -196,6 +202,7 @@ def sequence_parallel_video_sparse_attn(
     gate = _check_gate(coarse_gate, q, qkv_format, seq_local)
     heads_local = heads // world
     chunk = _check_head_chunk(head_chunk, heads_local, tiling.padded_len, dim, q.element_size())
+    deterministic = as_flag("deterministic", deterministic)
     if batch == 0:  # the same on every rank: no exchange, nothing to wait for
         return empty_batch_result(q, k, v, coarse_gate)
     if world == 1:
@@ -209,6 +216,7 @@ def sequence_parallel_video_sparse_attn(
             backend=backend,
             scale=scale,
             qkv_format=qkv_format,
+            deterministic=deterministic,
         )
 
     q, k, v = (_as_bshd(t, qkv_format) for t in (q, k, v))
@@ -224,10 +232,12 @@ def sequence_parallel_video_sparse_attn(
     training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
     if backend == "auto":  # decided for the rank's whole call, as the unpipelined wrapper did
         grad_qkv = training and any(t.requires_grad for t in (q, k, v))
-        backend = _auto_backend(q, batch * tiling.padded_len * heads_local, tiling, grad_qkv)
+        backend = _auto_backend(
+            q, batch * tiling.padded_len * heads_local, tiling, grad_qkv, deterministic
+        )
     plan = _Plan(
         group, world, rank, heads_local, units, gate_seq, tiling, topk, backend, scale,
-        bool(recompute),
+        bool(recompute), deterministic,
     )  # fmt: skip
     out = _UlyssesAttention.apply(plan, *inputs) if training else _forward(plan, *inputs)
     return _as_bshd(out, qkv_format)
@@ -348,6 +358,7 @@ class _Plan:
     backend: str
     scale: float
     recompute: bool  # training: backward exchanges and runs each step again
+    deterministic: bool = False  # each step's op runs with deterministic=True
 
 
 class _Pending:
@@ -436,6 +447,7 @@ def _step(
             coarse_gate=parts[3],
             backend=plan.backend,
             scale=plan.scale,
+            deterministic=plan.deterministic,
         )
     return parts, y
 
@@ -570,7 +582,9 @@ class _UlyssesAttention(torch.autograd.Function):
         return (None, *grads)
 
 
-def _auto_backend(q: torch.Tensor, query_rows: int, tiling: VideoTiling, grad: bool) -> str:
+def _auto_backend(
+    q: torch.Tensor, query_rows: int, tiling: VideoTiling, grad: bool, deterministic: bool = False
+) -> str:
     """The fine backend ``"auto"`` picks for the op on this rank's whole sequence and heads
     (the rank's [B, S, H / W, D] call; `VSA_BACKEND` honoured). Each step runs it by name: a
     step's own smaller call could rank the backends differently (the choice may depend on the
@@ -584,6 +598,7 @@ def _auto_backend(q: torch.Tensor, query_rows: int, tiling: VideoTiling, grad: b
         1,
         not tiling.has_padding,
         query_rows=query_rows,
+        deterministic=deterministic,
     )
     return select_backend(call, "auto").name
 

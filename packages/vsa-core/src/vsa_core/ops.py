@@ -7,6 +7,28 @@ layout you planned; `video_sparse_attn` plans it from the coarse stage and runs 
 
 Both take BSHD tensors ([batch, seq, heads, head_dim], the native format) or BHSD ones with
 ``qkv_format="bhsd"``, and answer in the format they were given.
+
+``deterministic=True`` (both ops): bitwise-reproducible output and gradients, run to run, on
+the same inputs, device, versions and settings. What each part of the op does for it:
+
+- the fine attention goes to a backend that accepts deterministic calls (`Backend.
+  handles_deterministic`; ``auto`` picks one, a named backend that cannot raises ValueError
+  naming ``deterministic``): ``triton`` always (no atomics: every output element is summed by
+  one program in list order), ``fa4`` only without gradients (its backward reduce-adds float32
+  dQ partials across key tiles in scheduling order), ``reference`` except its backward off the
+  CPU (``torch.gather``'s backward scatter-adds with atomics on CUDA);
+- the coarse attention runs on SDPA's math backend (matmuls and a softmax, through autograd):
+  the flash, memory-efficient and cuDNN backends' backwards may accumulate dQ with atomics;
+- the coarse stage must be ``torch`` or ``triton`` (`DETERMINISTIC_COARSE_STAGES`), both
+  free of atomics: pooling, its backward and the combine's backward sum each tile in one
+  Triton program or one torch reduction; the selection (Triton: exact on integer images of
+  the scores, ties to the lower tile; torch: a matmul and ``torch.topk``) only picks indices.
+
+Limits: checked in eager mode (under ``torch.compile`` code that inductor generates around the
+op's custom ops is inductor's; ``torch.use_deterministic_algorithms(True)`` governs it); torch's
+matmuls (the coarse attention, the torch selection's scores) are reproducible as cuBLAS states:
+same architecture and SM count, and with several CUDA streams ``CUBLAS_WORKSPACE_CONFIG``
+set to ``:4096:8``.
 """
 
 from __future__ import annotations
@@ -22,6 +44,7 @@ from vsa_core.host_cache import resolved_once
 from vsa_core.layout import BlockSparseLayout, _full_on_host, check_layout_matches
 from vsa_core.tiling import VideoTiling
 from vsa_core.validation import (
+    as_flag,
     check_coarse_gate,
     check_int_tensor,
     check_qkv,
@@ -35,6 +58,9 @@ from vsa_core.validation import (
 QKVFormat = Literal["bshd", "bhsd"]
 TokenOrder = Literal["tiled", "raster"]
 
+DETERMINISTIC_COARSE_STAGES = frozenset({"torch", "triton"})
+"""Coarse stages audited for ``deterministic=True`` (no order-dependent reduction)."""
+
 
 def block_sparse_attn(
     q: torch.Tensor,
@@ -45,6 +71,7 @@ def block_sparse_attn(
     backend: str = "auto",
     scale: float | None = None,
     qkv_format: QKVFormat = "bshd",
+    deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of each query block to the key blocks ``layout`` selects.
 
@@ -55,6 +82,10 @@ def block_sparse_attn(
         backend: a backend name or ``"auto"`` (see `vsa_core.backends`).
         scale: softmax scale, default ``1 / sqrt(D)``.
         qkv_format: ``"bshd"`` or ``"bhsd"``.
+        deterministic: bitwise-reproducible out, lse and gradients run to run (same inputs,
+            device, versions): only a backend that runs the call so is used (see the module
+            doc; ``auto`` picks one, a named backend that cannot raises ValueError). Costs the
+            speed of the backend given up: with gradients fa4 is never used.
 
     Returns:
         ``(out, lse)``: out in q's format and dtype; lse [B, H, Sq] in float32 (float64 for
@@ -64,12 +95,14 @@ def block_sparse_attn(
     q, k, v = (_as_bshd(t, qkv_format) for t in (q, k, v))
     check_layout_matches(layout, q, k)
     scale = check_scale(scale, q.shape[-1])
+    deterministic = as_flag("deterministic", deterministic)
     if batch == 0:  # nothing to attend: empty results, out in q's format (differentiable)
         out = _from_bshd(empty_batch_result(q, k, v), qkv_format)
         return out, empty_batch_lse(q, heads, q_len)
     chosen = _backend_for(
-        q, k, v, layout.block_shape, layout.q_group_size, layout.kv_blocks_full, backend
-    )
+        q, k, v, layout.block_shape, layout.q_group_size, layout.kv_blocks_full, backend,
+        deterministic,
+    )  # fmt: skip
     if not (chosen.key_padding_safe or layout.kv_blocks_full):
         v = zero_padding(v, layout.kv_valid_sizes)
         k = zero_padding(k, layout.kv_valid_sizes) if _requires_grad(q, k, v) else k
@@ -92,6 +125,7 @@ def video_sparse_attn(
     token_order: TokenOrder = "tiled",
     validate: bool = True,
     coarse_backend: str = "auto",
+    deterministic: bool = False,
 ) -> torch.Tensor:
     """Video Sparse Attention: ``out = fine + coarse * coarse_gate``.
 
@@ -122,6 +156,13 @@ def video_sparse_attn(
             kernels on CUDA with vsa-triton, else torch ops), ``"torch"`` or a plug-in's name.
             The selections agree except between key tiles whose scores tie to float32
             rounding (the Triton kernels break exact ties towards the lower tile index).
+        deterministic: bitwise-reproducible output and gradients (of q, k, v and the gate),
+            run to run, on the same inputs, device, versions and settings (the module doc
+            says how each part keeps it). ``auto`` then picks a backend that runs the call
+            so (``triton`` for training on a GPU: fa4's backward is not reproducible); a named
+            ``backend`` or ``coarse_backend`` that cannot raises ValueError. The coarse
+            attention runs on SDPA's math backend, which holds its [B, H, N, N] scores (N
+            tiles) instead of streaming them. What it costs at Wan sizes: README, "Using it".
 
     Returns:
         out in q's format, dtype and token order.
@@ -142,6 +183,7 @@ def video_sparse_attn(
     seq_dim = 1 if qkv_format == "bshd" else 2
     seq_gate = gate is not None and gate.dim() == q.dim() and gate.shape[seq_dim] == seq
     scale = check_scale(scale, dim)
+    deterministic = as_flag("deterministic", deterministic)
     if batch == 0:  # nothing to attend: an empty output in q's format (differentiable)
         return empty_batch_result(q, k, v, gate)
 
@@ -154,17 +196,23 @@ def video_sparse_attn(
 
     all_full = _tiles_all_full(tiling, valid_sizes, tile_tokens)
     block_shape = (tile_tokens, tile_tokens)
-    chosen = _backend_for(q, k, v, block_shape, 1, all_full, backend)
+    chosen = _backend_for(q, k, v, block_shape, 1, all_full, backend, deterministic)
     training = _requires_grad(q, k, v) or (gate is not None and _requires_grad(gate))
     clean = _inputs_to_clean(all_full, training, chosen.key_padding_safe)
     padding_index = None if tiling is None else tiling.indices(q.device).padding_index
     stage = coarse_stage(coarse_backend, q)
+    if deterministic and stage.name not in DETERMINISTIC_COARSE_STAGES:
+        known = ", ".join(sorted(DETERMINISTIC_COARSE_STAGES))
+        raise ValueError(
+            f"coarse_backend={coarse_backend!r} runs the coarse stage {stage.name!r}, which is "
+            f"not known to be deterministic; with deterministic=True use one of {known}"
+        )
     q_pooled, k_pooled, v_pooled, q_fine, k_fine, v_fine = stage.pool_and_clean(
         q, k, v, valid_sizes, clean, padding_index
     )
     # every tile of a VideoTiling holds a real token; user valid sizes may hold 0
-    coarse = coarse_attention(
-        q_pooled, k_pooled, v_pooled, valid_sizes, scale, may_have_empty=tiling is None
+    coarse = _coarse_attention(
+        q_pooled, k_pooled, v_pooled, valid_sizes, scale, tiling is None, deterministic
     )
     with torch.no_grad():
         selection = stage.select(q_pooled, k_pooled, valid_sizes, topk)
@@ -180,7 +228,24 @@ def video_sparse_attn(
 
 
 # ---- helpers ---------------------------------------------------------------------------------
-def _backend_for(q, k, v, block_shape, q_group_size, kv_blocks_full, backend):
+def _coarse_attention(q_pooled, k_pooled, v_pooled, valid_sizes, scale, may_have_empty,
+                      deterministic):  # fmt: skip
+    """`coarse_attention`; with ``deterministic`` on SDPA's math backend, whose forward and
+    backward are matmuls and a softmax through autograd (PyTorch's flash backward accumulates
+    dQ with atomics, and the memory-efficient and cuDNN ones are documented nondeterministic)."""
+    if not deterministic:
+        return coarse_attention(
+            q_pooled, k_pooled, v_pooled, valid_sizes, scale, may_have_empty=may_have_empty
+        )
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.MATH):
+        return coarse_attention(
+            q_pooled, k_pooled, v_pooled, valid_sizes, scale, may_have_empty=may_have_empty
+        )
+
+
+def _backend_for(q, k, v, block_shape, q_group_size, kv_blocks_full, backend, deterministic):
     """The fine backend for these inputs and a layout of this description (its lists do not
     matter: the op chooses before it selects)."""
     requires_grad = _requires_grad(q, k, v)
@@ -189,7 +254,7 @@ def _backend_for(q, k, v, block_shape, q_group_size, kv_blocks_full, backend):
     return _fine_backend(
         backend, backend_override(), registry_generation(),
         q.device, q.dtype, q.shape[-1], block_shape, requires_grad,
-        q_group_size, kv_blocks_full, q.shape[0] * q.shape[1] * q.shape[2],
+        q_group_size, kv_blocks_full, q.shape[0] * q.shape[1] * q.shape[2], deterministic,
     )  # fmt: skip
 
 
@@ -220,13 +285,13 @@ def _inputs_to_clean(all_full: bool, training: bool, key_padding_safe: bool):
 @resolved_once
 def _fine_backend(
     backend, _override, _generation, device, dtype, head_dim, block_shape, requires_grad,
-    q_group_size, kv_blocks_full, query_rows,
+    q_group_size, kv_blocks_full, query_rows, deterministic,
 ):  # fmt: skip
     """The backend `select_backend` picks for a call so described (decided once per
     description; the override variable and the registered backends are part of the key)."""
     call = AttentionCall(
         device, dtype, head_dim, block_shape, requires_grad, q_group_size, kv_blocks_full,
-        query_rows=query_rows,
+        query_rows=query_rows, deterministic=deterministic,
     )  # fmt: skip
     return select_backend(call, backend)
 

@@ -127,6 +127,16 @@ def check_scale(scale: object, head_dim: int) -> float:
     return number
 
 
+def as_flag(name: str, value: object) -> bool:
+    """``value`` as a Python bool: ``True`` or ``False`` (or a NumPy bool), else ``ValueError``
+    (a flag given as 1, "yes" or a tensor is a mistake worth naming)."""
+    if type(value) is bool:
+        return value
+    if _is_bool(value):
+        return bool(value)
+    raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
 def check_topk(topk: object, num_tiles: int) -> int:
     """``topk`` as a Python int in [1, num_tiles]."""
     return as_int("topk", topk, 1, num_tiles, what="the number of tiles")

@@ -4,6 +4,14 @@ Registered under the ``vsa.backends`` entry-point group. Triton and the kernels 
 lazily (on the first call), never when this module is imported. ``supports()`` says exactly
 why it refuses a call. Under ``TRITON_INTERPRET=1`` the kernels run in Triton's interpreter on
 CPU tensors (for tests on machines without a GPU; fp16 only, bf16 dot products are wrong there).
+
+Deterministic by construction, so it accepts ``deterministic=True`` calls (forward and
+backward) without a separate path: every output element is written by one program, which sums
+in a fixed order (`vsa_triton.kernels`: the forward and the dQ kernel own a query block and
+walk its key list in list order; the dK/dV kernel owns a key block and walks its query list,
+the CSR transpose sorted by query block; no atomics, no split reductions), and launch
+configurations are fixed per shape (`vsa_triton.config`, no autotuning). The L2 rotation of
+the forward's lists (`vsa_core.rotation`) depends only on the device and the shape.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ class TritonBackend(Backend):
     name: ClassVar[str] = "triton"
     key_padding_safe: ClassVar[bool] = True  # masked loads: padding rows are never read
     priority: ClassVar[int] = 10
+    handles_deterministic: ClassVar[bool] = True  # always deterministic: see the module doc
 
     def availability(self) -> str | None:
         if importlib.util.find_spec("triton") is None:

@@ -5,6 +5,14 @@ instantiates it without arguments, asks ``supports(call)`` whether it can run a 
 means yes, a string is the reason for refusing), and runs ``forward``. Autograd is the backend's
 business: ``forward`` must return tensors that are differentiable w.r.t. q, k and v whenever the
 backend accepted a call with ``call.requires_grad``.
+
+Deterministic calls (``call.deterministic``, the ops' ``deterministic=True``): a backend that
+accepts one promises bitwise-equal results, forward and (when ``call.requires_grad``) backward,
+run to run on the same inputs, device and versions: no reduction whose order depends on thread
+scheduling (floating-point atomics, split reductions combined in arrival order). A backend says
+so by setting ``handles_deterministic = True`` and reading the field in ``supports()`` (refusing,
+with the reason, the calls it cannot run that way); the registry refuses deterministic calls to
+backends that do not set it (plug-ins written before the field existed).
 """
 
 from __future__ import annotations
@@ -44,6 +52,10 @@ class AttentionCall:
     """Query token rows of the call (batch x heads x query length), for backends whose
     ranking depends on the problem size; 0 when unknown."""
 
+    deterministic: bool = False
+    """The caller asks for bitwise-reproducible results (forward, and backward when
+    ``requires_grad``): see the module doc."""
+
     def __post_init__(self) -> None:
         if self.capability is None and self.device.type == "cuda":
             try:
@@ -54,7 +66,12 @@ class AttentionCall:
 
     @classmethod
     def describe(
-        cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockSparseLayout
+        cls,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layout: BlockSparseLayout,
+        deterministic: bool = False,
     ) -> AttentionCall:
         return cls(
             device=q.device,
@@ -66,6 +83,7 @@ class AttentionCall:
             q_group_size=layout.q_group_size,
             kv_blocks_full=layout.kv_blocks_full,
             query_rows=q.shape[0] * q.shape[1] * q.shape[2],
+            deterministic=deterministic,
         )
 
 
@@ -84,6 +102,10 @@ class Backend:
     False, the ops hand the backend a copy of v with zeroed padding, and of k when gradients
     flow; the backend must mask padding keys' scores by selection (not by adding -inf), so
     that K's padding cannot reach a forward output."""
+    handles_deterministic: ClassVar[bool] = False
+    """True when ``supports()`` reads ``call.deterministic`` and accepts a deterministic call
+    only where its results are bitwise reproducible (see the module doc). Where False the
+    registry refuses every deterministic call for the backend."""
 
     def supports(self, call: AttentionCall) -> str | None:
         """Return None when this backend can run ``call``, else the reason it cannot."""

@@ -18,8 +18,17 @@ class ReferenceBackend(Backend):
     name = "reference"
     priority = 0
     key_padding_safe = True  # masked with torch.where, never multiplied by 0
+    handles_deterministic = True
 
     def supports(self, call: AttentionCall) -> str | None:
+        if call.deterministic and call.requires_grad and call.device.type != "cpu":
+            return (
+                f"deterministic=True with gradients on {call.device.type}: the reference "
+                "gathers key/value blocks with torch.gather, whose backward scatter-adds dK "
+                "and dV with floating-point atomics on CUDA (the order of the adds changes "
+                "run to run; other devices are unchecked); its forward is deterministic, and "
+                "so is its backward on the CPU"
+            )
         return None
 
     def forward(

@@ -6,7 +6,9 @@ Backends are plug-ins: any installed distribution may register a `Backend` subcl
 call; the built-in ``reference`` backend accepts everything, so auto always finds one. The one
 override is the ``VSA_BACKEND`` environment variable, which replaces ``"auto"`` (an explicit
 ``backend=`` argument in code wins over it). A named backend that refuses a call raises
-``ValueError`` with its reason: never a silent fallback.
+``ValueError`` with its reason: never a silent fallback. A deterministic call
+(``AttentionCall.deterministic``) goes only to backends that declare they handle it
+(``Backend.handles_deterministic``) and accept it.
 """
 
 from __future__ import annotations
@@ -99,6 +101,19 @@ def get_backend(name: str, *, source: str = "backend") -> Backend:
     return entry.backend
 
 
+def refusal(backend: Backend, call: AttentionCall) -> str | None:
+    """Why ``backend`` cannot run ``call`` (None: it can): its ``supports()``, and for a
+    deterministic call also whether it handles the flag at all."""
+    reason = backend.supports(call)
+    if reason is None and call.deterministic and not backend.handles_deterministic:
+        reason = (
+            f"backend {backend.name!r} does not declare deterministic=True support "
+            "(Backend.handles_deterministic): its results are not known to be bitwise "
+            "reproducible"
+        )
+    return reason
+
+
 def explain(call: AttentionCall) -> list[tuple[str, str | None]]:
     """(name, refusal reason or None) for every backend, highest priority first."""
     rows = []
@@ -106,7 +121,7 @@ def explain(call: AttentionCall) -> list[tuple[str, str | None]]:
         if entry.backend is None:
             rows.append((entry.name, entry.load_error))
         else:
-            rows.append((entry.name, entry.backend.supports(call)))
+            rows.append((entry.name, refusal(entry.backend, call)))
     return rows
 
 
@@ -140,13 +155,13 @@ def _select(call: AttentionCall, backend: str, override: str, _generation: int) 
         requested, source = override, OVERRIDE_ENV
     if requested != "auto":
         chosen = get_backend(requested, source=source)
-        reason = chosen.supports(call)
+        reason = refusal(chosen, call)
         if reason is not None:
             where = " (environment variable)" if source == OVERRIDE_ENV else ""
             raise ValueError(f"{source}={requested!r}{where} cannot run this call: {reason}")
         return chosen
     for entry in _by_priority(call):
-        if entry.backend is not None and entry.backend.supports(call) is None:
+        if entry.backend is not None and refusal(entry.backend, call) is None:
             return entry.backend
     refusals = "; ".join(f"{name}: {why}" for name, why in explain(call))
     raise ValueError(f"no backend supports this call ({refusals})")
