@@ -15,6 +15,10 @@ when gradients flow: they mask the scores by selection (`flash_attn_vsa.mask_sm9
 limit sets them to -inf whatever they were) but multiply the zero probabilities with V, and the
 zero dS with K in backward. So the backend declares ``key_padding_safe = False`` and vsa-core's
 ops hand it a copy of v with zeroed padding (and of k in training).
+
+``deterministic=True``: accepted for inference only (`DETERMINISTIC_BACKWARD_REFUSAL` says why
+the backward is not bitwise reproducible); the forward is, one CTA per query tile walking its
+key list in order with no reduction across CTAs (no split over keys).
 """
 
 from __future__ import annotations
@@ -102,6 +106,20 @@ faster on fa4 in every measured cell. Regenerate with the command in benchmarks/
 ("Auto's rule") and move the threshold if the crossing moves."""
 
 
+DETERMINISTIC_BACKWARD_REFUSAL = (
+    "deterministic=True with gradients: FA4's block-sparse backward is not bitwise "
+    "reproducible. One CTA per key tile computes dK and dV in registers (deterministic) and, per "
+    "query tile of its list, a float32 dQ partial dS K that it adds into a float32 dQ "
+    "accumulator in global memory with bulk reduce-adds (cp.reduce.async.bulk .add.f32: the "
+    "fork's KV64 kernel, flash_attn_vsa.bwd_sm90_dq_parts, for 64-token key blocks; upstream's "
+    "dQaccum_store for the others). The partials of one query tile come from CTAs running at "
+    "the same time, so they are added in scheduling order, and float32 addition is not "
+    "associative: dQ's bits change run to run. Upstream's semaphore-ordered deterministic "
+    "backward is not implemented for block sparsity on sm_90 and the fork's kernel refuses it. "
+    "The forward has no reduction across CTAs: inference calls (no gradient) are accepted"
+)
+
+
 class FA4Backend(Backend):
     """Block-sparse attention through FlashAttention-4's CuTe kernels (sm_90, sm_100).
 
@@ -113,6 +131,7 @@ class FA4Backend(Backend):
     name: ClassVar[str] = "fa4"
     priority: ClassVar[int] = 20
     key_padding_safe: ClassVar[bool] = False  # see the module doc
+    handles_deterministic: ClassVar[bool] = True  # forward only: see the module doc
 
     def __init__(self, schedule: str = "auto") -> None:
         if schedule not in SCHEDULES:
@@ -132,6 +151,8 @@ class FA4Backend(Backend):
         reason = self._call_refusal(call)
         if reason is not None:
             return reason
+        if call.deterministic and call.requires_grad:
+            return DETERMINISTIC_BACKWARD_REFUSAL
         return plan_refusal(
             call.capability, call.head_dim, native_plan(call.block_shape), call.requires_grad
         )
