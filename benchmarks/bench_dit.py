@@ -137,8 +137,12 @@ def measure(fn, device: torch.device, reps: int) -> dict[str, Any]:
     if device.type != "cuda":
         fn()
         return {}
+    retries = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
     peak = bt.peak_extra_mib(fn, device)
-    return {**bt.call_views(fn, reps, b2b_calls=2), "peak_extra_mib": peak}
+    views = bt.call_views(fn, reps, b2b_calls=2)
+    # cudaMalloc retries after freeing the cache (each synchronizes): memory pressure
+    retries = torch.cuda.memory_stats(device).get("num_alloc_retries", 0) - retries
+    return {**views, "peak_extra_mib": peak, "alloc_retries": retries}
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -154,6 +158,13 @@ def main() -> int:
     ap.add_argument("--arms", nargs="+", choices=ARMS, default=["dense", "vsa"])
     ap.add_argument("--backend", default="auto", help="VSA's fine backend")
     ap.add_argument("--tile", type=int, nargs=3, default=[4, 4, 4])
+    ap.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="blocks of the model (default: the config's; fewer to see per-layer "
+        "costs without the memory pressure of the whole stack in training)",
+    )
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default=None)
@@ -161,6 +172,8 @@ def main() -> int:
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     config = CONFIGS[args.config]
+    if args.layers is not None:
+        config = {**config, "model": {**config["model"], "num_layers": args.layers}}
     model, inputs = build(config, device, dtype)
     tile = tuple(args.tile)
     rows: list[dict[str, Any]] = []
@@ -208,6 +221,7 @@ def main() -> int:
             "date": time.strftime("%Y-%m-%d"),
             "versions": brep.runtime_versions(),
             "config": args.config,
+            "num_layers": config["model"]["num_layers"],
             "rows": rows,
         }
         with open(args.out, "w") as f:
