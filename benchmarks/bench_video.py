@@ -48,6 +48,11 @@ efficiency (single-GPU op time / (N x sequence-parallel time)) and the peak memo
 
     torchrun --standalone --nproc-per-node=2 benchmarks/bench_video.py --sequence-parallel \
         --shapes wan720p --out results/bench_video_sp2.json
+
+``--deterministic``: every arm of our op (and the sequence-parallel op) runs with
+``deterministic=True`` (``auto`` resolved for it: triton in training, fa4's backward is not
+reproducible); the same command without it, against the same dense baseline, gives the cost.
+The pieces (coarse attention and fine attention timed apart) stay the default ones.
 """
 
 from __future__ import annotations
@@ -77,6 +82,7 @@ import fastvideo_arm as fva
 
 from vsa_core import BlockSparseLayout, VideoTiling, block_sparse_attn, video_sparse_attn
 from vsa_core.backends import AttentionCall, get_backend, select_backend
+from vsa_core.backends.registry import refusal as backend_refusal
 from vsa_core.coarse import (
     coarse_attention,
     coarse_stage,
@@ -226,6 +232,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--no-coarse-gate", action="store_true", help="run without a coarse gate")
     g.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="our op's arms with deterministic=True (bitwise-reproducible results; auto and a "
+        "named backend resolved for it, a backend that refuses is skipped with its reason)",
+    )
+    g.add_argument(
         "--fa4-variant",
         type=lambda text: tuple(text.split(",")),
         default=(),
@@ -325,6 +337,7 @@ class Config:
     b2b_calls: int = 10
     b2b_turn_ms: float = 20.0
     pieces: bool = True
+    deterministic: bool = False
 
     @property
     def backend(self) -> str:
@@ -359,6 +372,7 @@ class Config:
             "time_budget_min": self.time_budget_min,
             "seed": self.seed,
             "fa4_variant": list(self.fa4_variant),
+            "deterministic": self.deterministic,
         }
         if self.sequence_parallel:
             fields.update(
@@ -425,6 +439,7 @@ def make_config(args: argparse.Namespace, device: torch.device) -> Config:
         b2b_calls=pick("b2b_calls"),
         b2b_turn_ms=args.b2b_turn_ms,
         pieces=not args.no_pieces,
+        deterministic=bool(args.deterministic),
     )
 
 
@@ -572,8 +587,10 @@ def op_runner(
     backend: str,
     mode: str,
     leaves: list[torch.Tensor] | None = None,
+    deterministic: bool = False,
 ) -> bt.Runner:
-    attn = partial(video_sparse_attn, tiling=tiling, topk=topk, backend=backend, validate=False)
+    attn = partial(video_sparse_attn, tiling=tiling, topk=topk, backend=backend, validate=False,
+                   deterministic=deterministic)  # fmt: skip
     return attn_runner(inputs, mode, attn, leaves)
 
 
@@ -687,18 +704,20 @@ def resolve_fine_backend(
     tiling: VideoTiling,
     mode: str,
     query_rows: int = 0,
+    deterministic: bool = False,
 ) -> tuple[str | None, str | None]:
     """(backend that will run the fine attention, None) or (None, why it cannot). The call is
     described as the op describes it: key blocks all full when the latent needs no padding,
-    ``query_rows`` = batch x heads x padded tokens (auto's rule depends on the size)."""
+    ``query_rows`` = batch x heads x padded tokens (auto's rule depends on the size),
+    ``deterministic`` as asked."""
     tile = tiling.tile_tokens
     call = AttentionCall(device, dtype, head_dim, (tile, tile), mode != "fwd",
                          kv_blocks_full=not tiling.has_padding,
-                         query_rows=query_rows)  # fmt: skip
+                         query_rows=query_rows, deterministic=deterministic)  # fmt: skip
     try:
         if name == "auto":
             return select_backend(call, "auto").name, None
-        reason = get_backend(name).supports(call)
+        reason = backend_refusal(get_backend(name), call)
     except ValueError as exc:
         return None, str(exc)
     return (name, None) if reason is None else (None, f"{name} backend refuses: {reason}")
@@ -867,7 +886,7 @@ def gate_our_arm(
     cfg = ctx.cfg
     rows = ctx.inputs.q.shape[0] * ctx.inputs.q.shape[1] * ctx.inputs.q.shape[2]
     fine, why = resolve_fine_backend(name, ctx.device, cfg.dtype, cfg.head_dim, ctx.tiling,
-                                     ctx.mode, rows)  # fmt: skip
+                                     ctx.mode, rows, cfg.deterministic)  # fmt: skip
     rec["fine_backend"] = fine
     if fine is None:
         rec.update(status="skipped", reason=why)
@@ -878,7 +897,8 @@ def gate_our_arm(
                                            shared["layout"])  # fmt: skip
     if "leaves" not in shared:
         shared["leaves"] = op_leaves(ctx.inputs, ctx.mode)
-    runner = op_runner(ctx.inputs, ctx.tiling, ctx.topk, fine, ctx.mode, shared["leaves"])
+    runner = op_runner(ctx.inputs, ctx.tiling, ctx.topk, fine, ctx.mode, shared["leaves"],
+                       cfg.deterministic)  # fmt: skip
     gate, _ = ctx.gate(runner, shared["reference"])
     rec["gate"] = gate.as_dict()
     if not gate.passed:
@@ -1238,6 +1258,7 @@ def sp_op_runner(
     mode: str,
     head_chunk: int | None = None,
     recompute: bool = False,
+    deterministic: bool = False,
 ) -> bt.Runner:
     """`sequence_parallel_video_sparse_attn` on this rank's shards (outputs: its shards)."""
     attn = partial(
@@ -1247,6 +1268,7 @@ def sp_op_runner(
         backend=backend,
         head_chunk=head_chunk,
         recompute=recompute,
+        deterministic=deterministic,
     )
     return attn_runner(local, mode, attn)
 
@@ -1268,7 +1290,8 @@ def run_single_gpu_op(
     try:
         log("single-GPU op: gate")
         ref = op_reference(inputs, tiling, ctx.topk, ctx.mode != "fwd")
-        runner = op_runner(inputs, tiling, ctx.topk, fine, ctx.mode)
+        runner = op_runner(inputs, tiling, ctx.topk, fine, ctx.mode,
+                           deterministic=cfg.deterministic)  # fmt: skip
         gate, outputs = ctx.gate(runner, ref)
         del ref
         rec["op_gate"] = gate.as_dict()
@@ -1304,7 +1327,8 @@ def run_sp_cell(
     """One cell on every rank: rank 0's single-GPU op, then the sequence-parallel op's gate
     (gathered output and gradients vs rank 0's), timing and peak memory, into ``rec``."""
     mode, topk = rec["mode"], rec["topk"]
-    fine, why = resolve_fine_backend(cfg.backend, device, cfg.dtype, cfg.head_dim, tiling, mode)
+    fine, why = resolve_fine_backend(cfg.backend, device, cfg.dtype, cfg.head_dim, tiling, mode,
+                                     deterministic=cfg.deterministic)  # fmt: skip
     rec["fine_backend"] = fine
     if fine is None:  # the same answer on every rank: same device type, dtype, shape
         rec.update(status="skipped", reason=why)
@@ -1322,7 +1346,8 @@ def run_sp_cell(
     runner, failed = None, False
     try:
         log("sequence-parallel op: gate")
-        runner = sp_op_runner(local, tiling, topk, fine, mode, cfg.sp_head_chunk, cfg.sp_recompute)
+        runner = sp_op_runner(local, tiling, topk, fine, mode, cfg.sp_head_chunk,
+                              cfg.sp_recompute, cfg.deterministic)  # fmt: skip
         outputs = runner.once()
         gathered = {n: gather_sequence(outputs[n]) for n in wanted}
         del outputs
