@@ -3,7 +3,8 @@
     python3 research/coarse_stage/sweep_select.py --out select_sweep.json
 
 For each latent (Wan 2.1 480p and 720p, HunyuanVideo 720p with their head counts, 64-token
-tiles, 87.5% sparse), the shipped config and radix ones, times ``select_with`` on random pooled
+tiles, 87.5% sparse), the shipped config and the k-th key searches it offers (one or two
+bits a pass, with or without early exit), times ``select_with`` on random pooled
 bf16 tensors (median of CUDA-event timings over back-to-back calls) and checks that every config
 picks the same tiles as the shipped one.
 """
@@ -57,10 +58,18 @@ def main() -> None:
                   for _ in range(2))  # fmt: skip
         topk = max(1, round(n * 0.125))
         want = select_with(qp, kp, valid, topk, SELECT)
-        configs = [SELECT] + [
-            SelectConfig(block_m=block_m, num_warps=warps, radix=True)
-            for block_m, warps in itertools.product((4, 16), (2, 4))
+        searches = [
+            SelectConfig(bits_per_pass=bits, early_exit=exit_early)
+            for bits, exit_early in itertools.product((1, 2), (False, True))
         ]
+        configs = (
+            [SELECT]
+            + [c for c in searches if c != SELECT]
+            + [
+                SelectConfig(block_m=block_m, bits_per_pass=2, early_exit=True)
+                for block_m in (4, 16)
+            ]
+        )
         for config in configs:
             got = select_with(qp, kp, valid, topk, config)
             call = (qp, kp, valid, topk, config)

@@ -110,17 +110,21 @@ def _assert_is_topk(indices, qp, kp, valid, topk, tol):
     assert bool((highest_left <= kth + tol).all())
 
 
-# both algorithms of the selection's second phase
-SELECTS = [
-    pytest.param(SelectConfig(), id="bisect"),
-    pytest.param(SelectConfig(radix=True), id="radix"),
-]
-# the radix pass goes row by row: under the interpreter the largest CPU case would take half a
-# minute, so there it runs on the smaller ones
-RADIX_CASES = range(len(CASES)) if ON_GPU else range(1, len(CASES))
+# the k-th key searches of the selection's second phase: bisection (shipped) and two bits a
+# pass, each with and without early exit; all must pick the same exact top-k
+SEARCHES = {
+    "bisect": SelectConfig(),
+    "bisect-exit": SelectConfig(early_exit=True),
+    "two-bit": SelectConfig(bits_per_pass=2),
+    "two-bit-exit": SelectConfig(bits_per_pass=2, early_exit=True),
+}
+# under the interpreter the largest case takes ~40 s a search: there only the shipped one
 SELECT_CASES = [
-    pytest.param(CASES[i], SelectConfig(), id=f"bisect-case{i}") for i in range(len(CASES))
-] + [pytest.param(CASES[i], SelectConfig(radix=True), id=f"radix-case{i}") for i in RADIX_CASES]
+    pytest.param(case, config, id=f"{name}-case{i}")
+    for name, config in SEARCHES.items()
+    for i, case in enumerate(CASES)
+    if ON_GPU or i > 0 or config == SelectConfig()
+]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -138,7 +142,7 @@ def test_select_is_an_exact_topk(case, config, dtype):
         assert torch.equal(got, select_topk(qp, kp, valid, topk)), "differs from the shipped"
 
 
-@pytest.mark.parametrize("config", SELECTS)
+@pytest.mark.parametrize("config", list(SEARCHES.values()), ids=list(SEARCHES))
 def test_select_ranks_empty_tiles_last_and_breaks_ties_low(config):
     gen = torch.Generator().manual_seed(4)
     n, dim = 12, 16

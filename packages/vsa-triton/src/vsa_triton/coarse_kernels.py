@@ -11,10 +11,10 @@ Conventions:
   backward adds the fine attention's gradients of those copies to the pooled ones in one pass.
 - Selection writes each (batch, head, query tile)'s ``TOPK`` chosen key tiles as an ascending
   int32 list, straight into the layout's ``kv_indices``; no sort and no boolean map. The k-th
-  largest score is found exactly by bisection over the bits of an order-preserving integer
-  image of the float32 scores; ties at the threshold go to the lowest key-tile index. Empty key
-  tiles score -inf, so they are chosen only when ``TOPK`` exceeds the non-empty tiles (then the
-  lowest-numbered empty tiles).
+  largest score is found exactly by a search over the bits of an order-preserving integer
+  image of the float32 scores (one or two bits a pass, `SelectConfig`); ties at the threshold
+  go to the lowest key-tile index. Empty key tiles score -inf, so they are chosen only when
+  ``TOPK`` exceeds the non-empty tiles (then the lowest-numbered empty tiles).
 """
 
 # fmt: off
@@ -132,39 +132,46 @@ def _score_block(q, k_base, valid_ptr, score_rows, rows, dims, dim_ok, start, nu
 
 
 @triton.jit
-def _kth_key_radix(key, live, topk):
-    """The k-th largest of one row's int32 keys (signed order) among ``live`` columns: four
-    passes over 8-bit digits from the top, each a 256-bin histogram of the digit among the
-    keys that share the digits found so far (instead of 31 counting passes of bisection)."""
-    biased = key ^ -2147483648  # the same bits in unsigned order
-    bins = tl.arange(0, 256)
-    candidates = live
-    rest = topk  # how many of the candidates are still to be taken
-    prefix = tl.zeros([], dtype=tl.int32)
-    for shift in tl.static_range(24, -8, -8):
-        digit = (biased >> shift) & 0xFF
-        hist = tl.histogram(digit, 256, mask=candidates)
-        at_least = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist  # digits >= d
-        d = tl.sum((at_least >= rest).to(tl.int32), axis=0) - 1
-        rest -= tl.sum(tl.where(bins > d, hist, 0), axis=0)
-        prefix = (prefix << 8) | d
-        candidates = candidates & (digit == d)
-    return prefix ^ -2147483648
+def _search_pass(k64, lo, done, topk, unit, BITS: tl.constexpr):
+    """One pass of the k-th key search over rows of int64 keys: the 2**BITS - 1 thresholds
+    ``lo + j * unit`` counted in one reduction (20-bit counts packed in an int64), ``lo``
+    moved to the highest one that still has ``topk`` keys at or above it. A row is done once
+    that count is exactly ``topk``: its top-k set is then the keys at or above ``lo``."""
+    packed = tl.zeros(lo.shape, dtype=tl.int64)
+    for j in tl.static_range(1, 1 << BITS):
+        above = (k64 >= (lo + j * unit)[:, None]).to(tl.int64)
+        packed += tl.sum(above, axis=1) << (20 * (j - 1))
+    step = tl.zeros(lo.shape, dtype=tl.int64)
+    exact = done
+    for j in tl.static_range(1, 1 << BITS):
+        count = (packed >> (20 * (j - 1))) & 0xFFFFF
+        step = tl.where(count >= topk, j, step)
+        exact = exact | (count == topk)
+    return lo + step * unit, exact
 
 
 @triton.jit
-def _select_row_radix(score_rows, out_ptr, bh, row, cols, col_ok, num_tiles, topk):
-    """One query row's top-k columns, ascending, ties at the k-th score to the lowest."""
-    if row < num_tiles:
-        s = tl.load(score_rows + row * num_tiles + cols, mask=col_ok, other=0.0)
-        key = tl.where(col_ok, _order_key(s), -2147483648)
-        kth = _kth_key_radix(key, col_ok, topk)
-        above = key > kth
-        tied = key == kth
-        room = topk - tl.sum(above.to(tl.int32), axis=0)
-        chosen = above | (tied & (tl.cumsum(tied.to(tl.int32), axis=0) <= room))
-        slot = tl.cumsum(chosen.to(tl.int32), axis=0) - 1
-        tl.store(out_ptr + (bh.to(tl.int64) * num_tiles + row) * topk + slot, cols, mask=chosen)
+def _kth_keys(key, done, topk, BITS: tl.constexpr, EARLY_EXIT: tl.constexpr):
+    """Per row of ``key`` ([ROWS, TILES_P2] int32, signed order), the k-th largest key: the
+    largest threshold with at least ``topk`` keys at or above it, searched from the smallest
+    int32 upwards ``BITS`` bits a pass (in int64, so no threshold overflows); with
+    ``EARLY_EXIT`` the passes stop once every row's count hit ``topk`` exactly. Rows marked
+    ``done`` on entry (past the last tile) take no part."""
+    k64 = key.to(tl.int64)
+    lo = tl.full(done.shape, -2147483648, tl.int64)
+    if EARLY_EXIT:
+        unit = tl.full([], 1 << (32 - BITS), tl.int64)
+        pending = tl.sum((done == 0).to(tl.int32), axis=0)
+        while (unit > 0) & (pending > 0):
+            lo, done = _search_pass(k64, lo, done, topk, unit, BITS)
+            pending = tl.sum((done == 0).to(tl.int32), axis=0)
+            unit = unit >> BITS
+    else:
+        for p in tl.static_range(32 // BITS):
+            lo, done = _search_pass(k64, lo, done, topk, 1 << (32 - BITS * (p + 1)), BITS)
+    # the smallest key at or above lo: lo itself when the passes ran out, else the k-th key
+    at_or_above = tl.where(k64 >= lo[:, None], k64, 2147483647)
+    return tl.min(at_or_above, axis=1).to(tl.int32)
 
 
 @triton.jit
@@ -174,15 +181,15 @@ def select_topk_kernel(
     num_tiles, heads, topk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     DIM_P2: tl.constexpr, TILES_P2: tl.constexpr, ROWS: tl.constexpr, IEEE: tl.constexpr,
-    INTERPRET: tl.constexpr, RADIX: tl.constexpr,
+    INTERPRET: tl.constexpr, BITS: tl.constexpr, EARLY_EXIT: tl.constexpr,
 ):
     """BLOCK_M query tiles of one (batch, head): their scores against every key tile, then
     each row's top-k as an ascending list.
 
     Phase 1 writes the rows' float32 scores (pooled q . pooled k; the softmax scale does not
     change the order) to this program's rows of ``scores_ptr`` ([B, H, N, N]); after a barrier,
-    phase 2 reads them back ROWS rows at a time, finds each row's k-th largest key by
-    bisection, and writes the selected columns in ascending order."""
+    phase 2 reads them back ROWS rows at a time, finds each row's k-th largest key
+    (`_kth_keys`), and writes the selected columns in ascending order."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // heads
@@ -208,25 +215,13 @@ def select_topk_kernel(
 
     cols = tl.arange(0, TILES_P2)
     col_ok = cols < num_tiles
-    if RADIX:
-        for r in range(0, BLOCK_M):
-            _select_row_radix(score_rows, out_ptr, bh, pid_m * BLOCK_M + r, cols, col_ok,
-                              num_tiles, topk)
-        return
     for r in range(0, BLOCK_M, ROWS):
         row = pid_m * BLOCK_M + r + tl.arange(0, ROWS)
         live = (row < num_tiles)[:, None] & col_ok[None, :]
         s = tl.load(score_rows + row[:, None] * num_tiles + cols[None, :], mask=live, other=0.0)
         # columns past N take the smallest int32, below every score's key (-inf's included)
         key = tl.where(live, _order_key(s), -2147483648)
-        # the largest t with at least topk keys >= t is the k-th largest key: its sign first,
-        # then bits 30..0 upwards from that base (32-bit arithmetic that cannot overflow)
-        nonnegative = tl.sum((key >= 0).to(tl.int32), axis=1) >= topk
-        kth = tl.where(nonnegative, 0, -2147483648)
-        for bit in tl.static_range(30, -1, -1):
-            trial = kth + (1 << bit)
-            count = tl.sum((key >= trial[:, None]).to(tl.int32), axis=1)
-            kth = tl.where(count >= topk, trial, kth)
+        kth = _kth_keys(key, row >= num_tiles, topk, BITS, EARLY_EXIT)
         above = key > kth[:, None]
         tied = key == kth[:, None]
         room = topk - tl.sum(above.to(tl.int32), axis=1)
