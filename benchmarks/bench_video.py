@@ -62,7 +62,7 @@ import contextlib
 import datetime
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -344,13 +344,24 @@ class Config:
         """The one fine backend of a sequence-parallel run (its only arm)."""
         return self.arms[0]
 
-    def fa4_variant_context(self) -> contextlib.AbstractContextManager[Any]:
-        """Around each op cell: the fa4 forwards' variant (`--fa4-variant`), if any."""
+    @contextlib.contextmanager
+    def fa4_variant_context(self) -> Iterator[None]:
+        """Around each op cell: with `--fa4-variant`, the registry's ``fa4`` (the arm ``fa4``
+        and what ``auto`` picks) is an fa4 backend carrying that forward variant, registered for
+        the cell (the variant is the backend's argument, `vsa_fa4.launch.KernelChoice`)."""
         if not self.fa4_variant:
-            return contextlib.nullcontext()
-        from vsa_fa4 import launch
+            yield
+            return
+        from vsa_core.backends import register_backend, unregister_backend
+        from vsa_fa4.backend import FA4Backend
+        from vsa_fa4.launch import ForwardVariant, KernelChoice
 
-        return launch.forward_variant(launch.ForwardVariant.from_names(self.fa4_variant))
+        variant = ForwardVariant.from_names(self.fa4_variant)
+        register_backend(FA4Backend(kernels=KernelChoice(variant)))
+        try:
+            yield
+        finally:
+            unregister_backend(FA4Backend.name)
 
     def as_dict(self) -> dict[str, Any]:
         fields = {

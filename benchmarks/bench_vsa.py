@@ -487,6 +487,7 @@ class VsaBackendArm(Arm):
 
     def __init__(self, backend: str, arm_name: str | None = None) -> None:
         self.backend_name = backend
+        self.run_backend = backend  # the registry name the op is called with
         self.name = arm_name or backend
         self.backend: Any = None
 
@@ -518,7 +519,7 @@ class VsaBackendArm(Arm):
         return self.backend.supports(call)
 
     def prepare(self, inputs: Inputs, cell: Cell) -> bt.Runner:
-        layout, name, scale = cell.layout, self.backend_name, inputs.scale
+        layout, name, scale = cell.layout, self.run_backend, inputs.scale
 
         def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             with self.context():
@@ -530,7 +531,9 @@ class VsaBackendArm(Arm):
 
 class Fa4VariantArm(VsaBackendArm):
     """``vsa:fa4+OPTION[+OPTION]``: the fa4 backend with the fork's experimental forward kernels
-    (``vsa_fa4.launch.ForwardVariant``) where they fit, the shipped ones elsewhere."""
+    (``vsa_fa4.launch.ForwardVariant``) where they fit, the shipped ones elsewhere: the op is
+    called with ``backend=`` an fa4 backend carrying the variant
+    (``vsa_fa4.backend.variant_backend``)."""
 
     def __init__(self, arm_name: str) -> None:
         from vsa_fa4 import launch
@@ -545,11 +548,9 @@ class Fa4VariantArm(VsaBackendArm):
                 f"a variant arm is vsa:fa4+OPTION[+OPTION]; got {arm_name!r}: {exc}"
             ) from None
         super().__init__("fa4", arm_name=arm_name)
+        from vsa_fa4.backend import variant_backend
 
-    def context(self) -> contextlib.AbstractContextManager[Any]:
-        from vsa_fa4 import launch
-
-        return launch.forward_variant(self.variant)
+        self.run_backend = variant_backend(self.variant)
 
 
 def cuda_only(device: torch.device, what: str) -> str | None:

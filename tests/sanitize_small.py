@@ -16,7 +16,6 @@ Partial key blocks are included; a shape the backend refuses for training (its `
 reason is printed) runs forward only, and one it refuses outright is skipped.
 """
 
-import contextlib
 import dataclasses
 import sys
 
@@ -28,7 +27,6 @@ from vsa_core.backends import get_backend
 args = sys.argv[1:]
 forward_only = "--forward-only" in args
 args = [a for a in args if a != "--forward-only"]
-variant_context = contextlib.nullcontext  # entered once per shape: a factory
 if "--fa4-variant" in args:
     at = args.index("--fa4-variant")
     options = args[at + 1].split(",")
@@ -36,8 +34,11 @@ if "--fa4-variant" in args:
     from vsa_fa4 import launch
 
     variant = launch.ForwardVariant.from_names(options)
-    variant_context = lambda: launch.forward_variant(variant)  # noqa: E731
 backend_name = args[0] if args else "triton"
+if "--fa4-variant" in sys.argv[1:] and backend_name == "fa4":
+    from vsa_fa4.backend import variant_backend
+
+    backend_name = variant_backend(variant)  # an fa4 backend carrying the variant
 backend = get_backend(backend_name)
 ALL_SHAPES = ((64, 64), (128, 64), (128, 128), (64, 128), (256, 256))
 chosen = [tuple(int(n) for n in a.split("x")) for a in args[1:]]
@@ -60,7 +61,7 @@ for shape in chosen or ALL_SHAPES:
     if infer_refusal:
         print(shape, "skipped:", infer_refusal, flush=True)
         continue
-    with torch.set_grad_enabled(train_refusal is None), variant_context():
+    with torch.set_grad_enabled(train_refusal is None):
         out, lse = block_sparse_attn(q, k, v, layout, backend=backend_name)
         if train_refusal is None:
             out.sum().backward()

@@ -138,17 +138,20 @@ def test_cuda_arms_are_skipped_with_reasons_on_cpu(vsa_run):
             assert r["reason"] == backend.supports(call)
 
 
-def test_fa4_variant_arms_run_the_fa4_backend_inside_their_forward_variant():
+def test_fa4_variant_arms_call_an_fa4_backend_carrying_their_forward_variant():
+    from vsa_core.backends import get_backend
     from vsa_fa4 import launch
 
     arm = bench_vsa.build_arms(["vsa:fa4+streams+qregs"])[0]
     assert isinstance(arm, bench_vsa.Fa4VariantArm) and arm.backend_name == "fa4"
     assert arm.name == "vsa:fa4+streams+qregs"
-    with arm.context():
-        assert launch.current_forward_variant() == launch.ForwardVariant(True, True)
-    assert launch.current_forward_variant() == launch.SHIPPED_FORWARD
-    with arm.__class__("vsa:fa4+streams").context():
-        assert launch.current_forward_variant() == launch.ForwardVariant(two_streams=True)
+    assert arm.run_backend == "fa4+qregs+streams"
+    assert get_backend(arm.run_backend).kernels.forward == launch.ForwardVariant(True, True)
+    assert get_backend("fa4").kernels == launch.SHIPPED
+    streams = arm.__class__("vsa:fa4+streams")
+    assert get_backend(streams.run_backend).kernels.forward == launch.ForwardVariant(
+        two_streams=True
+    )
     for bad in ("vsa:fa4+fast", "vsa:triton+streams"):
         with pytest.raises(ValueError, match="vsa:fa4\\+OPTION"):
             bench_vsa.build_arms([bad])
@@ -898,6 +901,7 @@ def test_profile_video_op_runs_once_per_selection_chunk_and_restores_it(tmp_path
 
 
 def test_bench_video_fa4_variant_is_checked_recorded_and_entered(tmp_path, monkeypatch):
+    from vsa_core.backends import get_backend
     from vsa_fa4 import launch
 
     with pytest.raises(SystemExit, match="--fa4-variant"):
@@ -907,12 +911,13 @@ def test_bench_video_fa4_variant_is_checked_recorded_and_entered(tmp_path, monke
     monkeypatch.setattr(
         bench_video,
         "run_cell",
-        lambda *a, **k: (seen.append(launch.current_forward_variant()), real(*a, **k))[1],
+        lambda *a, **k: (seen.append(get_backend("fa4").kernels.forward), real(*a, **k))[1],
     )
     out = tmp_path / "v.json"
     argv = ["--device", "cpu", *FAST, "--modes", "fwd", "--fa4-variant", "streams,qregs"]
     assert bench_video.main([*argv, "--out", str(out)]) == 0
     assert seen and all(v == launch.ForwardVariant(True, True) for v in seen)
+    assert get_backend("fa4").kernels == launch.SHIPPED  # the registry's own fa4 again
     doc = json.loads(out.read_text())
     assert doc["config"]["fa4_variant"] == ["streams", "qregs"]
     assert "fa4 forward variant: streams+qregs" in out.with_suffix(".md").read_text()

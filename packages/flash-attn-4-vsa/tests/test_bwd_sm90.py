@@ -1,5 +1,6 @@
-"""The fork's KV64 backward (`flash_attn_vsa.bwd_sm90`): argument checks and the scoped
-configuration swap on the CPU; correctness against a float32 reference on an sm_90 GPU.
+"""The fork's KV64 backward (`flash_attn_vsa.bwd_sm90`): argument checks and what upstream
+builds while the entry point builds a configuration (per thread), on the CPU; correctness
+against a float32 reference on an sm_90 GPU.
 
 GPU cases: 64x64 and 128x64 blocks, head dims 64 and 128, key blocks full, partial (through a
 mask_mod on the partial lists) and empty (selected by nobody: dk = dv = 0), query blocks
@@ -58,56 +59,80 @@ def test_configs_per_block_size():
 
 
 @needs_upstream
-def test_scope_swaps_upstream_globals_only_inside_and_only_for_its_thread():
+def test_upstream_builds_the_config_only_inside_building_and_only_on_its_thread():
     import flash_attn.cute.interface as interface
 
-    original_class = interface.FlashAttentionBackwardSm90
+    bwd_sm90._install()
+    staged = bwd_sm90.KV64_STAGED_CONFIG
+    upstream_class = interface.FlashAttentionBackwardSm90.__mro__[1]
     upstream_cfg = interface._tile_size_bwd_sm90(128, 128, False, False)
     seen_elsewhere = []
-    with bwd_sm90.kv64_scope():
-        assert interface.FlashAttentionBackwardSm90 is bwd_sm90.kernel_class()
+    with bwd_sm90.building(staged):
+        assert bwd_sm90._building_class() is bwd_sm90.kernel_class()
         inside = interface._tile_size_bwd_sm90(128, 128, False, False)
         assert (inside.m_block_size, inside.n_block_size, inside.num_wg) == (64, 64, 1)
 
         def elsewhere():
             seen_elsewhere.append(interface._tile_size_bwd_sm90(128, 128, False, False))
+            seen_elsewhere.append(bwd_sm90._building_class())
 
         other = threading.Thread(target=elsewhere)
         other.start()
         other.join()
-    assert seen_elsewhere == [upstream_cfg]  # another thread still gets upstream's config
-    assert interface.FlashAttentionBackwardSm90 is original_class
+    assert seen_elsewhere == [upstream_cfg, None]  # another thread still gets upstream's
+    assert bwd_sm90._building_class() is None
     assert interface._tile_size_bwd_sm90(128, 128, False, False) == upstream_cfg
-    assert issubclass(bwd_sm90.kernel_class(), original_class)
+    assert issubclass(interface.FlashAttentionBackwardSm90, upstream_class)
+    assert issubclass(bwd_sm90.kernel_class(), upstream_class)
 
 
-def test_configs_scope_overrides_config_for_on_this_thread_only():
-    two_ctas = bwd_configs.EXPERIMENTAL_CONFIGS["kv64-dq-2parts-two-ctas"]
-    seen_elsewhere = []
-    with bwd_sm90.configs_scope({(64, 64): two_ctas}):
-        assert bwd_sm90.config_for((64, 64)) is two_ctas
-        assert bwd_sm90.config_for((128, 64)) is bwd_sm90.Q128_KV64_CONFIG  # not named: shipped
-        with bwd_sm90.configs_scope({(64, 64): bwd_sm90.KV64_CONFIG}):
-            assert bwd_sm90.config_for((64, 64)) is bwd_sm90.KV64_CONFIG  # innermost wins
-        assert bwd_sm90.config_for((64, 64)) is two_ctas
-        other = threading.Thread(
-            target=lambda: seen_elsewhere.append(bwd_sm90.config_for((64, 64)))
-        )
-        other.start()
-        other.join()
-    assert seen_elsewhere == [bwd_sm90.KV64_CONFIG]
+def test_config_for_is_the_shipped_configuration_whatever_the_caller_did():
     assert bwd_sm90.config_for((64, 64)) is bwd_sm90.KV64_CONFIG
+    assert bwd_sm90.config_for((128, 64)) is bwd_sm90.Q128_KV64_CONFIG
+    assert not hasattr(bwd_sm90, "configs_scope")  # configurations are arguments now
 
 
-@pytest.mark.parametrize(
-    ("configs", "match"),
-    [
-        ({(64, 128): bwd_sm90.KV64_CONFIG}, "block sizes in"),
-        ({(64, 64): "kv64-dq-1part-2buffers"}, "TileConfig"),
-    ],
-)
-def test_configs_scope_refuses_what_it_cannot_run(configs, match):
-    with pytest.raises(ValueError, match=match), bwd_sm90.configs_scope(configs):
+@needs_upstream
+def test_two_threads_build_their_own_configs_through_the_entry_point(monkeypatch):
+    """``config=`` is the only way to choose: two threads calling the entry point with
+    different configurations at once each have upstream build their own."""
+    import flash_attn.cute.interface as interface
+
+    two_ctas = bwd_configs.EXPERIMENTAL_CONFIGS["kv64-dq-2parts-two-ctas"]
+    barrier = threading.Barrier(2)
+    built = {}
+
+    def fake_bwd(*args, **kwargs):
+        barrier.wait(timeout=30)  # both threads inside their calls at once
+        built[threading.current_thread().name] = bwd_sm90._building_class()
+        barrier.wait(timeout=30)
+        return None, None, None
+
+    monkeypatch.setattr(interface, "_flash_attn_bwd", fake_bwd)
+    q = _Shape(1, 128, 2, 128)
+    tensors = type("Tensors", (), {"block_size": (64, 64)})()
+
+    def call(config):
+        bwd_sm90.block_sparse_backward_kv64(q, q, q, q, q, q, tensors, softmax_scale=1.0,
+                                            config=config)  # fmt: skip
+
+    threads = [
+        threading.Thread(target=call, args=(config,), name=name)
+        for name, config in (("shipped", None), ("two-ctas", two_ctas))
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert built == {
+        "shipped": bwd_sm90.KV64_CONFIG.kernel_class(),
+        "two-ctas": two_ctas.kernel_class(),
+    }
+    assert built["shipped"] is not built["two-ctas"]
+
+
+def test_building_refuses_what_it_cannot_run():
+    with pytest.raises(ValueError, match="TileConfig"), bwd_sm90.building("kv64-staged"):
         pass
 
 
@@ -178,7 +203,7 @@ def test_dq_staging_buffer_sizes():
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("q_block", [64, 128])
-def test_kv64_backward_matches_the_reference(head_dim, dtype, q_block):
+def test_kv64_backward_matches_the_reference(head_dim, dtype, q_block, config=None):
     mask_mod = mask_sm90.valid_size_mask_mod(cases.BLOCK)
     valid, selected = cases.case(seed=head_dim, q_block=q_block)
     q, k, v, dout = cases.inputs(head_dim, dtype, valid)
@@ -191,6 +216,7 @@ def test_kv64_backward_matches_the_reference(head_dim, dtype, q_block):
     dq, dk, dv = bwd_sm90.block_sparse_backward_kv64(
         q, k, v, out, dout, lse, tensors, softmax_scale=scale,
         mask_mod=mask_mod, aux_tensors=[valid.cuda()], dq=grads[0], dk=grads[1], dv=grads[2],
+        config=config,
     )  # fmt: skip
     for name, got, want in zip(("dq", "dk", "dv"), (dq, dk, dv), ref_grads, strict=True):
         assert torch.isfinite(got).all(), name
@@ -208,8 +234,6 @@ def test_kv64_backward_matches_the_reference(head_dim, dtype, q_block):
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_experimental_configs_match_the_reference(name, head_dim):
     """Every configuration under measurement (dQ sent in parts, two CTAs per SM), on the same
-    cases as the shipped one, through `configs_scope`."""
+    cases as the shipped one, passed as ``config``."""
     config = bwd_configs.EXPERIMENTAL_CONFIGS[name]
-    q_block = config.m_block_size
-    with bwd_sm90.configs_scope({(q_block, 64): config}):
-        test_kv64_backward_matches_the_reference(head_dim, torch.bfloat16, q_block)
+    test_kv64_backward_matches_the_reference(head_dim, torch.bfloat16, config.m_block_size, config)

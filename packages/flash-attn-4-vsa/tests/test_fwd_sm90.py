@@ -16,7 +16,7 @@ import pytest
 import sm90_cases as cases
 import torch
 
-from flash_attn_vsa import fwd_sm90, mask_sm90, sm90_blocks, upstream_version
+from flash_attn_vsa import build_scope, fwd_sm90, mask_sm90, sm90_blocks, upstream_version
 
 needs_upstream = pytest.mark.skipif(upstream_version() is None, reason="needs flash-attn-4")
 
@@ -32,13 +32,13 @@ def test_scope_picks_kernel_class_and_cache_per_thread():
     import flash_attn.cute.interface as interface
     from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90
 
-    with fwd_sm90.two_cta_scope():
-        inside = fwd_sm90.current_kernel_class()
+    with fwd_sm90.building(fwd_sm90.ForwardKernel(fwd_sm90.TWO_CTAS)):
+        inside = fwd_sm90._current_kernel_class()
         interface._flash_attn_fwd.compile_cache["test-key"] = "ours"
         seen = {}
 
         def elsewhere():
-            seen["class"] = fwd_sm90.current_kernel_class()
+            seen["class"] = fwd_sm90._current_kernel_class()
             seen["has_key"] = "test-key" in interface._flash_attn_fwd.compile_cache
 
         other = threading.Thread(target=elsewhere)
@@ -46,10 +46,10 @@ def test_scope_picks_kernel_class_and_cache_per_thread():
         other.join()
     assert inside is fwd_sm90.kernel_class()
     assert issubclass(inside, FlashAttentionForwardSm90)
-    assert fwd_sm90.current_kernel_class() is FlashAttentionForwardSm90
+    assert fwd_sm90._current_kernel_class() is FlashAttentionForwardSm90
     assert seen == {"class": FlashAttentionForwardSm90, "has_key": False}  # upstream's there
     assert "test-key" not in interface._flash_attn_fwd.compile_cache
-    with fwd_sm90.two_cta_scope():
+    with fwd_sm90.building(fwd_sm90.ForwardKernel(fwd_sm90.TWO_CTAS)):
         assert interface._flash_attn_fwd.compile_cache["test-key"] == "ours"
         own = interface._flash_attn_fwd.compile_cache.own
         del own[fwd_sm90.ForwardKernel(fwd_sm90.TWO_CTAS)]["test-key"]
@@ -61,17 +61,72 @@ def test_scope_picks_kernel_class_and_cache_per_thread():
 def test_q_in_registers_scope_has_its_own_class_and_cache():
     import flash_attn.cute.interface as interface
 
-    with fwd_sm90.two_cta_scope(q_in_registers=True):
-        inside = fwd_sm90.current_kernel_class()
-        assert fwd_sm90.current_scope() == fwd_sm90.ForwardKernel("two_ctas", True)
+    with fwd_sm90.building(fwd_sm90.ForwardKernel(fwd_sm90.TWO_CTAS, q_in_registers=True)):
+        inside = fwd_sm90._current_kernel_class()
+        assert build_scope.current("fwd") == fwd_sm90.ForwardKernel("two_ctas", True)
         interface._flash_attn_fwd.compile_cache["test-key"] = "q in registers"
-        with fwd_sm90.two_cta_scope():  # the plain two-CTA kernels never share its entries
+        with fwd_sm90.building(
+            fwd_sm90.ForwardKernel(fwd_sm90.TWO_CTAS)
+        ):  # the plain two-CTA kernels never share its entries
             assert "test-key" not in interface._flash_attn_fwd.compile_cache
         own = interface._flash_attn_fwd.compile_cache.own
         del own[fwd_sm90.ForwardKernel(fwd_sm90.TWO_CTAS, q_in_registers=True)]["test-key"]
     assert inside is fwd_sm90.kernel_class(q_in_registers=True)
     assert issubclass(inside, fwd_sm90.kernel_class()) and inside is not fwd_sm90.kernel_class()
     assert inside.__name__ == "FlashAttentionForwardSm90TwoCtasQInRegisters"
+
+
+@needs_upstream
+def test_two_threads_build_their_own_kernels_through_the_entry_points(monkeypatch):
+    """Which forward runs is the entry points' arguments: two threads calling them at once with
+    different ones each have upstream build their own kernel class and mask."""
+    import flash_attn.cute.interface as interface
+
+    from flash_attn_vsa import fwd_sm90_paired
+
+    barrier = threading.Barrier(3)
+    built = {}
+
+    def fake_fwd(*args, **kwargs):
+        barrier.wait(timeout=30)  # all threads inside their calls at once
+        built[threading.current_thread().name] = (
+            fwd_sm90._current_kernel_class(),
+            build_scope.current("fwd"),
+        )
+        barrier.wait(timeout=30)
+        return None, None
+
+    monkeypatch.setattr(interface, "_flash_attn_fwd", fake_fwd)
+    q = torch.empty(1, 256, 2, 128, device="meta")
+    valid = torch.empty(4, dtype=torch.int32, device="meta")
+
+    def tensors(block_size):
+        return type("Tensors", (), {"block_size": block_size})()
+
+    calls = {
+        "q-regs": lambda: fwd_sm90.block_sparse_forward_q64(
+            q, q, q, tensors((64, 64)), softmax_scale=1.0, q_in_registers=True
+        ),
+        "plain": lambda: fwd_sm90.block_sparse_forward_q64(
+            q, q, q, tensors((64, 64)), softmax_scale=1.0, q_in_registers=False
+        ),
+        "paired": lambda: fwd_sm90_paired.block_sparse_forward_paired(
+            q, q, q, tensors((128, 128)), valid, softmax_scale=1.0, persistent=4
+        ),
+    }
+    threads = [threading.Thread(target=call, name=name) for name, call in calls.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert built == {
+        "q-regs": (fwd_sm90.kernel_class(q_in_registers=True),
+                   fwd_sm90.ForwardKernel(fwd_sm90.TWO_CTAS, True)),
+        "plain": (fwd_sm90.kernel_class(), fwd_sm90.ForwardKernel(fwd_sm90.TWO_CTAS)),
+        "paired": (fwd_sm90_paired.kernel_class(persistent=4),
+                   fwd_sm90.ForwardKernel(fwd_sm90.PAIRED_KEYS, persistent=4)),
+    }  # fmt: skip
+    assert build_scope.current("fwd") is None
 
 
 # ---- GPU ----------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import pytest
 import sm90_cases as cases
 import torch
 
-from flash_attn_vsa import fwd_sm90, upstream_version
+from flash_attn_vsa import build_scope, fwd_sm90, upstream_version
 
 needs_upstream = pytest.mark.skipif(upstream_version() is None, reason="needs flash-attn-4")
 I32 = torch.int32
@@ -135,26 +135,29 @@ def test_scope_swaps_mask_class_and_tma_boxes_only_inside_and_only_for_its_threa
 
     from flash_attn_vsa import mask_sm90
 
-    with paired().paired_scope():
-        assert fwd_sm90.current_scope() == fwd_sm90.ForwardKernel(fwd_sm90.PAIRED_KEYS)
-        assert fwd_sm90.current_kernel_class() is paired().kernel_class()
+    with fwd_sm90.building(fwd_sm90.ForwardKernel(fwd_sm90.PAIRED_KEYS)):
+        assert build_scope.current("fwd") == fwd_sm90.ForwardKernel(fwd_sm90.PAIRED_KEYS)
+        assert fwd_sm90._current_kernel_class() is paired().kernel_class()
         assert type(fwd_module.AttentionMask(64, 128, None)) is paired().mask_class()
         seen = {}
         thread = threading.Thread(
             target=lambda: seen.update(
                 mask=type(fwd_module.AttentionMask(64, 128, None)),
-                cls=fwd_sm90.current_kernel_class(),
+                cls=fwd_sm90._current_kernel_class(),
             )
         )
         thread.start()
         thread.join()
         assert seen["mask"] is mask_sm90.mask_class()
         assert seen["cls"] is not paired().kernel_class()
-    assert fwd_sm90.current_scope() is None
+    assert build_scope.current("fwd") is None
     assert type(fwd_module.AttentionMask(64, 128, None)) is mask_sm90.mask_class()
-    with fwd_sm90.two_cta_scope(), paired().paired_scope():  # innermost wins
-        assert fwd_sm90.current_kernel_class() is paired().kernel_class()
-    with pytest.raises(ValueError, match="scope must be"), fwd_sm90.forward_scope("paired"):
+    with (
+        fwd_sm90.building(fwd_sm90.ForwardKernel(fwd_sm90.TWO_CTAS)),
+        fwd_sm90.building(fwd_sm90.ForwardKernel(fwd_sm90.PAIRED_KEYS)),
+    ):  # innermost wins
+        assert fwd_sm90._current_kernel_class() is paired().kernel_class()
+    with pytest.raises(ValueError, match="kernel must be"), fwd_sm90.building("paired"):
         pass
     with pytest.raises(ValueError, match="kind must be one of"):
         fwd_sm90.ForwardKernel("paired")
@@ -164,9 +167,9 @@ def test_scope_swaps_mask_class_and_tma_boxes_only_inside_and_only_for_its_threa
 def test_q_in_registers_scope_is_a_paired_scope_with_its_own_class():
     import flash_attn.cute.flash_fwd_sm90 as fwd_module
 
-    with paired().paired_scope(q_in_registers=True):
-        assert fwd_sm90.current_scope() == fwd_sm90.ForwardKernel("paired_keys", True)
-        cls = fwd_sm90.current_kernel_class()
+    with fwd_sm90.building(fwd_sm90.ForwardKernel(fwd_sm90.PAIRED_KEYS, True)):
+        assert build_scope.current("fwd") == fwd_sm90.ForwardKernel("paired_keys", True)
+        cls = fwd_sm90._current_kernel_class()
         assert type(fwd_module.AttentionMask(64, 128, None)) is paired().mask_class()
     assert cls is paired().kernel_class(q_in_registers=True)
     assert issubclass(cls, paired().kernel_class()) and cls is not paired().kernel_class()

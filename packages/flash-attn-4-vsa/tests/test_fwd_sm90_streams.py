@@ -15,7 +15,7 @@ import sm90_cases as cases
 import torch
 from test_fwd_sm90_paired import random_split_lists
 
-from flash_attn_vsa import fwd_sm90, upstream_version
+from flash_attn_vsa import build_scope, fwd_sm90, upstream_version
 
 needs_upstream = pytest.mark.skipif(upstream_version() is None, reason="needs flash-attn-4")
 I32 = torch.int32
@@ -123,20 +123,22 @@ def test_stream_lists_refuse_an_odd_number_of_query_blocks():
 
 
 @needs_upstream
-def test_scope_picks_the_streams_class_mask_and_two_block_stages():
+def test_building_picks_the_streams_class_mask_and_two_block_stages():
     import flash_attn.cute.flash_fwd_sm90 as fwd_module
 
-    from flash_attn_vsa import fwd_sm90_paired, sm90_operands
+    from flash_attn_vsa import fwd_sm90_paired
 
     for q_in_registers in (False, True):
-        with streams().streams_scope(q_in_registers=q_in_registers):
-            assert fwd_sm90.current_scope() == fwd_sm90.ForwardKernel("two_streams", q_in_registers)
-            cls = fwd_sm90.current_kernel_class()
+        with fwd_sm90.building(fwd_sm90.ForwardKernel(fwd_sm90.TWO_STREAMS, q_in_registers)):
+            assert build_scope.current("fwd") == fwd_sm90.ForwardKernel(
+                "two_streams", q_in_registers
+            )
+            cls = fwd_sm90._current_kernel_class()
             assert type(fwd_module.AttentionMask(128, 64, None)) is streams().mask_class()
-            assert sm90_operands.thread_stack("staged_rows") == (2,)
+            assert build_scope.current("fwd").staged_rows == 2
         assert cls is streams().kernel_class(q_in_registers=q_in_registers)
         assert issubclass(cls, fwd_sm90_paired.kernel_class())  # the paired-key producer
-    assert sm90_operands.thread_stack("staged_rows") == ()
+    assert build_scope.current("fwd") is None
     assert streams().kernel_class(True) is not streams().kernel_class()
 
 

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from flash_attn_vsa import fwd_sm90, sm90_operands, upstream_version
+from flash_attn_vsa import build_scope, fwd_sm90, upstream_version
 
 needs_upstream = pytest.mark.skipif(upstream_version() is None, reason="needs flash-attn-4")
 
@@ -21,13 +21,13 @@ def persistent():
 
 
 @needs_upstream
-def test_upstream_sees_our_scheduler_only_inside_persistent_tiles_on_its_thread():
+def test_upstream_sees_our_scheduler_only_while_building_a_persistent_kernel_on_its_thread():
     import flash_attn.cute.flash_fwd_sm90 as fwd_module
     from flash_attn.cute.tile_scheduler import SingleTileScheduler, StaticPersistentTileScheduler
 
     persistent().install()
     seen = {}
-    with persistent().persistent_tiles(7):
+    with fwd_sm90.building(fwd_sm90.ForwardKernel(fwd_sm90.TWO_CTAS, persistent=7)):
         inside = fwd_module.SingleTileScheduler.get_grid_shape
         other = threading.Thread(
             target=lambda: seen.update(grid=fwd_module.SingleTileScheduler.get_grid_shape)
@@ -38,8 +38,8 @@ def test_upstream_sees_our_scheduler_only_inside_persistent_tiles_on_its_thread(
     assert issubclass(persistent().scheduler_class(7), StaticPersistentTileScheduler)
     assert seen["grid"] is SingleTileScheduler.get_grid_shape
     assert fwd_module.SingleTileScheduler.create is SingleTileScheduler.create
-    with pytest.raises(ValueError, match="ctas must be"), persistent().persistent_tiles(0):
-        pass
+    with fwd_sm90.building(fwd_sm90.ForwardKernel(fwd_sm90.TWO_CTAS)):  # not persistent
+        assert fwd_module.SingleTileScheduler.get_grid_shape is SingleTileScheduler.get_grid_shape
 
 
 @needs_upstream
@@ -76,13 +76,13 @@ def test_forward_kernels_store_their_persistent_ctas():
 
 
 @needs_upstream
-def test_persistent_scope_opens_the_scheduler_and_builds_the_persistent_class():
+def test_building_a_persistent_kernel_builds_the_persistent_class():
     from flash_attn_vsa.experimental import fwd_sm90_streams
 
-    with fwd_sm90_streams.streams_scope(persistent=5):
-        assert sm90_operands.thread_stack("ctas") == (5,)
-        cls = fwd_sm90.current_kernel_class()
-    assert sm90_operands.thread_stack("ctas") == ()
+    with fwd_sm90.building(fwd_sm90.ForwardKernel(fwd_sm90.TWO_STREAMS, persistent=5)):
+        assert build_scope.current("fwd").persistent == 5
+        cls = fwd_sm90._current_kernel_class()
+    assert build_scope.current("fwd") is None
     assert cls is fwd_sm90_streams.kernel_class(persistent=5)
     assert cls.__name__ == "FlashAttentionForwardSm90TwoStreamsPersistent"
     assert issubclass(cls, fwd_sm90_streams.kernel_class())

@@ -96,7 +96,11 @@ def _check_contiguous(lists) -> None:
         assert t.is_contiguous(), f"{name} is not contiguous"
 
 
-def run_forward(q, k, v, out, lse, lists, kv_valid_sizes, scale, block_size, masked=True) -> None:
+def run_forward(
+    q, k, v, out, lse, lists, kv_valid_sizes, scale, block_size, masked=True, variant=None
+) -> None:
+    """``vsa_fa4.launch.run_forward``'s semantics (``variant``, which kernel computes it, does
+    not change them)."""
     _check_contiguous(lists)
     valid = kv_valid_sizes.cpu() if masked else None
     pairs = forward_pairs(lists, valid, block_size, q.shape[1], k.shape[1])
@@ -113,8 +117,10 @@ def run_forward(q, k, v, out, lse, lists, kv_valid_sizes, scale, block_size, mas
 
 
 def run_backward(
-    dout, q, k, v, out, lse, dq, dk, dv, lists, kv_valid_sizes, scale, block_size, masked=True
-) -> None:
+    dout, q, k, v, out, lse, dq, dk, dv, lists, kv_valid_sizes, scale, block_size, masked=True,
+    config=None,
+) -> None:  # fmt: skip
+    """``vsa_fa4.launch.run_backward``'s semantics (whatever the tile ``config``)."""
     _check_contiguous(lists)
     valid = kv_valid_sizes.cpu() if masked else None
     pairs = backward_pairs(lists, valid, block_size, q.shape[1], k.shape[1])

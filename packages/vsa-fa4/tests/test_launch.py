@@ -1,7 +1,14 @@
-"""Which FA4 entry point `vsa_fa4.launch.run_forward` picks (the launches themselves run in
-the compile gate and the GPU tests)."""
+"""Which FA4 entry point `vsa_fa4.launch.run_forward` / `run_backward` pick, and with which
+kernel arguments (the launches themselves run in the compile gate and the GPU tests). Which
+kernels run is an argument (`launch.ForwardVariant`, a backward `TileConfig`,
+`launch.KernelChoice`), never thread or global state: tested here by source and by two threads
+asking for different kernels at once."""
 
 from __future__ import annotations
+
+import ast
+import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -68,11 +75,10 @@ def test_forward_variant_routes_to_the_fork_kernels(
     q = torch.zeros(1, 512, 2, 128)
     valid = torch.full((16,), 64, dtype=torch.int32)
     variant = launch.ForwardVariant(q_in_registers, two_streams, persistent)
-    with launch.forward_variant(variant):
-        for block in ((64, 64), (128, 64)):
-            launch.run_forward(q, q, q, q, q, lists(5), valid, 0.1, block, masked=False)
-        odd = torch.zeros(1, 448, 2, 128)  # 7 query blocks: no pairs of streams
-        launch.run_forward(odd, odd, odd, odd, odd, lists(5), valid[:7], 0.1, (64, 64))
+    for block in ((64, 64), (128, 64)):
+        launch.run_forward(q, q, q, q, q, lists(5), valid, 0.1, block, False, variant=variant)
+    odd = torch.zeros(1, 448, 2, 128)  # 7 query blocks: no pairs of streams
+    launch.run_forward(odd, odd, odd, odd, odd, lists(5), valid[:7], 0.1, (64, 64), variant=variant)
     first = "streams" if two_streams else "two_ctas"
 
     def regs(kernel):  # None: Q in registers where the H200 measured it faster
@@ -80,9 +86,8 @@ def test_forward_variant_routes_to_the_fork_kernels(
 
     want = [(first, regs(first)), ("paired", regs("paired")), ("two_ctas", regs("two_ctas"))]
     assert seen == want
-    assert launch.current_forward_variant() == launch.SHIPPED_FORWARD
-    with pytest.raises(ValueError, match="ForwardVariant"), launch.forward_variant("streams"):
-        pass
+    with pytest.raises(ValueError, match="ForwardVariant"):
+        launch.run_forward(q, q, q, q, q, lists(5), valid, 0.1, (64, 64), variant="streams")
 
 
 def test_shipped_forward_keeps_q_in_registers_where_measured_faster_only():
@@ -96,3 +101,124 @@ def test_shipped_forward_keeps_q_in_registers_where_measured_faster_only():
     }
     forced = launch.ForwardVariant(q_in_registers=False).kernel_options("two_ctas")
     assert forced == {"q_in_registers": False, "persistent": False}
+
+
+def test_backward_hands_its_tile_config_to_the_fork(monkeypatch):
+    from flash_attn_vsa import bwd_sm90
+    from flash_attn_vsa.experimental.bwd_configs import EXPERIMENTAL_CONFIGS
+
+    seen = []
+    monkeypatch.setattr(
+        bwd_sm90, "block_sparse_backward_kv64", lambda *a, **k: seen.append(k["config"])
+    )
+    q = torch.zeros(1, 512, 2, 128)
+    valid = torch.full((8,), 64, dtype=torch.int32)
+    staged = EXPERIMENTAL_CONFIGS["kv64-staged"]
+    for config in (None, staged):
+        launch.run_backward(q, q, q, q, q, q, q, q, q, lists(5), valid, 0.1, (64, 64),
+                            config=config)  # fmt: skip
+    assert seen == [None, staged]  # None: the fork's shipped configuration for the block
+    assert launch.backward_ctas_per_sm((64, 64)) == bwd_sm90.KV64_CONFIG.ctas_per_sm == 2
+    assert launch.backward_ctas_per_sm((64, 64), staged) == 1
+    assert launch.backward_ctas_per_sm((128, 128), staged) == 1  # upstream's kernel
+    with pytest.raises(ValueError, match="64-token key blocks only"):
+        launch.run_backward(q, q, q, q, q, q, q, q, q, lists(5), valid, 0.1, (128, 128),
+                            config=staged)  # fmt: skip
+
+
+def test_kernel_choice_round_trips_through_its_string():
+    from flash_attn_vsa.experimental.bwd_configs import ABLATIONS, EXPERIMENTAL_CONFIGS
+
+    assert launch.SHIPPED.encode() == "" and launch.KernelChoice.decode("") is launch.SHIPPED
+    choices = [
+        launch.KernelChoice(launch.ForwardVariant(q_in_registers=False)),
+        launch.KernelChoice(launch.ForwardVariant(two_streams=True, persistent=True)),
+        launch.KernelChoice(backward=EXPERIMENTAL_CONFIGS["kv64-dq-1part-2buffers"]),
+        launch.KernelChoice(launch.ForwardVariant(True), ABLATIONS["kv64-no-dq"]),
+    ]
+    keys = [c.encode() for c in choices]
+    assert len(set(keys)) == len(keys) and "" not in keys
+    assert [launch.KernelChoice.decode(k) for k in keys] == choices
+    with pytest.raises(ValueError, match="ForwardVariant"):
+        launch.KernelChoice("streams")
+    with pytest.raises(ValueError, match="TileConfig"):
+        launch.KernelChoice(backward="kv64-staged")
+
+
+def test_two_threads_run_their_own_explicit_kernels_at_once(monkeypatch):
+    """Two threads, two different choices, in flight together: each call's fork entry point
+    gets its own caller's arguments (a thread-local or global selector would mix them up)."""
+    import flash_attn.cute.interface as interface
+
+    from flash_attn_vsa import bwd_sm90, fwd_sm90
+    from flash_attn_vsa.experimental import fwd_sm90_streams
+    from flash_attn_vsa.experimental.bwd_configs import EXPERIMENTAL_CONFIGS
+
+    barrier = threading.Barrier(2)
+    seen = {}
+
+    def record(kind):
+        def kernel(*args, **kwargs):
+            barrier.wait(timeout=30)
+            options = {
+                k: kwargs[k] for k in ("q_in_registers", "persistent", "config") if k in kwargs
+            }
+            seen.setdefault(threading.current_thread().name, []).append((kind, options))
+            barrier.wait(timeout=30)
+
+        return kernel
+
+    monkeypatch.setattr(fwd_sm90, "block_sparse_forward_q64", record("two_ctas"))
+    monkeypatch.setattr(fwd_sm90_streams, "block_sparse_forward_streams", record("streams"))
+    monkeypatch.setattr(bwd_sm90, "block_sparse_backward_kv64", record("kv64"))
+    monkeypatch.setattr(interface, "_get_device_arch", lambda: 90)
+    q = torch.zeros(1, 512, 2, 128)
+    valid = torch.full((8,), 64, dtype=torch.int32)
+    staged = EXPERIMENTAL_CONFIGS["kv64-staged"]
+    choices = {
+        "shipped": launch.SHIPPED,
+        "experimental": launch.KernelChoice(
+            launch.ForwardVariant(two_streams=True, persistent=3), staged
+        ),
+    }
+
+    def call(choice):
+        launch.run_forward(q, q, q, q, q, lists(5), valid, 0.1, (64, 64), variant=choice.forward)
+        launch.run_backward(q, q, q, q, q, q, q, q, q, lists(5), valid, 0.1, (64, 64),
+                            config=choice.backward)  # fmt: skip
+
+    threads = [threading.Thread(target=call, args=(c,), name=n) for n, c in choices.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert seen == {
+        "shipped": [("two_ctas", {"q_in_registers": True, "persistent": False}),
+                    ("kv64", {"config": None})],
+        "experimental": [("streams", {"q_in_registers": True, "persistent": 3}),
+                         ("kv64", {"config": staged})],
+    }  # fmt: skip
+
+
+ADAPTER = Path(launch.__file__).parent
+
+
+@pytest.mark.parametrize("module", ["launch.py", "ops.py", "backend.py"])
+def test_no_thread_local_or_global_kernel_selector_comes_back(module):
+    """Which kernels run is passed down as arguments: vsa-fa4's launch path has no
+    ``threading`` state and no scope a caller enters to pick kernels (issue 23)."""
+    source = (ADAPTER / module).read_text()
+    tree = ast.parse(source)
+    imported = {
+        alias.name.split(".")[0]
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import | ast.ImportFrom)
+        for alias in (
+            node.names if isinstance(node, ast.Import) else [ast.alias(node.module or "")]
+        )
+    }
+    assert "threading" not in imported and "contextvars" not in imported
+    assert "threading.local" not in source and "ContextVar" not in source
+    for gone in ("forward_variant", "current_forward_variant", "configs_scope"):
+        assert not hasattr(launch, gone)
+        assert f"{gone}(" not in source

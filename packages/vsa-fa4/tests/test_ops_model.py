@@ -188,9 +188,9 @@ def recording(fa4_model, monkeypatch):
     calls = []
 
     def record(direction, run):
-        def wrapper(*args):
+        def wrapper(*args, **kwargs):
             calls.append((direction, tuple(args[-2]), args[-1]))  # block_size, masked
-            return run(*args)
+            return run(*args, **kwargs)
 
         return wrapper
 

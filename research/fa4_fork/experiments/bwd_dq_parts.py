@@ -116,9 +116,8 @@ def run_block(emit, seq: int, heads: int, keep: float, reps: int, sms: int, q_bl
 
     def backward(arm):
         physical, config, lists = arms[arm]
-        with bwd_sm90.configs_scope({physical: config}):
-            launch.run_backward(dout, q, k, v, out, lse, *grads[arm], lists, valid, scale,
-                                physical, False)  # fmt: skip
+        launch.run_backward(dout, q, k, v, out, lse, *grads[arm], lists, valid, scale,
+                            physical, False, config=config)  # fmt: skip
 
     for arm in arms:
         backward(arm)

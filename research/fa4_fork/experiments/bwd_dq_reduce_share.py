@@ -80,13 +80,14 @@ def reduce_scope(arm: str) -> Iterator[None]:
         itf._flash_attn_bwd.compile_cache = saved_cache
 
 
-def staged_kernel():
+def staged_config():
     """The kernel this experiment is about: session 8's 64x64 backward, dQ staged for upstream's
-    producer warp (`bwd_sm90.KV64_STAGED_CONFIG`; session 9 ships another, which sends dQ
-    without the reduce this experiment cuts). Its arms are named "shipped" as in session 8."""
+    producer warp (`bwd_sm90.KV64_STAGED_CONFIG`, passed as the backward's ``config``; session
+    9 ships another, which sends dQ without the reduce this experiment cuts). Its arms are
+    named "shipped" as in session 8."""
     from flash_attn_vsa import bwd_sm90
 
-    return bwd_sm90.configs_scope({(BLOCK, BLOCK): bwd_sm90.KV64_STAGED_CONFIG})
+    return bwd_sm90.KV64_STAGED_CONFIG
 
 
 def run_length(emit, seq: int, heads: int, keep: float, reps: int, sms: int) -> None:
@@ -111,8 +112,8 @@ def run_length(emit, seq: int, heads: int, keep: float, reps: int, sms: int) -> 
     def backward(arm):
         call = (dout, q, k, v, out, lse, *grads[arm], lists, valid, scale, (BLOCK, BLOCK), False)
         scope = reduce_scope(arm) if arm != "shipped" else contextlib.nullcontext()
-        with staged_kernel(), scope:
-            return launch.run_backward(*call)
+        with scope:
+            return launch.run_backward(*call, config=staged_config())
 
     for arm in arms:
         backward(arm)
@@ -143,8 +144,10 @@ def compile_for_sass(dump_dir: str, arm: str | None = None) -> int:
         lse = torch.empty(gate.BATCH, gate.HEADS, gate.SEQLEN, device="cuda")
         call = (q, k, v, out, dout, lse, sparse)
         scope = reduce_scope(arm) if arm != "shipped" else contextlib.nullcontext()
-        with staged_kernel(), scope:
-            block_sparse_backward_kv64(*call, softmax_scale=gate.HEAD_DIM**-0.5)
+        with scope:
+            block_sparse_backward_kv64(
+                *call, softmax_scale=gate.HEAD_DIM**-0.5, config=staged_config()
+            )
     return 0
 
 

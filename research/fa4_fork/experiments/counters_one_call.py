@@ -114,8 +114,9 @@ def build(seq: int, heads: int, keep: float):
     bwd128 = backward_lists(idx128, cnt128, valid, BLOCK, masked=False, rotate_sms=sms)
     grads = [torch.empty_like(t) for t in (q, k, v)]
 
-    def fa4_bwd(lists, o, s, block):
-        launch.run_backward(dout, q, k, v, o, s, *grads, lists, valid, scale, block, False)
+    def fa4_bwd(lists, o, s, block, config=None):
+        launch.run_backward(dout, q, k, v, o, s, *grads, lists, valid, scale, block, False,
+                            config=config)  # fmt: skip
 
     def fwd64_call(q_in_registers, tensors=fwd64):
         return block_sparse_forward_q64(
@@ -123,12 +124,11 @@ def build(seq: int, heads: int, keep: float):
         )
 
     def bwd64_reduce0():  # experiment 9's arm without the dQ reduce-adds (dQ comes out wrong)
-        with reduce_scope("reduce_0"), bwd_sm90.configs_scope({(64, 64): staged}):
-            fa4_bwd(bwd64_one, out, lse, (64, 64))
+        with reduce_scope("reduce_0"):
+            fa4_bwd(bwd64_one, out, lse, (64, 64), staged)
 
     def bwd64_with(config, lists):  # another 64x64 configuration (experiment 13)
-        with bwd_sm90.configs_scope({(64, 64): config}):
-            fa4_bwd(lists, out, lse, (64, 64))
+        fa4_bwd(lists, out, lse, (64, 64), config)
 
     staged = bwd_sm90.KV64_STAGED_CONFIG
     no_dq = ABLATIONS["kv64-two-ctas-no-dq"]

@@ -6,8 +6,8 @@ For a first GPU run of session 7's deltas 5-7: when a GPU test fails, one call o
 says whether the error sits in one warpgroup's rows (a tile's first or second 64), in tiles
 whose two lists differ in length (`NO_BLOCK` padding), in blocks with partial keys, or
 everywhere, instead of one relative-L2 number. Each arm runs vsa-fa4's real forward path
-(`vsa_fa4.launch.run_forward`, partial key blocks masked) inside the arm's
-`vsa_fa4.launch.forward_variant`, into NaN-poisoned outputs, on the fork's GPU-test case
+(`vsa_fa4.launch.run_forward`, partial key blocks masked) with the arm's
+`vsa_fa4.launch.ForwardVariant` passed as ``variant``, into NaN-poisoned outputs, on the fork's GPU-test case
 (`tests/sm90_cases.py`: S=1536, H=3, 64-row query block i selects i % 6 key blocks, key
 blocks full, partial or empty). ::
 
@@ -47,8 +47,8 @@ def run_arm(arm: str, q, k, v, lists, valid, scale: float):
     q_block, options = ARMS[arm]
     variant = launch.ForwardVariant.from_names(options) if options else launch.SHIPPED_FORWARD
     out, lse = cases.nan_outputs(q)
-    with launch.forward_variant(variant):
-        launch.run_forward(q, k, v, out, lse, lists, valid, scale, (q_block, cases.BLOCK))
+    launch.run_forward(q, k, v, out, lse, lists, valid, scale, (q_block, cases.BLOCK),
+                       variant=variant)  # fmt: skip
     return out, lse
 
 

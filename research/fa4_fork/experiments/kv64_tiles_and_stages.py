@@ -148,10 +148,20 @@ def scope(name: str):
         num_stages_PdS=pds, AtomLayoutMSdP=2 if two_wg else 1, AtomLayoutNdKV=1,
         AtomLayoutMdQ=2 if two_wg else 1, num_wg=2 if two_wg else 1,
     )  # fmt: skip
-    with bwd_sm90.kv64_scope(cfg):
-        if arm.two_ctas:  # kv64_scope restores upstream's class on exit
-            itf.FlashAttentionBackwardSm90 = two_cta_backward_class()
+    # This experiment's own arms (not the fork's configurations): upstream's backward builds
+    # them through its module globals, swapped here for the call as for the forward arms.
+    saved_bwd = itf._tile_size_bwd_sm90, itf.FlashAttentionBackwardSm90
+    saved_cache = itf._flash_attn_bwd.compile_cache
+    upstream_cfg = cfg.upstream()
+    itf._tile_size_bwd_sm90 = lambda *args, **kwargs: upstream_cfg
+    built = two_cta_backward_class() if arm.two_ctas else cfg.kernel_class()
+    itf.FlashAttentionBackwardSm90 = built
+    itf._flash_attn_bwd.compile_cache = _CACHES.setdefault(name, {})
+    try:
         yield
+    finally:
+        itf._tile_size_bwd_sm90, itf.FlashAttentionBackwardSm90 = saved_bwd
+        itf._flash_attn_bwd.compile_cache = saved_cache
 
 
 def tensors_for(name: str, layout):

@@ -15,11 +15,18 @@ block-sparse forward, two CTAs per SM), ``flash_attn_vsa.q_regs_sm90`` (Q in reg
 QK^T, in that two-CTA forward), ``flash_attn_vsa.mask_sm90`` (partial key blocks masked as one
 column limit per tile) and ``flash_attn_vsa.fwd_sm90_paired`` (128x64 blocks over pairs of
 64-token key blocks). Experimental, in ``flash_attn_vsa.experimental`` (correct on an H200 but
-measured slower; only on request, ``vsa_fa4.launch.forward_variant``):
+measured slower; only on request, a ``vsa_fa4.launch.ForwardVariant`` passed down):
 ``flash_attn_vsa.experimental.fwd_sm90_streams`` (two 64-row query streams per 128-row tile)
 and ``flash_attn_vsa.experimental.persistent_sm90`` (persistent CTAs walking the tiles); the
 backward's configurations under measurement are there too
-(``flash_attn_vsa.experimental.bwd_configs``, run through ``bwd_sm90.configs_scope``).
+(``flash_attn_vsa.experimental.bwd_configs``, passed as ``config=`` to
+``bwd_sm90.block_sparse_backward_kv64``).
+
+Which kernel runs is an argument of the entry points (``q_in_registers``, ``persistent``,
+``config``: frozen values), never thread or global state a caller sets. Upstream's launchers
+take their kernel class and tile configuration from module globals, so the entry points enter
+the one scope that answers those globals for the duration of the call
+(``flash_attn_vsa.build_scope``, which says why).
 
 The pin is kept checkable by ``flash_attn_vsa.compile_gate`` (every kernel configuration we
 use compiles for sm_90a on a CPU; vsa-fa4's own gate builds on it) and, outside the runtime

@@ -24,19 +24,22 @@ through a 16 KB buffer sent by the producer warp (`KV64_CONFIG`, delta 8 in
 owning 64 query rows (`Q128_KV64_CONFIG`): 0.67-0.68 of dense against 0.64-0.65 for the same
 blocks split into 64-row ones.
 
-This module is that delta: the tile configurations (`config_for` a block size; `configs_scope`
-to run others, such as those under measurement in `flash_attn_vsa.experimental.bwd_configs`),
-`kernel_class()` (the subclass with the register split; `TileConfig.kernel_class` picks delta
-8's where a configuration asks for it) and `block_sparse_backward_kv64`, which runs upstream's
-``_flash_attn_bwd`` with both swapped in for the duration of the call. Everything else
-(preprocess, postprocess, block-sparse iteration, mask_mod on partial blocks) is upstream's.
+This module is that delta: the tile configurations (`config_for` a block size: the shipped
+ones; others, such as those under measurement in `flash_attn_vsa.experimental.bwd_configs`,
+are passed as ``config=`` to the entry point), `kernel_class()` (the subclass with the register
+split; `TileConfig.kernel_class` picks delta 8's where a configuration asks for it) and
+`block_sparse_backward_kv64`, which runs upstream's ``_flash_attn_bwd`` building both for the
+duration of the call. Everything else (preprocess, postprocess, block-sparse iteration,
+mask_mod on partial blocks) is upstream's.
 
 Upstream internals this relies on (fingerprinted in ``upstream_api.json``):
 ``interface._tile_size_bwd_sm90`` and ``interface.FlashAttentionBackwardSm90`` (looked up as
-module globals by ``_flash_attn_bwd`` when it builds a kernel), ``BwdConfig``'s fields, and
+module globals by ``_flash_attn_bwd`` when it builds a kernel: it takes neither as an argument,
+so stand-ins there ask what the entry point on this thread is building, `building` over
+`flash_attn_vsa.build_scope`), ``BwdConfig``'s fields, and
 ``FlashAttentionBackwardSm90._setup_attributes`` running after its register split is chosen.
 Upstream's compile cache keys the configuration (tile shape, stages, layouts, thread count) but
-not the kernel class, so inside `kv64_scope` kernels go to and come from a cache of the scope's
+not the kernel class, so kernels built by the entry point go to and come from a cache of their
 class (`sm90_blocks.ScopedCompileCache` over ``_flash_attn_bwd.compile_cache``: ``in``, item get
 and set).
 """
@@ -44,12 +47,12 @@ and set).
 from __future__ import annotations
 
 import functools
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Any
+from typing import Any, ClassVar
 
+from flash_attn_vsa import build_scope
 from flash_attn_vsa.bwd_sm90_kv64 import (  # re-exported
     MMA_REGISTERS as MMA_REGISTERS,
 )
@@ -66,10 +69,11 @@ __all__ = [
     "KV64_STAGED_CONFIG",
     "KV64_TWO_CTAS_BASE",
     "Q128_KV64_CONFIG",
+    "TileConfig",
     "block_sparse_backward_kv64",
+    "building",
     "check_call",
     "config_for",
-    "configs_scope",
 ]
 
 
@@ -101,6 +105,7 @@ class TileConfig:
     ablate_dq: bool = False
     """Ours, experiments only (with ``dq_parts``): dQ computed and never sent, so dQ comes out
     zero; bounds what any dQ path could give the kernel."""
+    direction: ClassVar[str] = "bwd"  # what `build_scope.current` tells apart
 
     def upstream(self) -> Any:
         from flash_attn.cute.interface import BwdConfig
@@ -118,6 +123,13 @@ class TileConfig:
         if self.ctas_per_sm != 1 or self.ablate_dq:
             raise ValueError("ctas_per_sm > 1 and ablate_dq need dq_parts")
         return kernel_class()
+
+
+@functools.cache
+def _kernel_class(config: TileConfig) -> type:
+    """``config.kernel_class()``, looked up once per configuration (upstream's backward asks
+    on every call, for its compile cache)."""
+    return config.kernel_class()
 
 
 @functools.cache
@@ -163,86 +175,62 @@ the same kernel with dQ never sent runs 1.02-1.05: sending dQ is what is left.""
 
 
 def config_for(block_size: tuple[int, int]) -> TileConfig:
-    """The tile configuration of a sparse block in `BWD_BLOCK_SIZES`: the innermost
-    `configs_scope`'s for it on this thread, else the shipped one."""
-    block_size = tuple(block_size)
-    for overrides in reversed(getattr(_active, "overrides", ())):
-        if block_size in overrides:
-            return overrides[block_size]
-    return KV64_CONFIG if block_size == (64, 64) else Q128_KV64_CONFIG
+    """The shipped tile configuration of a sparse block in `BWD_BLOCK_SIZES` (what
+    `block_sparse_backward_kv64` runs when it is given no ``config``)."""
+    return KV64_CONFIG if tuple(block_size) == (64, 64) else Q128_KV64_CONFIG
 
 
-@contextmanager
-def configs_scope(configs: dict[tuple[int, int], TileConfig]) -> Iterator[None]:
-    """Within this block, on this thread, `config_for` (and so every KV64 backward) answers
-    ``configs[block_size]`` for the block sizes it names (experiments compare configurations
-    through vsa-fa4's own launch path this way)."""
-    for block_size, config in configs.items():
-        if tuple(block_size) not in BWD_BLOCK_SIZES or not isinstance(config, TileConfig):
-            raise ValueError(
-                f"configs must map block sizes in {BWD_BLOCK_SIZES} to TileConfig, got "
-                f"{block_size!r}: {config!r}"
-            )
-    saved = getattr(_active, "overrides", ())
-    _active.overrides = (*saved, {tuple(b): c for b, c in configs.items()})
-    try:
-        yield
-    finally:
-        _active.overrides = saved
-
-
-_lock = threading.RLock()
-_active = threading.local()
+def _building_config(*args: Any, **kwargs: Any) -> Any:
+    """``interface._tile_size_bwd_sm90`` as upstream's backward sees it (see `_install`)."""
+    config = build_scope.current("bwd")
+    if config is not None:
+        return _upstream_config(config)
+    return _building_config.__wrapped__(*args, **kwargs)  # type: ignore[attr-defined]
 
 
 @functools.cache
 def _install() -> None:
-    """Route upstream's sm_90 backward configuration through `_config_for` and its compile
-    cache through a `ScopedCompileCache` keyed by the scope's kernel class, once per process.
-
-    Both answer for our kernel only inside `kv64_scope` on the calling thread and defer to
-    upstream everywhere else, so other callers of upstream (other threads included) are
-    unaffected.
-    """
+    """Once per process: upstream's sm_90 backward takes its configuration (``BwdConfig``), its
+    kernel class and its compile cache from the `TileConfig` a fork entry point is building on
+    the calling thread (`building`), and exactly what it took before everywhere else (other
+    callers of upstream, other threads)."""
     import flash_attn.cute.interface as interface
 
-    upstream_config = interface._tile_size_bwd_sm90
+    _building_config.__wrapped__ = interface._tile_size_bwd_sm90  # type: ignore[attr-defined]
+    interface._tile_size_bwd_sm90 = _building_config
+    upstream_class = interface.FlashAttentionBackwardSm90
 
-    def _config_for(*args: Any, **kwargs: Any) -> Any:
-        if getattr(_active, "config", None) is not None:
-            return _active.config
-        return upstream_config(*args, **kwargs)
+    class ScopedKernelClass(upstream_class):  # a subclass, so issubclass/isinstance still hold
+        def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+            # Returns an instance of another class, so Python does not call __init__ again.
+            config = build_scope.current("bwd")
+            built = upstream_class if config is None else _kernel_class(config)
+            return built(*args, **kwargs)
 
-    _config_for.__wrapped__ = upstream_config  # type: ignore[attr-defined]
-    interface._tile_size_bwd_sm90 = _config_for
+    interface.FlashAttentionBackwardSm90 = ScopedKernelClass
     bwd = interface._flash_attn_bwd
-    bwd.compile_cache = ScopedCompileCache(bwd.compile_cache, lambda: _scope_state()[1])
+    bwd.compile_cache = ScopedCompileCache(bwd.compile_cache, _building_class)
+
+
+def _building_class() -> type | None:
+    """The kernel class the `TileConfig` being built on this thread runs (the compile cache's
+    key), or None."""
+    config = build_scope.current("bwd")
+    return None if config is None else _kernel_class(config)
 
 
 @contextmanager
-def kv64_scope(config: TileConfig = KV64_STAGED_CONFIG) -> Iterator[None]:
-    """Within this block, on this thread, upstream's ``_flash_attn_bwd`` builds its sm_90
-    kernel with ``config`` and its kernel class (`TileConfig.kernel_class`), compiled into
-    that class's own cache. Calls are serialized (the kernel class is a module global of
-    upstream's interface while a call compiles)."""
-    import flash_attn.cute.interface as interface
-
+def building(config: TileConfig) -> Iterator[None]:
+    """For the fork's backward entry point only: within this block, on this thread, upstream's
+    ``_flash_attn_bwd`` builds its sm_90 kernel with ``config`` and its kernel class
+    (`TileConfig.kernel_class`), compiled into that class's own cache (upstream takes neither
+    as an argument: see `flash_attn_vsa.build_scope`)."""
+    if not isinstance(config, TileConfig):
+        raise ValueError(f"config must be a TileConfig, got {config!r}")
     _install()
-    cls = config.kernel_class()
-    with _lock:
-        saved = (interface.FlashAttentionBackwardSm90, *_scope_state())
-        interface.FlashAttentionBackwardSm90 = cls
-        _active.config, _active.kernel_class = _upstream_config(config), cls
-        try:
-            yield
-        finally:
-            interface.FlashAttentionBackwardSm90 = saved[0]
-            _active.config, _active.kernel_class = saved[1:]
-
-
-def _scope_state() -> tuple[Any, Any]:
-    """The innermost `kv64_scope`'s upstream configuration and kernel class on this thread."""
-    return getattr(_active, "config", None), getattr(_active, "kernel_class", None)
+    _kernel_class(config)  # refuses a configuration it cannot run, before upstream is called
+    with build_scope.building(config):
+        yield
 
 
 def block_sparse_backward_kv64(
@@ -260,6 +248,7 @@ def block_sparse_backward_kv64(
     dq: Any = None,
     dk: Any = None,
     dv: Any = None,
+    config: TileConfig | None = None,
 ) -> tuple[Any, Any, Any]:
     """Block-sparse attention backward on sm_90 with 64-token key blocks (64x64 or 128x64
     sparse blocks).
@@ -271,13 +260,15 @@ def block_sparse_backward_kv64(
     (128, 64),
     optional ``mask_mod`` + ``aux_tensors`` applied on the partial lists, and optional
     preallocated ``dq, dk, dv``. Returns ``(dq, dk, dv)``. Key blocks no query block attends to
-    get zero dk/dv.
+    get zero dk/dv. ``config``: the tile configuration to build (a `TileConfig`, e.g. one of
+    `flash_attn_vsa.experimental.bwd_configs`'), by default the shipped one for the block size
+    (`config_for`).
     """
     from flash_attn.cute.interface import _flash_attn_bwd
 
     block_size = tuple(block_sparse_tensors.block_size or ())
     check_call(q, k, v, block_size, BWD_BLOCK_SIZES)
-    with kv64_scope(config_for(block_size)):
+    with building(config_for(block_size) if config is None else config):
         grads = _flash_attn_bwd(
             q,
             k,

@@ -47,7 +47,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Any
 
-from flash_attn_vsa.sm90_operands import pushed, thread_stack
+from flash_attn_vsa.build_scope import trace_stack, traced
 
 __all__ = ["MMA_REGISTERS_TWO_CTAS", "DqStaging", "kernel_class", "storage_with_dq_buffers"]
 
@@ -190,7 +190,7 @@ def _kernel_class(ctas_per_sm: int, staging: DqStaging, send_dq: bool) -> type:
             names = ("mdQaccum", "sdQaccum", "r2s_tiled_copy_dQaccum", "tidx")
             if staging.sender == "producer":
                 _handover_init()(self, bound["sdQaccum"], bound["tidx"])
-            with pushed("dq_parts", tuple(bound[n] for n in names)):
+            with traced("dq_parts", tuple(bound[n] for n in names)):
                 result = base.mma(self, *args, **kwargs)
             if staging.sender == "producer":
                 _handover_end()(self, bound["sdQaccum"], bound["tidx"])
@@ -508,7 +508,7 @@ def _dq_target(kernel: Any, m_block: Any, mask_fn: Any) -> tuple[Any, Any, Any, 
     upstream's staging copy, the MMA thread index), from what the kernel's ``mma`` pushed."""
     from flash_attn.cute import utils
 
-    mdQaccum, sdQaccum, r2s_copy, tidx = thread_stack("dq_parts")[-1]
+    mdQaccum, sdQaccum, r2s_copy, tidx = trace_stack("dq_parts")[-1]
     tile = getattr(mask_fn, "keywords", {})
     if "head_idx" not in tile or "batch_idx" not in tile:
         raise NotImplementedError("the dQ-parts backward runs the block-sparse loop only")

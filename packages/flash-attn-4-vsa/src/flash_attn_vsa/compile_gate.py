@@ -479,20 +479,17 @@ def _fork_forward(direction: str, q: Any, k: Any, v: Any, sparse: Any) -> None:
 
 
 def _fork_backward(config: GateConfig, *tensors: Any) -> None:
-    """The fork's KV64 backward; ``bwd-kv64+NAME`` runs
-    `flash_attn_vsa.experimental.bwd_configs.EXPERIMENTAL_CONFIGS` [NAME]."""
-    import contextlib
-
+    """The fork's KV64 backward; ``bwd-kv64+NAME`` passes it
+    `flash_attn_vsa.experimental.bwd_configs.EXPERIMENTAL_CONFIGS` [NAME] as its ``config``."""
     from flash_attn_vsa import bwd_sm90
 
     _, *names = config.direction.split("+")
-    scope: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+    tile_config = None
     if names:
         from flash_attn_vsa.experimental.bwd_configs import EXPERIMENTAL_CONFIGS
 
-        scope = bwd_sm90.configs_scope({config.block_size: EXPERIMENTAL_CONFIGS[names[0]]})
-    with scope:
-        bwd_sm90.block_sparse_backward_kv64(*tensors, softmax_scale=HEAD_DIM**-0.5)
+        tile_config = EXPERIMENTAL_CONFIGS[names[0]]
+    bwd_sm90.block_sparse_backward_kv64(*tensors, softmax_scale=HEAD_DIM**-0.5, config=tile_config)
 
 
 def _compile_one(config: GateConfig, arch: str, counter: CountingCompile) -> GateResult:

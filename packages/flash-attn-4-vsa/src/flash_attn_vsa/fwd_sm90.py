@@ -16,9 +16,14 @@ runs two independent 64-row query blocks, each walking its own key list. Measure
 experiment 3): 0.78 of dense instead of 0.55, output identical in error to upstream's.
 
 `kernel_class()` is the subclass (register split and launch bound; the kernel body is
-upstream's), `block_sparse_forward_q64` runs upstream's ``_flash_attn_fwd`` with it.
-Upstream's compile cache key does not include the kernel class, so inside `two_cta_scope`
-kernels are compiled into and looked up in a cache of our own.
+upstream's), `block_sparse_forward_q64` runs upstream's ``_flash_attn_fwd`` with it. This module
+also describes every fork forward as a frozen value, `ForwardKernel` (kind, Q in registers,
+persistent CTAs), which the fork's forward entry points (this one, `fwd_sm90_paired`'s,
+`experimental.fwd_sm90_streams`') build from their arguments and have upstream build through
+`building` (`flash_attn_vsa.build_scope`: upstream's launcher takes its kernel class from a
+module global, so a stand-in there asks what the entry point on this thread is building).
+Upstream's compile cache key does not include the kernel class, so such kernels are compiled
+into and looked up in a cache of their own.
 
 Upstream internals this relies on (fingerprinted in ``upstream_api.json``):
 ``interface._flash_attn_fwd`` constructing ``interface.FlashAttentionForwardSm90`` (a module
@@ -29,14 +34,13 @@ before ``_setup_attributes`` and launching from ``__call__`` through ``self.kern
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
-from flash_attn_vsa.fwd_sm90_scope import _active, current_scope
+from flash_attn_vsa import build_scope
 from flash_attn_vsa.sm90_blocks import (
     BLOCK_SIZE,
     HEAD_DIMS,
@@ -52,13 +56,10 @@ __all__ = [
     "KINDS",
     "ForwardKernel",
     "block_sparse_forward_q64",
+    "building",
     "check_call",
-    "current_kernel_class",
-    "current_scope",
-    "forward_scope",
     "kernel_class",
     "sm_count",
-    "two_cta_scope",
 ]
 
 CTAS_PER_SM = 2
@@ -111,7 +112,7 @@ KINDS = (TWO_CTAS, PAIRED_KEYS, TWO_STREAMS)
 
 @dataclass(frozen=True)
 class ForwardKernel:
-    """One of the fork's sm_90 forward kernels, as `forward_scope` has upstream build it:
+    """One of the fork's sm_90 forward kernels, as its entry point has upstream build it:
     ``kind`` (one of `KINDS`), with Q in registers for QK^T (delta 5, `q_regs_sm90`) or not,
     and on persistent CTAs (delta 7, `experimental.persistent_sm90`): ``persistent`` True for
     as many as the GPU holds at once, a positive int for that many (tests use a few, so that
@@ -121,6 +122,7 @@ class ForwardKernel:
     kind: str
     q_in_registers: bool = False
     persistent: int = 0
+    direction: ClassVar[str] = "fwd"  # what `build_scope.current` tells apart
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -136,6 +138,12 @@ class ForwardKernel:
     def two_block_stages(self) -> bool:
         """Whether its key/value stages hold two 64-token blocks (the paired-key producer)."""
         return self.kind in (PAIRED_KEYS, TWO_STREAMS)
+
+    @property
+    def staged_rows(self) -> int:
+        """Times the rows of a tile its key/value stages hold (`sm90_operands`: the two-stream
+        kernel's stages hold two 64-token blocks for 64-key tiles)."""
+        return 2 if self.kind == TWO_STREAMS else 1
 
     @property
     def ctas_per_sm(self) -> int:
@@ -177,20 +185,21 @@ class ForwardKernel:
         return None
 
 
-def current_kernel_class() -> type:
+def _current_kernel_class() -> type:
     """The sm_90 forward kernel class upstream's interface builds on this thread now: the
-    innermost `forward_scope`'s (`ForwardKernel.kernel_class`), upstream's own elsewhere."""
+    `ForwardKernel` a fork entry point is building (`ForwardKernel.kernel_class`), upstream's
+    own elsewhere."""
     from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90
 
-    scope = current_scope()
-    return FlashAttentionForwardSm90 if scope is None else scope.kernel_class()
+    kernel = build_scope.current("fwd")
+    return FlashAttentionForwardSm90 if kernel is None else kernel.kernel_class()
 
 
 @functools.cache
 def _install() -> None:
-    """Once per process: upstream's forward builds the kernel class of the innermost
-    `forward_scope` and uses that scope's compile cache on the calling thread, and exactly what
-    it did before everywhere else (other threads included)."""
+    """Once per process: upstream's forward builds the kernel class of the `ForwardKernel` a
+    fork entry point is building on the calling thread, from that kernel's own compile cache,
+    and exactly what it did before everywhere else (other threads included)."""
     import flash_attn.cute.interface as interface
 
     upstream_class = interface.FlashAttentionForwardSm90
@@ -198,41 +207,38 @@ def _install() -> None:
     class ScopedKernelClass(upstream_class):  # a subclass, so issubclass/isinstance still hold
         def __new__(cls, *args: Any, **kwargs: Any) -> Any:
             # Returns an instance of another class, so Python does not call __init__ again.
-            return current_kernel_class()(*args, **kwargs)
+            return _current_kernel_class()(*args, **kwargs)
 
     interface.FlashAttentionForwardSm90 = ScopedKernelClass
     fwd = interface._flash_attn_fwd
-    fwd.compile_cache = ScopedCompileCache(fwd.compile_cache, current_scope)
+    fwd.compile_cache = ScopedCompileCache(fwd.compile_cache, lambda: build_scope.current("fwd"))
 
 
 @contextmanager
-def forward_scope(kernel: ForwardKernel) -> Iterator[None]:
-    """Within this block, on this thread, upstream's ``_flash_attn_fwd`` compiles and runs its
-    sm_90 forward as ``kernel`` (`ForwardKernel.kernel_class`), from that kernel's own compile
-    cache; the two-stream kernel's stages get two blocks' rows
-    (`sm90_operands.staged_rows_hook`), persistent kernels their scheduler
-    (`experimental.persistent_sm90.persistent_tiles` over ``kernel.persistent`` CTAs)."""
+def building(kernel: ForwardKernel) -> Iterator[None]:
+    """For the fork's forward entry points only: within this block, on this thread, upstream's
+    ``_flash_attn_fwd`` compiles and runs its sm_90 forward as ``kernel``
+    (`ForwardKernel.kernel_class`), from that kernel's own compile cache; the two-stream
+    kernel's stages get two blocks' rows (`sm90_operands`), persistent kernels their scheduler
+    (`experimental.persistent_sm90` over ``kernel.persistent`` CTAs). Upstream's launcher takes
+    none of these as arguments (see `flash_attn_vsa.build_scope`)."""
     if not isinstance(kernel, ForwardKernel):
-        raise ValueError(f"scope must be a ForwardKernel, got {kernel!r}")
+        raise ValueError(f"kernel must be a ForwardKernel, got {kernel!r}")
     _install()
     if kernel.two_block_stages:
         from flash_attn_vsa import paired_sm90
 
         paired_sm90._install()
-    with contextlib.ExitStack() as hooks:
-        if kernel.kind == TWO_STREAMS:
-            from flash_attn_vsa import sm90_operands
+    if kernel.staged_rows != 1:
+        from flash_attn_vsa import sm90_operands
 
-            hooks.enter_context(sm90_operands.staged_rows_hook(2))
-        if kernel.persistent:
-            from flash_attn_vsa.experimental.persistent_sm90 import persistent_tiles
+        sm90_operands.install()
+    if kernel.persistent:
+        from flash_attn_vsa.experimental import persistent_sm90
 
-            hooks.enter_context(persistent_tiles(kernel.persistent))
-        _active.stack = (*getattr(_active, "stack", ()), kernel)
-        try:
-            yield
-        finally:
-            _active.stack = _active.stack[:-1]
+        persistent_sm90.install()
+    with build_scope.building(kernel):
+        yield
 
 
 def sm_count() -> int:
@@ -245,15 +251,6 @@ def sm_count() -> int:
     if torch.cuda.is_available():
         return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     return int(os.environ.get("FLASH_ATTENTION_NUM_SMS", "132"))
-
-
-def two_cta_scope(
-    q_in_registers: bool = False, persistent: bool | int = False
-) -> contextlib.AbstractContextManager[None]:
-    """Within this block, on this thread, upstream's ``_flash_attn_fwd`` compiles and runs its
-    sm_90 forward as ``kernel_class(q_in_registers, persistent)`` (from its own compile
-    cache)."""
-    return forward_scope(ForwardKernel(TWO_CTAS, q_in_registers, persistent))
 
 
 def block_sparse_forward_q64(
@@ -285,7 +282,7 @@ def block_sparse_forward_q64(
     from flash_attn.cute.interface import _flash_attn_fwd
 
     check_call(q, k, v, tuple(block_sparse_tensors.block_size or ()))
-    with two_cta_scope(q_in_registers, persistent):
+    with building(ForwardKernel(TWO_CTAS, q_in_registers, persistent)):
         result = _flash_attn_fwd(
             q,
             k,

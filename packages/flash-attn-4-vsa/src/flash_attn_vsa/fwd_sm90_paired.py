@@ -23,13 +23,13 @@ and partial blocks):
   its partial ("mask") list with `pair_mask_mod()`, which keeps columns ``c < valid[a]`` and
   ``64 <= c < 64 + valid[b]`` (two R2P ranges; valid sizes [NKV] int32 as
   ``aux_tensors[0]``);
-- inside `paired_scope` upstream's forward builds its mask from `mask_class()` (the scope's
-  `ForwardKernel.mask_class`), which applies that mask_mod and skips upstream's
-  sequence-length mask of a row's first tile (list entries are packed pairs, not tile
-  indices; every key a pair names lies inside K).
+- while `block_sparse_forward_paired` has upstream build the kernel (`fwd_sm90.building`),
+  upstream's forward builds its mask from `mask_class()` (the `ForwardKernel.mask_class`),
+  which applies that mask_mod and skips upstream's sequence-length mask of a row's first tile
+  (list entries are packed pairs, not tile indices; every key a pair names lies inside K).
 
 The K/V TMA atoms are built inside upstream's ``__call__`` with the whole key tile as their
-box; inside `paired_scope` the ``cpasync`` module upstream's forward module sees builds them
+box; while this kernel is built the ``cpasync`` module upstream's forward module sees builds them
 with a 64 x 64 box (K and V are the atoms built with a multicast count; Q and O are not).
 
 Upstream internals this relies on (fingerprinted): those of `flash_attn_vsa.fwd_sm90` and
@@ -42,10 +42,9 @@ helpers, and quack's ``copy_utils.tma_get_copy_fn`` / ``sm90_utils.make_smem_lay
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
-from flash_attn_vsa.fwd_sm90 import PAIRED_KEYS, ForwardKernel, forward_scope
+from flash_attn_vsa.fwd_sm90 import PAIRED_KEYS, ForwardKernel, building
 from flash_attn_vsa.paired_sm90 import (  # re-exported: this module's names before the split
     BLOCK_SIZE,
     HEAD_DIM,
@@ -97,7 +96,6 @@ __all__ = [
     "kernel_class",
     "pair_lists",
     "pair_mask_mod",
-    "paired_scope",
     "paired_widths",
     "two_block_stage_forward",
 ]
@@ -108,15 +106,6 @@ def kernel_class(q_in_registers: bool = False, persistent: bool | int = False) -
     ``q_in_registers`` QK^T reads Q from registers (delta 5), with ``persistent`` its CTAs
     walk the tiles (delta 7); both experimental."""
     return ForwardKernel(PAIRED_KEYS, q_in_registers, persistent).kernel_class()
-
-
-def paired_scope(
-    q_in_registers: bool = False, persistent: bool | int = False
-) -> contextlib.AbstractContextManager[None]:
-    """Within this block, on this thread, upstream's ``_flash_attn_fwd`` compiles and runs
-    ``kernel_class(q_in_registers, persistent)`` with 64 x 64 K/V boxes (from a compile cache
-    of its own)."""
-    return forward_scope(ForwardKernel(PAIRED_KEYS, q_in_registers, persistent))
 
 
 def block_sparse_forward_paired(
@@ -140,7 +129,8 @@ def block_sparse_forward_paired(
     tiles (delta 7); both experimental until measured."""
     return two_block_stage_forward(
         q, k, v, block_sparse_tensors, kv_valid_sizes, BLOCK_SIZE, "paired keys",
-        pair_mask_mod(), paired_scope(q_in_registers, persistent), softmax_scale=softmax_scale,
+        pair_mask_mod(), building(ForwardKernel(PAIRED_KEYS, q_in_registers, persistent)),
+        softmax_scale=softmax_scale,
         out=out,
         lse=lse,
     )  # fmt: skip

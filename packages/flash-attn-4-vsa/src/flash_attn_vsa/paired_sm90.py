@@ -4,10 +4,9 @@ producer (`_paired_class`) and the patch of upstream's forward module (`_install
 argument checks and run shared with the two-stream forward (`two_block_stage_forward`).
 
 Below `flash_attn_vsa.fwd_sm90` (whose `ForwardKernel` builds these classes) and above nothing
-of the fork but `fwd_sm90_scope`, `mask_sm90` and `sm90_blocks`, so that the forward modules
-import each other one way. The entry points (`paired_scope`, `block_sparse_forward_paired`,
-`kernel_class`) and the delta's description are in `fwd_sm90_paired`, which re-exports this
-module's names.
+of the fork but `build_scope`, `mask_sm90` and `sm90_blocks`, so that the forward modules
+import each other one way. The entry points (`block_sparse_forward_paired`, `kernel_class`)
+and the delta's description are in `fwd_sm90_paired`, which re-exports this module's names.
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ import contextlib
 import functools
 from typing import Any
 
-from flash_attn_vsa.fwd_sm90_scope import current_scope
+from flash_attn_vsa.build_scope import current
 
 __all__ = [
     "BLOCK_SIZE",
@@ -360,17 +359,17 @@ def _real_cpasync() -> Any:
 
 
 class _ScopedCpasync:
-    """``cpasync`` as upstream's forward module sees it: inside `paired_scope` (and the
-    two-stream scope, same producer) on the calling thread the K/V TMA atoms (built with a
-    multicast count) get a 64 x 64 box; elsewhere, and for every other call, the real
-    module."""
+    """``cpasync`` as upstream's forward module sees it: while a fork entry point builds the
+    paired-key kernel (or the two-stream one, same producer) on the calling thread the K/V TMA
+    atoms (built with a multicast count) get a 64 x 64 box; elsewhere, and for every other
+    call, the real module."""
 
     def __init__(self, real: Any) -> None:
         self._real = real
 
     def make_tiled_tma_atom(self, op, gmem, smem_layout, tiler, *rest, **kwargs):
-        scope = current_scope()
-        if not rest or scope is None or not scope.two_block_stages:
+        kernel = current("fwd")
+        if not rest or kernel is None or not kernel.two_block_stages:
             return self._real.make_tiled_tma_atom(op, gmem, smem_layout, tiler, *rest, **kwargs)
         from cutlass.utils import LayoutEnum
         from quack import sm90_utils
@@ -386,9 +385,9 @@ class _ScopedCpasync:
 @functools.cache
 def _install() -> None:
     """Once per process: upstream's forward module sees `_ScopedCpasync` and builds its mask
-    from `mask_class()` inside `paired_scope` (the two-stream kernel's inside its scope) on
-    the calling thread (elsewhere, exactly what it saw before: the real module,
-    `flash_attn_vsa.mask_sm90`'s class)."""
+    from the kernel's `mask_class()` while a fork entry point builds the paired-key (or the
+    two-stream) kernel on the calling thread (elsewhere, exactly what it saw before: the real
+    module, `flash_attn_vsa.mask_sm90`'s class)."""
     import flash_attn.cute.flash_fwd_sm90 as fwd_module
 
     from flash_attn_vsa import mask_sm90
@@ -399,8 +398,8 @@ def _install() -> None:
     class ScopedMask(outside):  # a subclass, so issubclass/isinstance still hold
         def __new__(cls, *args: Any, **kwargs: Any) -> Any:
             # Returns an instance of another class, so Python does not call __init__ again.
-            scope = current_scope()
-            own = scope.mask_class() if scope is not None else None
+            kernel = current("fwd")
+            own = kernel.mask_class() if kernel is not None else None
             return (own or outside)(*args, **kwargs)
 
     fwd_module.AttentionMask = ScopedMask
@@ -425,7 +424,8 @@ def two_block_stage_forward(
     """Check the arguments of a forward whose key/value stages hold two 64-token blocks (this
     delta's and the two-stream one's: ``block_size`` as FA4 sees it, head dim `HEAD_DIM`, one
     valid size per key block; ``what`` names it in errors), then run upstream's
-    ``_flash_attn_fwd`` inside ``scope`` with ``mask_mod`` on the partial list."""
+    ``_flash_attn_fwd`` inside ``scope`` (the entry point's `fwd_sm90.building` of its kernel)
+    with ``mask_mod`` on the partial list."""
     from flash_attn.cute.interface import _flash_attn_fwd
 
     from flash_attn_vsa.sm90_blocks import check_call

@@ -5,18 +5,21 @@ Upstream's sm_90 forward (``flash_attn.cute.flash_fwd_sm90``) partitions its MMA
 ``sm90_utils.partition_fragment_ABC`` and builds its shared-memory layouts with
 ``sm90_utils.make_smem_layout``, ``sm90_utils`` being a module global (quack's module).
 `install` replaces that global, once per process, with a stand-in whose two functions are
-upstream's, except while one of this module's hooks is open on the calling thread:
+upstream's, except where the fork's kernels ask otherwise:
 
-- `partition_hooks(before=..., after=...)`: ``before(thr_mma, shape_mnk, sA, sB)`` may return
-  other ``(sA, sB)`` to partition (delta 6 hands each warpgroup its half of a key/value
-  stage); ``after(thr_mma, shape_mnk, sA, sB, acc, rA, rB)`` sees what was made (delta 5
-  records QK^T's register A fragment). Hooks nest: an inner ``before`` sees what the outer
-  one returned, every ``after`` sees the result.
-- `staged_rows_hook(factor)`: staged layouts (the key and value pipelines') get ``factor``
-  times the rows they ask for (delta 6's stages hold two 64-token key blocks while its tiles
-  are 64 keys wide).
+- `partition_hooks(before=..., after=...)`, a trace-time hook (`build_scope.traced`) that only
+  the fork's kernel classes open, inside their own ``mma`` while upstream traces it:
+  ``before(thr_mma, shape_mnk, sA, sB)`` may return other ``(sA, sB)`` to partition (delta 6
+  hands each warpgroup its half of a key/value stage); ``after(thr_mma, shape_mnk, sA, sB,
+  acc, rA, rB)`` sees what was made (delta 5 records QK^T's register A fragment). Hooks nest:
+  an inner ``before`` sees what the outer one returned, every ``after`` sees the result.
+- staged rows: while a fork entry point builds a `fwd_sm90.ForwardKernel` whose
+  ``staged_rows`` is above 1 (`build_scope.current`), staged layouts (the key and value
+  pipelines') get that many times the rows they ask for (delta 6's stages hold two 64-token
+  key blocks while its tiles are 64 keys wide).
 
-Kernels traced with no hook open, upstream's own among them, get exactly upstream's results.
+Kernels traced with no hook open and built by no fork entry point, upstream's own among them,
+get exactly upstream's results.
 
 Upstream internals this relies on (fingerprinted): the module global ``flash_fwd_sm90.sm90_utils``
 and quack's ``sm90_utils.partition_fragment_ABC`` and ``sm90_utils.make_smem_layout``.
@@ -26,40 +29,19 @@ from __future__ import annotations
 
 import functools
 import inspect
-import threading
 import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from flash_attn_vsa.build_scope import current, trace_stack, traced
+
 __all__ = [
     "PipelineStandIn",
     "install",
     "partition_hooks",
-    "pushed",
-    "staged_rows_hook",
-    "thread_stack",
     "upstream_mma_arguments",
 ]
-
-_hooks = threading.local()
-
-
-def thread_stack(name: str) -> tuple[Any, ...]:
-    """The values pushed under ``name`` on this thread (innermost last): the hooks here, and
-    the other tracing-time state of the fork's deltas (`experimental.persistent_sm90`)."""
-    return getattr(_hooks, name, ())
-
-
-@contextmanager
-def pushed(name: str, value: Any) -> Iterator[None]:
-    """Push ``value`` on this thread's stack ``name`` for the duration of the block."""
-    saved = thread_stack(name)
-    setattr(_hooks, name, (*saved, value))
-    try:
-        yield
-    finally:
-        setattr(_hooks, name, saved)
 
 
 class PipelineStandIn:
@@ -105,25 +87,18 @@ def partition_hooks(
     before: Callable[..., tuple[Any, Any]] | None = None,
     after: Callable[..., None] | None = None,
 ) -> Iterator[None]:
-    """While open on this thread, the forward's ``partition_fragment_ABC`` runs these hooks."""
+    """While open on this thread, the forward's ``partition_fragment_ABC`` runs these hooks
+    (opened by the fork's kernel classes inside their ``mma``, while upstream traces it)."""
     install()
-    with pushed("partition", (before, after)):
-        yield
-
-
-@contextmanager
-def staged_rows_hook(factor: int) -> Iterator[None]:
-    """While open on this thread, the forward's staged shared-memory layouts get ``factor``
-    times the rows asked for."""
-    install()
-    with pushed("staged_rows", factor):
+    with traced("partition", (before, after)):
         yield
 
 
 @functools.cache
 def install() -> None:
     """Once per process: ``flash_fwd_sm90.sm90_utils`` becomes the stand-in (see the module
-    doc); with no hook open it is upstream's module to every caller."""
+    doc); with no hook open and no fork kernel being built it is upstream's module to every
+    caller."""
     import cutlass.cute as cute
     import flash_attn.cute.flash_fwd_sm90 as fwd_module
 
@@ -132,7 +107,7 @@ def install() -> None:
     stand_in.__dict__.update(vars(upstream))
 
     def partition_fragment_ABC(thr_mma, shape_mnk, sA, sB, swap_AB=False):
-        hooks = thread_stack("partition")
+        hooks = trace_stack("partition")
         for before, _ in hooks:
             if before is not None:
                 sA, sB = before(thr_mma, shape_mnk, sA, sB)
@@ -143,10 +118,11 @@ def install() -> None:
         return acc, rA, rB
 
     def make_smem_layout(dtype, layout, tile, stage=None, *args, **kwargs):
-        factors = thread_stack("staged_rows")
-        if factors and stage is not None:
+        kernel = current("fwd")
+        factor = 1 if kernel is None else kernel.staged_rows
+        if factor != 1 and stage is not None:
             rows, *rest = cute.product_each(cute.shape(tile))
-            tile = (rows * functools.reduce(lambda a, b: a * b, factors), *rest)
+            tile = (rows * factor, *rest)
         return upstream.make_smem_layout(dtype, layout, tile, stage, *args, **kwargs)
 
     stand_in.partition_fragment_ABC = partition_fragment_ABC

@@ -45,6 +45,7 @@ from vsa_fa4.schedule import (
 
 if TYPE_CHECKING:
     from vsa_core.layout import BlockSparseLayout
+    from vsa_fa4.launch import ForwardVariant, KernelChoice
 
 DTYPES = (torch.float16, torch.bfloat16)
 
@@ -126,6 +127,9 @@ class FA4Backend(Backend):
     ``schedule`` picks the physical tiles (see `vsa_fa4.schedule`): ``"auto"`` (what the
     registry instantiates), ``"native"`` or ``"paired"``. To run the registry's ``fa4`` with
     another schedule, ``vsa_core.backends.register_backend(FA4Backend(schedule="native"))``.
+    ``kernels`` picks the fork's kernels (`vsa_fa4.launch.KernelChoice`, default the shipped
+    ones), passed down with every call; ``name`` registers such a backend beside ``fa4``
+    (`variant_backend` does both for a forward variant).
     """
 
     name: ClassVar[str] = "fa4"
@@ -133,10 +137,19 @@ class FA4Backend(Backend):
     key_padding_safe: ClassVar[bool] = False  # see the module doc
     handles_deterministic: ClassVar[bool] = True  # forward only: see the module doc
 
-    def __init__(self, schedule: str = "auto") -> None:
+    def __init__(
+        self, schedule: str = "auto", kernels: KernelChoice | None = None, name: str | None = None
+    ) -> None:
+        from vsa_fa4.launch import SHIPPED, KernelChoice
+
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+        if kernels is not None and not isinstance(kernels, KernelChoice):
+            raise ValueError(f"kernels must be a vsa_fa4.launch.KernelChoice, got {kernels!r}")
         self.schedule = schedule
+        self.kernels = SHIPPED if kernels is None else kernels
+        if name is not None:
+            self.name = name  # type: ignore[misc]  # this instance's registry name
 
     def availability(self) -> str | None:
         if not find_flash_attn_cute():
@@ -222,7 +235,7 @@ class FA4Backend(Backend):
         )  # fmt: skip
         return attention(
             q, k, v, layout.kv_indices, layout.kv_counts, layout.kv_valid_sizes, scale, plan,
-            layout.q_group_size, layout.kv_blocks_full,
+            layout.q_group_size, layout.kv_blocks_full, self.kernels,
         )  # fmt: skip
 
 
@@ -251,3 +264,22 @@ def _checked_plan(
         raise ValueError(f"the fa4 backend cannot run this call{where}: {reason}")
     assert plan is not None
     return plan
+
+
+def variant_backend(variant: ForwardVariant) -> str:
+    """The registry name of an fa4 backend that runs the fork's forward ``variant`` (registered
+    on first use as ``fa4+LABEL``, `ForwardVariant.label`; the shipped variant is ``fa4``
+    itself): benchmarks pass it as ``backend=`` to compare experimental kernels through the
+    whole op, each call naming what it runs."""
+    from vsa_core.backends import backend_entries, register_backend
+    from vsa_fa4.launch import SHIPPED_FORWARD, ForwardVariant, KernelChoice
+
+    if not isinstance(variant, ForwardVariant):
+        raise ValueError(f"variant must be a vsa_fa4.launch.ForwardVariant, got {variant!r}")
+    if variant == SHIPPED_FORWARD:
+        return FA4Backend.name
+    name = f"{FA4Backend.name}+{variant.label}"
+    entry = backend_entries().get(name)
+    if entry is None or getattr(entry.backend, "kernels", None) != KernelChoice(variant):
+        register_backend(FA4Backend(kernels=KernelChoice(variant), name=name))
+    return name

@@ -9,19 +9,30 @@ without it) and write into outputs the caller allocated
 needs is on the device; nothing here reads device data. Under
 ``torch._subclasses.fake_tensor.FakeTensorMode`` upstream compiles its kernel and skips the
 launch, which is how the compile gate checks this path on a CPU.
+
+Which kernels run is an argument, never thread or global state: `run_forward` takes a
+`ForwardVariant` (``variant=``, default `SHIPPED_FORWARD`) and `run_backward` a tile
+configuration of the fork's KV64 backward (``config=``, default the shipped one for the block),
+and hand them to the fork's entry points as their ``q_in_registers`` / ``persistent`` /
+``config`` arguments. `KernelChoice` carries both down from the backend and the ops (as a
+string through the custom ops' schema: `KernelChoice.encode`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import threading
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any
+import functools
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from vsa_fa4.metadata import SparseLists, paired_forward_lists
+
+if TYPE_CHECKING:
+    from flash_attn_vsa.bwd_sm90 import TileConfig
 
 Q_IN_REGISTERS_WHERE_FASTER = frozenset({"two_ctas", "streams"})
 """The fork's forwards whose QK^T is faster with Q in registers (delta 5) on an H200: the
@@ -42,7 +53,8 @@ class ForwardVariant:
     of query blocks, sm_90). ``persistent``: the fork's forwards walk their tiles on persistent
     CTAs (`flash_attn_vsa.experimental.persistent_sm90`, delta 7). The last two are off in
     `SHIPPED_FORWARD`: the H200 measured them slower (experiment 10); benchmarks compare them
-    with `forward_variant`."""
+    by passing a variant (`run_forward`'s ``variant``, a `KernelChoice`, or an fa4 backend
+    registered with one: `vsa_fa4.backend.variant_backend`)."""
 
     q_in_registers: bool | None = None
     two_streams: bool = False
@@ -67,33 +79,73 @@ class ForwardVariant:
             )
         return cls(**{VARIANT_NAMES[n]: True for n in names})
 
+    @property
+    def label(self) -> str:
+        """The variant as `from_names` takes it, joined by ``+`` (``"shipped"`` for
+        `SHIPPED_FORWARD`; ``q_in_registers=False`` reads ``"no-qregs"``)."""
+        names = [short for short, field in VARIANT_NAMES.items() if getattr(self, field) is True]
+        if self.q_in_registers is False:
+            names.insert(0, "no-qregs")
+        return "+".join(names) or "shipped"
+
 
 VARIANT_NAMES = {"qregs": "q_in_registers", "streams": "two_streams", "persistent": "persistent"}
 """Short names of `ForwardVariant`'s fields, as benchmarks and tools take them."""
 
 
 SHIPPED_FORWARD = ForwardVariant()
-"""What the forwards run unless `forward_variant` says otherwise."""
-
-_variant = threading.local()
+"""What the forwards run unless a variant is passed."""
 
 
-def current_forward_variant() -> ForwardVariant:
-    """The variant in force on this thread (`SHIPPED_FORWARD` outside `forward_variant`)."""
-    return getattr(_variant, "value", SHIPPED_FORWARD)
+@dataclass(frozen=True)
+class KernelChoice:
+    """The fork kernels an fa4 call runs, passed down explicitly (backend -> ops -> launch ->
+    the fork's entry points): ``forward``, the `ForwardVariant` of the fork's forwards;
+    ``backward``, the tile configuration (``flash_attn_vsa.bwd_sm90.TileConfig``, e.g. one of
+    ``flash_attn_vsa.experimental.bwd_configs``) of the KV64 backward, None for the shipped one
+    of each block size (``bwd_sm90.config_for``). The custom ops carry it as `encode`'s
+    string ("" for `SHIPPED`)."""
+
+    forward: ForwardVariant = SHIPPED_FORWARD
+    backward: TileConfig | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.forward, ForwardVariant):
+            raise ValueError(f"forward must be a ForwardVariant, got {self.forward!r}")
+        if self.backward is not None:
+            from flash_attn_vsa.bwd_sm90 import TileConfig
+
+            if not isinstance(self.backward, TileConfig):
+                raise ValueError(f"backward must be a TileConfig or None, got {self.backward!r}")
+
+    def encode(self) -> str:
+        """This choice as a string (a custom op argument); `decode` reverses it."""
+        if self == SHIPPED:
+            return ""
+        backward = None if self.backward is None else asdict(self.backward)
+        return json.dumps({"forward": asdict(self.forward), "backward": backward}, sort_keys=True)
+
+    @staticmethod
+    def decode(key: str) -> KernelChoice:
+        """The choice `encode` wrote (cached: the ops decode it on every call)."""
+        return _decoded(key)
 
 
-@contextlib.contextmanager
-def forward_variant(variant: ForwardVariant) -> Iterator[None]:
-    """Within this block, on this thread, fa4 forwards run ``variant``."""
-    if not isinstance(variant, ForwardVariant):
-        raise ValueError(f"variant must be a ForwardVariant, got {variant!r}")
-    saved = current_forward_variant()
-    _variant.value = variant
-    try:
-        yield
-    finally:
-        _variant.value = saved
+@functools.cache
+def _decoded(key: str) -> KernelChoice:
+    if not key:
+        return SHIPPED
+    data = json.loads(key)
+    backward = None
+    if data["backward"] is not None:
+        from flash_attn_vsa.bwd_sm90 import TileConfig
+
+        backward = TileConfig(**data["backward"])
+    return KernelChoice(ForwardVariant(**data["forward"]), backward)
+
+
+SHIPPED = KernelChoice()
+"""The shipped kernels everywhere."""
 
 
 def _upstream() -> tuple[Any, Any, Any, Any]:
@@ -148,15 +200,18 @@ def run_forward(
     scale: float,
     block_size: tuple[int, int],
     masked: bool = True,
+    variant: ForwardVariant = SHIPPED_FORWARD,
 ) -> None:
     """FA4 block-sparse forward into ``out`` [B, Sq, H, D] and ``lse`` [B, H, Sq] (float32).
 
     64x64 blocks (only sm_90 runs them) go to the fork's two-CTA-per-SM launch of upstream's
     kernel with Q in registers (`flash_attn_vsa.fwd_sm90`: 0.79 of dense instead of 0.55 on
     an H200); 128x64 blocks at head dim 128 on sm_90 to the fork's paired-key kernel
-    (`fwd_sm90_paired`); everything else to upstream's ``_flash_attn_fwd``. `forward_variant`
-    picks the fork's experimental kernels where they fit."""
-    variant = current_forward_variant()
+    (`fwd_sm90_paired`); everything else to upstream's ``_flash_attn_fwd``. ``variant`` picks
+    the fork's experimental kernels where they fit (handed to the fork's entry points as their
+    arguments, `ForwardVariant.kernel_options`)."""
+    if not isinstance(variant, ForwardVariant):
+        raise ValueError(f"variant must be a ForwardVariant, got {variant!r}")
     if _pairs_keys(q, lists, kv_valid_sizes, block_size):
         # 128-key tiles of packed pairs; the pair mask handles partial blocks and odd tails,
         # so ``masked`` does not matter here
@@ -272,11 +327,14 @@ def _runs_on_fork_kv64(block_size: tuple[int, int]) -> bool:
     return block_size[1] == 64
 
 
-def backward_ctas_per_sm(block_size: tuple[int, int]) -> int:
-    """CTAs an SM runs at once of the backward kernel `run_backward` picks for ``block_size``:
-    the fork's KV64 configuration says (its 64x64 backward runs two), upstream's kernels one."""
+def backward_ctas_per_sm(block_size: tuple[int, int], config: TileConfig | None = None) -> int:
+    """CTAs an SM runs at once of the backward kernel `run_backward` picks for ``block_size``
+    (and ``config``): the fork's KV64 configuration says (the shipped 64x64 backward runs two),
+    upstream's kernels one."""
     if not _runs_on_fork_kv64(block_size):
         return 1
+    if config is not None:
+        return config.ctas_per_sm
     from flash_attn_vsa.bwd_sm90 import config_for
 
     return config_for(block_size).ctas_per_sm
@@ -297,15 +355,24 @@ def run_backward(
     scale: float,
     block_size: tuple[int, int],
     masked: bool = True,
+    config: TileConfig | None = None,
 ) -> None:
     """FA4 block-sparse backward (key-block-owned ``lists``) into ``dq``, ``dk``, ``dv``.
 
     64-token key blocks (64x64 and 128x64 physical blocks) run on the fork's sm_90 kernels
-    (`flash_attn_vsa.bwd_sm90`; upstream refuses them), everything else on upstream's
-    ``_flash_attn_bwd``."""
+    (`flash_attn_vsa.bwd_sm90`; upstream refuses them) with the tile configuration ``config``
+    (None: the shipped one for the block size), everything else on upstream's
+    ``_flash_attn_bwd`` (``config`` must then be None)."""
     tensors_cls, _, bwd, mask_mod = _upstream()
+    kwargs: dict[str, Any] = {}
     if _runs_on_fork_kv64(block_size):
         from flash_attn_vsa.bwd_sm90 import block_sparse_backward_kv64 as bwd
+
+        kwargs["config"] = config
+    elif config is not None:
+        raise ValueError(
+            f"a backward tile config applies to 64-token key blocks only, got blocks {block_size}"
+        )
     with _on_device(q.device):
         bwd(
             q,
@@ -320,4 +387,5 @@ def run_backward(
             dq=dq,
             dk=dk,
             dv=dv,
+            **kwargs,
         )

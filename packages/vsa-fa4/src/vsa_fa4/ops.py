@@ -14,6 +14,9 @@ Outputs are allocated here, contiguous BSHD (``out``, ``dq``, ``dk``, ``dv``) an
 (``lse``), and FA4 writes into them, so the fake implementations state their strides exactly.
 BSHD is FA4's native layout; BHSD tensors arrive as transposed views and FA4 reads them through
 their strides (no copy). FA4 itself is imported on the first launch (`vsa_fa4.launch`).
+
+Which fork kernels run is the ops' last argument, ``kernels``: a `vsa_fa4.launch.KernelChoice`
+encoded as a string ("" for the shipped kernels), decoded and handed to `vsa_fa4.launch`.
 """
 
 from __future__ import annotations
@@ -53,21 +56,25 @@ def forward_impl(
     q_tile: int,
     kv_tile: int,
     masked: bool = True,
+    kernels: str = "",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """FA4 block-sparse forward on [B, S, H, D] views with physical ``q_tile`` x ``kv_tile``
     lists ([B, H, Sq / q_tile, W] indices, [B, H, Sq / q_tile] counts, [Skv / kv_tile] valid
     sizes). ``masked=False`` promises that no key block is partial (no mask_mod compiled in).
     Returns (out [B, Sq, H, D], lse [B, H, Sq] float32, natural log, -inf for rows that see
-    no key). The body of ``torch.ops.vsa_fa4.fwd`` (`block_sparse_fwd`); the compile
-    gate calls it directly, since under a fake tensor mode the op would run its fake."""
+    no key). ``kernels``: the fork kernels to run (`vsa_fa4.launch.KernelChoice.encode`; ""
+    for the shipped ones). The body of ``torch.ops.vsa_fa4.fwd`` (`block_sparse_fwd`); the
+    compile gate calls it directly, since under a fake tensor mode the op would run its fake."""
     out, lse = _bshd(q, v.shape[-1]), _lse(q)
     if masked:
         lists = forward_lists(kv_indices, kv_counts, kv_valid_sizes, kv_tile)
     else:
         lists = unmasked_forward_lists(kv_indices, kv_counts, kv_valid_sizes.shape[0])
+    variant = launch.KernelChoice.decode(kernels).forward
     launch.run_forward(
-        q, k, v, out, lse, lists, kv_valid_sizes.contiguous(), scale, (q_tile, kv_tile), masked
-    )
+        q, k, v, out, lse, lists, kv_valid_sizes.contiguous(), scale, (q_tile, kv_tile), masked,
+        variant=variant,
+    )  # fmt: skip
     return out, lse
 
 
@@ -75,7 +82,10 @@ block_sparse_fwd = torch.library.custom_op("vsa_fa4::fwd", forward_impl, mutates
 
 
 @block_sparse_fwd.register_fake
-def _(q, k, v, kv_indices, kv_counts, kv_valid_sizes, scale, q_tile, kv_tile, masked=True):
+def _(
+    q, k, v, kv_indices, kv_counts, kv_valid_sizes, scale, q_tile, kv_tile, masked=True,
+    kernels="",
+):  # fmt: skip
     return _bshd(q, v.shape[-1]), _lse(q)
 
 
@@ -108,6 +118,7 @@ def backward_impl(
     q_tile: int,
     kv_tile: int,
     masked: bool = True,
+    kernels: str = "",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) of `forward_impl`, from FA4's key-block-owned backward (the
     body of ``torch.ops.vsa_fa4.bwd``). Large calls run as several launches over `head_chunks`
@@ -116,11 +127,12 @@ def backward_impl(
     lists are rotated by `vsa_core.rotation.rotation_width` times the CTAs an SM runs at once
     (the KV64 backward's dQ reduce-adds stay within L2 at long sequences: 0.42 -> 0.71 of dense
     at S=131072 on an H200; a two-CTA kernel measured 0.42 rotated by the SM count, 0.66 by
-    twice it)."""
+    twice it). ``kernels`` as for `forward_impl` (its backward tile configuration here)."""
     dq, dk, dv = _bshd(q, q.shape[-1]), _bshd(k, k.shape[-1]), _bshd(v, v.shape[-1])
     valid = kv_valid_sizes.contiguous()
     batch, q_len, heads, head_dim = q.shape
-    rotate = rotation_width(q.device) * launch.backward_ctas_per_sm((q_tile, kv_tile))
+    config = launch.KernelChoice.decode(kernels).backward
+    rotate = rotation_width(q.device) * launch.backward_ctas_per_sm((q_tile, kv_tile), config)
     for h in head_chunks(batch, heads, q_len, head_dim):
         # BSHD tensors hold heads in dim 2, lse and the lists in dim 1
         lists = backward_lists(
@@ -129,6 +141,7 @@ def backward_impl(
         launch.run_backward(
             dout[:, :, h], q[:, :, h], k[:, :, h], v[:, :, h], out[:, :, h], lse[:, h],
             dq[:, :, h], dk[:, :, h], dv[:, :, h], lists, valid, scale, (q_tile, kv_tile), masked,
+            config=config,
         )  # fmt: skip
     return dq, dk, dv
 
@@ -139,7 +152,7 @@ block_sparse_bwd = torch.library.custom_op("vsa_fa4::bwd", backward_impl, mutate
 @block_sparse_bwd.register_fake
 def _(
     dout, q, k, v, out, lse, kv_indices, kv_counts, kv_valid_sizes, scale, q_tile, kv_tile,
-    masked=True,
+    masked=True, kernels="",
 ):  # fmt: skip
     return _bshd(q, q.shape[-1]), _bshd(k, k.shape[-1]), _bshd(v, v.shape[-1])
 
@@ -159,15 +172,18 @@ def attention(
     plan: Plan,
     q_group_size: int = 1,
     kv_blocks_full: bool = False,
+    kernels: launch.KernelChoice = launch.SHIPPED,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Block-sparse attention of a logical layout's lists under ``plan`` (BSHD views in and
     out). Plain tensor ops and the custom op only, so it traces whole under torch.compile; in
     eager mode the op's functions run without the custom-op dispatcher (`EagerOrOp`).
-    ``kv_blocks_full`` (a layout's flag) drops the partial-block mask_mod from the kernels."""
+    ``kv_blocks_full`` (a layout's flag) drops the partial-block mask_mod from the kernels;
+    ``kernels`` picks the fork kernels (`vsa_fa4.launch.KernelChoice`, default the shipped
+    ones)."""
     kv_indices, kv_counts, kv_valid_sizes = physical_lists(
         kv_indices, kv_counts, kv_valid_sizes, plan, q_group_size
     )
     return _eager_or_op(
         q, k, v, kv_indices, kv_counts, kv_valid_sizes, scale, plan.q_tile, plan.kv_tile,
-        not kv_blocks_full,
+        not kv_blocks_full, kernels.encode(),
     )  # fmt: skip

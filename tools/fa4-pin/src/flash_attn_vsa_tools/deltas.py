@@ -109,7 +109,7 @@ DELTAS: tuple[Delta, ...] = (
         "shipped",
         "`run_backward`: every backward with 64-token key blocks (64x64 `KV64_CONFIG` with delta "
         "8, 128x64 `Q128_KV64_CONFIG`); the configurations of `experimental.bwd_configs` only "
-        "inside `configs_scope`",
+        "when passed (`run_backward(config=...)`)",
     ),
     Delta(
         2,
@@ -152,8 +152,8 @@ DELTAS: tuple[Delta, ...] = (
         "Two query streams per CTA",
         _FWD,
         "experimental",
-        "on request: `forward_variant(ForwardVariant(two_streams=True))`, 64x64 forwards at head "
-        "dim 128 (correct on an H200, 0.69-0.76 of dense against the two-CTA kernel's 0.79)",
+        "on request: `run_forward(variant=ForwardVariant(two_streams=True))`, 64x64 forwards at "
+        "head dim 128 (correct on an H200, 0.69-0.76 of dense against the two-CTA kernel's 0.79)",
     ),
     Delta(
         7,
@@ -161,8 +161,8 @@ DELTAS: tuple[Delta, ...] = (
         "Persistent tiles for the fork's forwards",
         "flash_attn.cute.tile_scheduler.StaticPersistentTileScheduler",
         "experimental",
-        "on request: `forward_variant(ForwardVariant(persistent=True))` (on an H200 +0.7% paired, "
-        "-3% to +1% two-CTA)",
+        "on request: `run_forward(variant=ForwardVariant(persistent=True))` (on an H200 +0.7% "
+        "paired, -3% to +1% two-CTA)",
     ),
     Delta(
         8,
@@ -171,7 +171,8 @@ DELTAS: tuple[Delta, ...] = (
         _BWD,
         "shipped",
         "`run_backward`: 64x64 backwards (`bwd_sm90.KV64_CONFIG`: halves through one 16 KB "
-        "buffer, sent by the producer warp); other `DqStaging` forms only inside `configs_scope`",
+        "buffer, sent by the producer warp); other `DqStaging` forms only when passed "
+        "(`run_backward(config=...)`)",
     ),
 )
 """Every kernel delta, by number."""
@@ -181,8 +182,10 @@ SUPPORT: dict[str, str] = {
     "two-CTA launch bound and upstream's compile caches scoped to our kernel classes",
     "sm90_operands": "the stand-in for `flash_fwd_sm90.sm90_utils` through which deltas 5 and 6 "
     "reach upstream's operand partitions and staged layouts",
-    "fwd_sm90_scope": "the thread's active forward kernel (`current_scope`), a leaf read by the "
-    "patches of upstream's forward",
+    "build_scope": "the one scope: the kernel a fork entry point is having upstream's launcher "
+    "build on this thread (`current`, read by the stand-ins for upstream's module globals; "
+    "entered only by the entry points, from their arguments) and the kernel classes' "
+    "trace-time state; a leaf",
     "paired_sm90": "delta 4's body (packed pairs, mask, kernel class, the patch of upstream's "
     "forward module), below `fwd_sm90`'s `ForwardKernel`; `fwd_sm90_paired` re-exports it",
     "bwd_sm90_kv64": "delta 1's kernel class (the register split), a leaf below `bwd_sm90` and "
@@ -195,7 +198,7 @@ EXPERIMENTS: dict[str, str] = {
     "`fwd_sm90`'s `ForwardKernel`; `experimental.fwd_sm90_streams` re-exports it",
     "experimental.bwd_configs": "the KV64 backward's configurations that vsa-fa4 does not run "
     "by default (deltas 1 and 8): `EXPERIMENTAL_CONFIGS` under measurement, `ABLATIONS` (dQ "
-    "wrong on purpose, timing bounds), run through `bwd_sm90.configs_scope`",
+    "wrong on purpose, timing bounds), passed as `config=` to the KV64 backward",
 }
 """Modules of ``flash_attn_vsa.experimental`` that are no delta of their own: an experimental
 delta's body, and configurations of shipped deltas that are not routed."""

@@ -78,7 +78,7 @@ SYMBOLS: tuple[Symbol, ...] = (
         _IFACE,
         "_flash_attn_bwd",
         "backward entry point the adapter calls (dense and block-sparse); compile gate; "
-        "bwd_sm90 runs it with _tile_size_bwd_sm90 and FlashAttentionBackwardSm90 swapped "
+        "bwd_sm90 runs it with stand-ins for _tile_size_bwd_sm90 and FlashAttentionBackwardSm90 "
         "(it must look both up as module globals) and its compile_cache (in, get, set) scoped "
         "to our kernel class",
         source=True,
@@ -293,7 +293,7 @@ SYMBOLS: tuple[Symbol, ...] = (
         "flash_attn.cute.flash_fwd_sm90",
         "cpasync",
         "the module global the sm_90 forward builds its TMA atoms with; fwd_sm90_paired wraps "
-        "it (64 x 64 K/V boxes inside its scope)",
+        "it (64 x 64 K/V boxes while its kernel is built)",
     ),
     Symbol(
         "flash_attn.cute.flash_fwd_sm90",
@@ -306,7 +306,7 @@ SYMBOLS: tuple[Symbol, ...] = (
         "flash_attn.cute.flash_fwd_sm90",
         "SingleTileScheduler",
         "the module global the sm_90 forward's __call__ takes its tile scheduler from; "
-        "persistent_sm90 stands in for it inside persistent_tiles",
+        "persistent_sm90 stands in for it while a persistent kernel is built",
     ),
     Symbol(
         "flash_attn.cute.tile_scheduler",

@@ -1,8 +1,10 @@
 """The KV64 backward's tile configurations that ``vsa-fa4`` does not run by default (deltas 1
 and 8, `flash_attn_vsa.bwd_sm90`, `flash_attn_vsa.bwd_sm90_dq_parts`): those under measurement
 or kept for comparison (`EXPERIMENTAL_CONFIGS`) and those whose dQ is wrong on purpose, timing
-bounds only (`ABLATIONS`). ``bwd_sm90.configs_scope`` runs any of them in place of the shipped
-``bwd_sm90.config_for``; the compile gate compiles ``kv64-staged`` (``bwd-kv64+kv64-staged``).
+bounds only (`ABLATIONS`). Any of them runs in place of the shipped ``bwd_sm90.config_for``
+when passed as ``config=`` to ``bwd_sm90.block_sparse_backward_kv64`` (or
+``vsa_fa4.launch.run_backward``); the compile gate compiles ``kv64-staged``
+(``bwd-kv64+kv64-staged``).
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ EXPERIMENTAL_CONFIGS: dict[str, TileConfig] = {
     ),
 }
 """Configurations under measurement or kept for comparison (session 9), by name
-(`bwd_sm90_dq_parts`: the MMA warpgroup sends dQ in parts through buffers of its own);
-``bwd_sm90.configs_scope`` runs them."""
+(`bwd_sm90_dq_parts`: the MMA warpgroup sends dQ in parts through buffers of its own); passed
+as ``config=`` to ``bwd_sm90.block_sparse_backward_kv64``."""
 
 ABLATIONS: dict[str, TileConfig] = {
     "kv64-two-ctas-no-dq": replace(KV64_TWO_CTAS_BASE, dq_parts=2, ablate_dq=True),

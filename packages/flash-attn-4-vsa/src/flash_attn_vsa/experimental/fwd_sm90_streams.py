@@ -2,7 +2,7 @@
 per 64-row query block, run as 128-row tiles whose two MMA warpgroups each walk their own
 block's list. The fork's sixth delta (experimental: its GPU tests pass on an H200, which
 measured it at 0.69-0.76 of dense against the two-CTA kernel's 0.79, session 8; vsa-fa4 runs it
-only inside ``forward_variant(ForwardVariant(two_streams=True))``).
+only when asked, ``ForwardVariant(two_streams=True)`` passed to ``vsa_fa4.launch.run_forward``).
 
 Why: the two-CTA kernel (delta 2) gives an SM two MMA warpgroups but nothing makes them take
 turns, and each CTA lands its own keys; upstream's 128-row tiles (dense, and the paired-key
@@ -18,7 +18,7 @@ the two 64-row blocks of a tile keep their own lists:
   list, masked by `stream_mask_mod()`;
 - **producer**: the paired-key producer (`fwd_sm90_paired`, delta 4) loads each entry's ``a``
   into rows 0-63 and ``b`` into rows 64-127 of one key/value stage; the staged layouts are
-  built with twice the tile's 64 rows (`sm90_operands.staged_rows_hook`);
+  built with twice the tile's 64 rows (`sm90_operands`, from `ForwardKernel.staged_rows`);
 - **consumer**: upstream's 128x64 consumer, except that each warpgroup partitions its own half
   of every stage (`sm90_operands.partition_hooks`), so warpgroup 0 (the tile's rows 0-63)
   multiplies against ``a`` and warpgroup 1 against ``b``;
@@ -37,7 +37,6 @@ B = the transposed value stage), and the consumer warpgroups following the produ
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 from flash_attn_vsa.experimental.streams_sm90 import (  # the body's names, re-exported
@@ -46,7 +45,7 @@ from flash_attn_vsa.experimental.streams_sm90 import (  # the body's names, re-e
     stream_lists,
     stream_mask_mod,
 )
-from flash_attn_vsa.fwd_sm90 import TWO_STREAMS, ForwardKernel, forward_scope
+from flash_attn_vsa.fwd_sm90 import TWO_STREAMS, ForwardKernel, building
 from flash_attn_vsa.paired_sm90 import HEAD_DIM, KEY_BLOCK, NO_BLOCK, two_block_stage_forward
 
 __all__ = [
@@ -59,7 +58,6 @@ __all__ = [
     "mask_class",
     "stream_lists",
     "stream_mask_mod",
-    "streams_scope",
 ]
 
 
@@ -68,15 +66,6 @@ def kernel_class(q_in_registers: bool = False, persistent: bool | int = False) -
     stage; with ``q_in_registers`` QK^T reads Q from registers (delta 5), with ``persistent``
     its CTAs walk the tiles (delta 7)."""
     return ForwardKernel(TWO_STREAMS, q_in_registers, persistent).kernel_class()
-
-
-def streams_scope(
-    q_in_registers: bool = False, persistent: bool | int = False
-) -> contextlib.AbstractContextManager[None]:
-    """Within this block, on this thread, upstream's ``_flash_attn_fwd`` compiles and runs
-    ``kernel_class(q_in_registers, persistent)`` with key/value stages of two 64-token blocks
-    and 64 x 64 K/V boxes (from a compile cache of its own)."""
-    return forward_scope(ForwardKernel(TWO_STREAMS, q_in_registers, persistent))
 
 
 def block_sparse_forward_streams(
@@ -101,6 +90,6 @@ def block_sparse_forward_streams(
     5) and ``persistent`` (delta 7) as for the paired-key forward."""
     return two_block_stage_forward(
         q, k, v, block_sparse_tensors, kv_valid_sizes, BLOCK_SIZE, "two streams",
-        stream_mask_mod(), streams_scope(q_in_registers, persistent),
+        stream_mask_mod(), building(ForwardKernel(TWO_STREAMS, q_in_registers, persistent)),
         softmax_scale=softmax_scale, out=out, lse=lse,
     )  # fmt: skip

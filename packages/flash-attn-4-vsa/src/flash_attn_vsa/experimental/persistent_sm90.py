@@ -22,10 +22,12 @@ epilogue, session 8); `with_persistent_tiles` now gives O a buffer of its own (3
 128-row tile: the paired kernel's 160 KB become 192, the two-CTA kernel's 80 become 96 per
 CTA), so upstream's early release is safe and the next tile's Q loads during the epilogue.
 
-- `persistent_tiles(ctas)`: while open on this thread, upstream's forward module sees our
-  scheduler where it builds ``SingleTileScheduler`` (`install`, once per process; every other
-  caller gets upstream's class). The grid is ``min(ctas, tiles)``, decided when the kernel is
-  compiled (no device query, so a CPU compile works).
+- `install` (once per process): upstream's forward module sees our scheduler where it builds
+  ``SingleTileScheduler`` while a fork entry point builds a `fwd_sm90.ForwardKernel` with
+  ``persistent`` CTAs on the calling thread (`build_scope.current`; the entry points take
+  ``persistent=`` as an argument); every other caller gets upstream's class. The grid is
+  ``min(ctas, tiles)``, decided when the kernel is compiled (no device query, so a CPU compile
+  works).
 - `with_persistent_tiles(base)`: the kernel class whose shared storage has its own O buffer
   (`storage_with_separate_o`).
 
@@ -40,30 +42,16 @@ warp that issued it meets the others at the next epilogue's barrier).
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
-from flash_attn_vsa.sm90_operands import pushed, thread_stack
+from flash_attn_vsa.build_scope import current
 
 __all__ = [
     "install",
-    "persistent_tiles",
     "scheduler_class",
     "storage_with_separate_o",
     "with_persistent_tiles",
 ]
-
-
-@contextmanager
-def persistent_tiles(ctas: int) -> Iterator[None]:
-    """While open on this thread, upstream's sm_90 forward schedules its tiles over ``ctas``
-    persistent CTAs."""
-    if isinstance(ctas, bool) or not isinstance(ctas, int) or ctas < 1:
-        raise ValueError(f"ctas must be a positive int, got {ctas!r}")
-    install()
-    with pushed("ctas", ctas):
-        yield
 
 
 @functools.cache
@@ -84,14 +72,15 @@ def scheduler_class(ctas: int) -> type:
 
 class _SchedulerChoice:
     """``SingleTileScheduler`` as upstream's forward module sees it: upstream's class, or
-    `scheduler_class` while `persistent_tiles` is open on the calling thread."""
+    `scheduler_class` of the kernel's CTAs while a fork entry point builds a persistent
+    `fwd_sm90.ForwardKernel` on the calling thread."""
 
     def __init__(self, upstream: type) -> None:
         self.upstream = upstream
 
     def _current(self) -> type:
-        ctas = thread_stack("ctas")
-        return scheduler_class(ctas[-1]) if ctas else self.upstream
+        kernel = current("fwd")
+        return scheduler_class(kernel.persistent) if kernel and kernel.persistent else self.upstream
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._current(), name)
@@ -164,7 +153,7 @@ def storage_with_separate_o(upstream_struct: Any, dtype: Any, o_cosize: Any, ali
 @functools.cache
 def with_persistent_tiles(base: type) -> type:
     """A subclass of the sm_90 forward kernel class ``base`` that stages O in a buffer of its
-    own (safe under `persistent_tiles`: upstream hands Q back to the producer before its
+    own (safe on persistent CTAs: upstream hands Q back to the producer before its
     epilogue, so the next tile's Q loads while this tile's O is written and stored)."""
 
     class PersistentTilesForward(base):  # type: ignore[misc, valid-type]

@@ -5,7 +5,7 @@ every stage).
 
 Below `flash_attn_vsa.fwd_sm90` (whose `ForwardKernel` builds these classes), above
 `flash_attn_vsa.paired_sm90` and `flash_attn_vsa.sm90_operands`. The entry points
-(`streams_scope`, `block_sparse_forward_streams`, `kernel_class`) and the delta's description
+(`block_sparse_forward_streams`, `kernel_class`) and the delta's description
 are in `fwd_sm90_streams`, which re-exports this module's names.
 """
 
