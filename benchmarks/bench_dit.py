@@ -145,6 +145,23 @@ def measure(fn, device: torch.device, reps: int) -> dict[str, Any]:
     return {**views, "peak_extra_mib": peak, "alloc_retries": retries}
 
 
+def profile_step(fn, path: str) -> None:
+    """One step under torch.profiler: its CUDA kernels by total time, to ``path``."""
+    import os
+
+    from torch.profiler import ProfilerActivity, profile
+
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(
+        sort_by="cuda_time_total", row_limit=40, max_name_column_width=90
+    )
+    with open(path, "w") as f:
+        f.write(table)
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
@@ -167,6 +184,13 @@ def main() -> int:
     )
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument(
+        "--profile",
+        default=None,
+        metavar="DIR",
+        help="after timing each arm, profile one step (torch.profiler) and write its "
+        "kernel table to DIR/<mode>-<way>-<arm>.txt",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -198,6 +222,8 @@ def main() -> int:
                     try:
                         fn = step_fn(runner, inputs, mode)
                         arms[arm] = measure(fn, device, args.reps)
+                        if args.profile:
+                            profile_step(fn, f"{args.profile}/{mode}-{way}-{arm}.txt")
                     except Exception as exc:  # a failure is a finding: record it, go on
                         arms[arm] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
                     finally:
