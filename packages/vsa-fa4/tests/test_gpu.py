@@ -116,6 +116,42 @@ def check_backward(grads, ref_grads):
 
 
 # ---- forward and backward vs the reference, every block shape ------------------------------
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or _capability() != (9, 0), reason="the fork's kernels: sm_90"
+)
+@pytest.mark.parametrize(
+    "forward,backward",
+    [("streams+qregs", "kv64-staged"), ("persistent", "kv64-dq-2parts-two-ctas"),
+     ("no-qregs", None)],
+)  # fmt: skip
+def test_explicit_kernel_choices_match_the_reference(forward, backward):
+    """A backend carrying a `KernelChoice` (forward variant, backward tile configuration) runs
+    those kernels through the whole op, passed down as arguments (issue 23), and they match the
+    reference like the shipped ones."""
+    from flash_attn_vsa.experimental.bwd_configs import EXPERIMENTAL_CONFIGS
+    from vsa_core.backends import register_backend, unregister_backend
+    from vsa_fa4.launch import ForwardVariant, KernelChoice
+
+    if forward == "no-qregs":
+        variant = ForwardVariant(q_in_registers=False)
+    else:
+        variant = ForwardVariant.from_names(forward.split("+"))
+    config = None if backward is None else EXPERIMENTAL_CONFIGS[backward]
+    name = f"fa4-test-{forward}-{backward}"
+    register_backend(FA4Backend(kernels=KernelChoice(variant, config), name=name))
+    try:
+        layout = make_layout((64, 64))
+        q, k, v = make_inputs(layout)
+        out, lse = block_sparse_attn(q, k, v, layout, backend=name)
+        dout = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        ref_out, ref_lse, ref_grads = reference(q, k, v, layout, dout)
+        check_forward(out.detach(), lse, ref_out, ref_lse, layout)
+        check_backward(grads, ref_grads)
+    finally:
+        unregister_backend(name)
+
+
 @pytest.mark.parametrize("block_shape", BLOCK_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_forward_and_backward_match_the_reference(block_shape):
     reason = _refusal(block_shape)
