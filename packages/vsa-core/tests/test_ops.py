@@ -512,3 +512,33 @@ def test_video_sparse_attn_bhsd_error_names_bhsd():
         video_sparse_attn(q, q, q, topk=1, tiling=TILING)  # read as BSHD: seq 2
     with pytest.raises(ValueError, match="k must have q's number of heads"):
         video_sparse_attn(q, q[:, :1], q[:, :1], topk=1, tiling=TILING, qkv_format="bhsd")
+
+
+def test_raster_order_asks_for_no_clean_copies_and_keeps_the_gradients(monkeypatch):
+    """Tiles the op makes from raster tokens hold zeros in their padding, so it asks the coarse
+    stage for no zero-padded copies (training included, where tile-order inputs need them);
+    output and gradients still equal the tiled call's on the same zero-padded tiles."""
+    from vsa_core.coarse import TorchCoarse
+
+    asked = []
+    original = TorchCoarse.pool_and_clean
+
+    def recording(self, q, k, v, valid_sizes, clean, padding_index):
+        asked.append(tuple(clean))
+        return original(self, q, k, v, valid_sizes, clean, padding_index)
+
+    monkeypatch.setattr(TorchCoarse, "pool_and_clean", recording)
+    tiling = VideoTiling((3, 5, 6), (2, 2, 4))
+    gen = _gen(11)
+    raster = [_randn(gen, 1, tiling.seq_len, 2, 4).requires_grad_() for _ in range(3)]
+    tiled = [tiling.to_tiles(t.detach()).requires_grad_() for t in raster]
+    dout = _randn(gen, 1, tiling.seq_len, 2, 4)
+    out = video_sparse_attn(*raster, topk=3, tiling=tiling, token_order="raster")
+    grads = torch.autograd.grad(out, raster, dout)
+    assert asked == [(False, False, False)]
+    out_t = video_sparse_attn(*tiled, topk=3, tiling=tiling)
+    grads_t = torch.autograd.grad(out_t, tiled, tiling.to_tiles(dout))
+    assert asked[1] != (False, False, False), "tile-order inputs with padding must be cleaned"
+    torch.testing.assert_close(out, tiling.from_tiles(out_t), rtol=0, atol=1e-12)
+    for g, g_t in zip(grads, grads_t, strict=True):
+        torch.testing.assert_close(g, tiling.from_tiles(g_t), rtol=0, atol=1e-12)

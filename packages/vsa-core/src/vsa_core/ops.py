@@ -198,7 +198,9 @@ def video_sparse_attn(
     block_shape = (tile_tokens, tile_tokens)
     chosen = _backend_for(q, k, v, block_shape, 1, all_full, backend, deterministic)
     training = _requires_grad(q, k, v) or (gate is not None and _requires_grad(gate))
-    clean = _inputs_to_clean(all_full, training, chosen.key_padding_safe)
+    # tiles made here from raster tokens hold zeros in their padding: nothing to clean
+    padding_is_zero = all_full or token_order == "raster"
+    clean = _inputs_to_clean(padding_is_zero, training, chosen.key_padding_safe)
     padding_index = None if tiling is None else tiling.indices(q.device).padding_index
     stage = coarse_stage(coarse_backend, q)
     if deterministic and stage.name not in DETERMINISTIC_COARSE_STAGES:
@@ -218,7 +220,7 @@ def video_sparse_attn(
         selection = stage.select(q_pooled, k_pooled, valid_sizes, topk)
     layout = layout_from_selection(selection, valid_sizes, tile_tokens, all_full=all_full)
     fine, _ = chosen.forward(q_fine, k_fine, v_fine, layout, scale)
-    gate_padding_as_zero = training and seq_gate and not all_full
+    gate_padding_as_zero = training and seq_gate and not padding_is_zero
     out = stage.combine(fine, coarse, gate, valid_sizes, gate_padding_as_zero, padding_index)
 
     if token_order == "raster":
@@ -271,13 +273,14 @@ def _requires_grad(*tensors: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
-def _inputs_to_clean(all_full: bool, training: bool, key_padding_safe: bool):
-    """Which of q, k, v the fine backend must read with their padding slots zeroed. When
+def _inputs_to_clean(padding_is_zero: bool, training: bool, key_padding_safe: bool):
+    """Which of q, k, v the fine backend must read with their padding slots zeroed (none when
+    there is no padding or the op made it: `VideoTiling.to_tiles` pads with zeros). When
     gradients flow, query padding rows feed dK and dV in every backend's backward; key padding
     only reaches backends that multiply it by zero probabilities (``key_padding_safe`` False):
     V always, K when gradients flow (its scores are masked by selection; dQ = dS K with dS = 0
     there, and 0 * NaN is NaN). Pooling never reads padding, so the coarse stage needs none."""
-    if all_full:
+    if padding_is_zero:
         return (False, False, False)
     return (training, training and not key_padding_safe, not key_padding_safe)
 
