@@ -181,6 +181,35 @@ def test_torch_compile_fullgraph_traces_the_adapter(fa4_model):
         torch.testing.assert_close(got.grad, want.grad, rtol=1e-9, atol=1e-9)
 
 
+def test_torch_compile_fullgraph_takes_an_explicit_kernel_choice(fa4_model, monkeypatch):
+    """A non-shipped `KernelChoice` reaches the launches under ``torch.compile`` too (one graph:
+    its string is a constant of the traced call)."""
+    from flash_attn_vsa.experimental.bwd_configs import EXPERIMENTAL_CONFIGS
+
+    seen = []
+    run_fwd, run_bwd = fa4_model.run_forward, fa4_model.run_backward
+    monkeypatch.setattr(
+        launch, "run_forward", lambda *a, **k: (seen.append(k["variant"]), run_fwd(*a, **k))[1]
+    )
+    monkeypatch.setattr(
+        launch, "run_backward", lambda *a, **k: (seen.append(k["config"]), run_bwd(*a, **k))[1]
+    )
+    staged = EXPERIMENTAL_CONFIGS["kv64-staged"]
+    choice = launch.KernelChoice(launch.ForwardVariant(two_streams=True), staged)
+    layout = counted_layout((64, 64), num_q=4)
+    plan = make_plan(layout.block_shape)
+
+    def layer(q, k, v, kv_indices, kv_counts, kv_valid_sizes):
+        out, _ = ops.attention(
+            q * 1.0, k, v, kv_indices, kv_counts, kv_valid_sizes, 0.25, plan, 1, False, choice
+        )
+        return (out**2).sum()
+
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    compiled(*inputs(layout), layout.kv_indices, layout.kv_counts, layout.kv_valid_sizes).backward()
+    assert seen and seen == [choice.forward, staged]
+
+
 def recording(fa4_model, monkeypatch):
     """Record the block size and ``masked`` flag of every launch the adapter makes."""
     from vsa_fa4 import launch

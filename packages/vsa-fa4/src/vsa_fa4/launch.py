@@ -117,13 +117,17 @@ class KernelChoice:
 
             if not isinstance(self.backward, TileConfig):
                 raise ValueError(f"backward must be a TileConfig or None, got {self.backward!r}")
+        key = ""
+        if self.forward != SHIPPED_FORWARD or self.backward is not None:
+            backward = None if self.backward is None else asdict(self.backward)
+            data = {"forward": asdict(self.forward), "backward": backward}
+            key = json.dumps(data, sort_keys=True)
+        object.__setattr__(self, "_key", key)  # not a field: made once, read when traced
 
     def encode(self) -> str:
-        """This choice as a string (a custom op argument); `decode` reverses it."""
-        if self == SHIPPED:
-            return ""
-        backward = None if self.backward is None else asdict(self.backward)
-        return json.dumps({"forward": asdict(self.forward), "backward": backward}, sort_keys=True)
+        """This choice as a string (a custom op argument; made once, when the choice is made,
+        so that ``torch.compile`` reads a constant); `decode` reverses it."""
+        return self._key  # type: ignore[attr-defined]
 
     @staticmethod
     def decode(key: str) -> KernelChoice:
