@@ -67,7 +67,7 @@ def test_upstream_builds_the_config_only_inside_building_and_only_on_its_thread(
     upstream_class = interface.FlashAttentionBackwardSm90.__mro__[1]
     upstream_cfg = interface._tile_size_bwd_sm90(128, 128, False, False)
     seen_elsewhere = []
-    with bwd_sm90.building(staged):
+    with bwd_sm90._building(staged):
         assert bwd_sm90._building_class() is bwd_sm90.kernel_class()
         inside = interface._tile_size_bwd_sm90(128, 128, False, False)
         assert (inside.m_block_size, inside.n_block_size, inside.num_wg) == (64, 64, 1)
@@ -132,7 +132,7 @@ def test_two_threads_build_their_own_configs_through_the_entry_point(monkeypatch
 
 
 def test_building_refuses_what_it_cannot_run():
-    with pytest.raises(ValueError, match="TileConfig"), bwd_sm90.building("kv64-staged"):
+    with pytest.raises(ValueError, match="TileConfig"), bwd_sm90._building("kv64-staged"):
         pass
 
 

@@ -32,7 +32,7 @@ def test_scope_picks_kernel_class_and_cache_per_thread():
     import flash_attn.cute.interface as interface
     from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90
 
-    with fwd_sm90.building(fwd_sm90.ForwardKernel(fwd_sm90.TWO_CTAS)):
+    with fwd_sm90._building(fwd_sm90.ForwardKernel(fwd_sm90.TWO_CTAS)):
         inside = fwd_sm90._current_kernel_class()
         interface._flash_attn_fwd.compile_cache["test-key"] = "ours"
         seen = {}
@@ -49,7 +49,7 @@ def test_scope_picks_kernel_class_and_cache_per_thread():
     assert fwd_sm90._current_kernel_class() is FlashAttentionForwardSm90
     assert seen == {"class": FlashAttentionForwardSm90, "has_key": False}  # upstream's there
     assert "test-key" not in interface._flash_attn_fwd.compile_cache
-    with fwd_sm90.building(fwd_sm90.ForwardKernel(fwd_sm90.TWO_CTAS)):
+    with fwd_sm90._building(fwd_sm90.ForwardKernel(fwd_sm90.TWO_CTAS)):
         assert interface._flash_attn_fwd.compile_cache["test-key"] == "ours"
         own = interface._flash_attn_fwd.compile_cache.own
         del own[fwd_sm90.ForwardKernel(fwd_sm90.TWO_CTAS)]["test-key"]
@@ -61,11 +61,11 @@ def test_scope_picks_kernel_class_and_cache_per_thread():
 def test_q_in_registers_scope_has_its_own_class_and_cache():
     import flash_attn.cute.interface as interface
 
-    with fwd_sm90.building(fwd_sm90.ForwardKernel(fwd_sm90.TWO_CTAS, q_in_registers=True)):
+    with fwd_sm90._building(fwd_sm90.ForwardKernel(fwd_sm90.TWO_CTAS, q_in_registers=True)):
         inside = fwd_sm90._current_kernel_class()
         assert build_scope.current("fwd") == fwd_sm90.ForwardKernel("two_ctas", True)
         interface._flash_attn_fwd.compile_cache["test-key"] = "q in registers"
-        with fwd_sm90.building(
+        with fwd_sm90._building(
             fwd_sm90.ForwardKernel(fwd_sm90.TWO_CTAS)
         ):  # the plain two-CTA kernels never share its entries
             assert "test-key" not in interface._flash_attn_fwd.compile_cache

@@ -135,7 +135,7 @@ def test_scope_swaps_mask_class_and_tma_boxes_only_inside_and_only_for_its_threa
 
     from flash_attn_vsa import mask_sm90
 
-    with fwd_sm90.building(fwd_sm90.ForwardKernel(fwd_sm90.PAIRED_KEYS)):
+    with fwd_sm90._building(fwd_sm90.ForwardKernel(fwd_sm90.PAIRED_KEYS)):
         assert build_scope.current("fwd") == fwd_sm90.ForwardKernel(fwd_sm90.PAIRED_KEYS)
         assert fwd_sm90._current_kernel_class() is paired().kernel_class()
         assert type(fwd_module.AttentionMask(64, 128, None)) is paired().mask_class()
@@ -153,11 +153,11 @@ def test_scope_swaps_mask_class_and_tma_boxes_only_inside_and_only_for_its_threa
     assert build_scope.current("fwd") is None
     assert type(fwd_module.AttentionMask(64, 128, None)) is mask_sm90.mask_class()
     with (
-        fwd_sm90.building(fwd_sm90.ForwardKernel(fwd_sm90.TWO_CTAS)),
-        fwd_sm90.building(fwd_sm90.ForwardKernel(fwd_sm90.PAIRED_KEYS)),
+        fwd_sm90._building(fwd_sm90.ForwardKernel(fwd_sm90.TWO_CTAS)),
+        fwd_sm90._building(fwd_sm90.ForwardKernel(fwd_sm90.PAIRED_KEYS)),
     ):  # innermost wins
         assert fwd_sm90._current_kernel_class() is paired().kernel_class()
-    with pytest.raises(ValueError, match="kernel must be"), fwd_sm90.building("paired"):
+    with pytest.raises(ValueError, match="kernel must be"), fwd_sm90._building("paired"):
         pass
     with pytest.raises(ValueError, match="kind must be one of"):
         fwd_sm90.ForwardKernel("paired")
@@ -167,7 +167,7 @@ def test_scope_swaps_mask_class_and_tma_boxes_only_inside_and_only_for_its_threa
 def test_q_in_registers_scope_is_a_paired_scope_with_its_own_class():
     import flash_attn.cute.flash_fwd_sm90 as fwd_module
 
-    with fwd_sm90.building(fwd_sm90.ForwardKernel(fwd_sm90.PAIRED_KEYS, True)):
+    with fwd_sm90._building(fwd_sm90.ForwardKernel(fwd_sm90.PAIRED_KEYS, True)):
         assert build_scope.current("fwd") == fwd_sm90.ForwardKernel("paired_keys", True)
         cls = fwd_sm90._current_kernel_class()
         assert type(fwd_module.AttentionMask(64, 128, None)) is paired().mask_class()

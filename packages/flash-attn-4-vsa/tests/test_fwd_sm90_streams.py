@@ -129,7 +129,7 @@ def test_building_picks_the_streams_class_mask_and_two_block_stages():
     from flash_attn_vsa import fwd_sm90_paired
 
     for q_in_registers in (False, True):
-        with fwd_sm90.building(fwd_sm90.ForwardKernel(fwd_sm90.TWO_STREAMS, q_in_registers)):
+        with fwd_sm90._building(fwd_sm90.ForwardKernel(fwd_sm90.TWO_STREAMS, q_in_registers)):
             assert build_scope.current("fwd") == fwd_sm90.ForwardKernel(
                 "two_streams", q_in_registers
             )

@@ -27,7 +27,7 @@ def test_upstream_sees_our_scheduler_only_while_building_a_persistent_kernel_on_
 
     persistent().install()
     seen = {}
-    with fwd_sm90.building(fwd_sm90.ForwardKernel(fwd_sm90.TWO_CTAS, persistent=7)):
+    with fwd_sm90._building(fwd_sm90.ForwardKernel(fwd_sm90.TWO_CTAS, persistent=7)):
         inside = fwd_module.SingleTileScheduler.get_grid_shape
         other = threading.Thread(
             target=lambda: seen.update(grid=fwd_module.SingleTileScheduler.get_grid_shape)
@@ -38,7 +38,7 @@ def test_upstream_sees_our_scheduler_only_while_building_a_persistent_kernel_on_
     assert issubclass(persistent().scheduler_class(7), StaticPersistentTileScheduler)
     assert seen["grid"] is SingleTileScheduler.get_grid_shape
     assert fwd_module.SingleTileScheduler.create is SingleTileScheduler.create
-    with fwd_sm90.building(fwd_sm90.ForwardKernel(fwd_sm90.TWO_CTAS)):  # not persistent
+    with fwd_sm90._building(fwd_sm90.ForwardKernel(fwd_sm90.TWO_CTAS)):  # not persistent
         assert fwd_module.SingleTileScheduler.get_grid_shape is SingleTileScheduler.get_grid_shape
 
 
@@ -79,7 +79,7 @@ def test_forward_kernels_store_their_persistent_ctas():
 def test_building_a_persistent_kernel_builds_the_persistent_class():
     from flash_attn_vsa.experimental import fwd_sm90_streams
 
-    with fwd_sm90.building(fwd_sm90.ForwardKernel(fwd_sm90.TWO_STREAMS, persistent=5)):
+    with fwd_sm90._building(fwd_sm90.ForwardKernel(fwd_sm90.TWO_STREAMS, persistent=5)):
         assert build_scope.current("fwd").persistent == 5
         cls = fwd_sm90._current_kernel_class()
     assert build_scope.current("fwd") is None

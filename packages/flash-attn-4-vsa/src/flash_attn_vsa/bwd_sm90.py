@@ -35,7 +35,7 @@ mask_mod on partial blocks) is upstream's.
 Upstream internals this relies on (fingerprinted in ``upstream_api.json``):
 ``interface._tile_size_bwd_sm90`` and ``interface.FlashAttentionBackwardSm90`` (looked up as
 module globals by ``_flash_attn_bwd`` when it builds a kernel: it takes neither as an argument,
-so stand-ins there ask what the entry point on this thread is building, `building` over
+so stand-ins there ask what the entry point on this thread is building, `_building` over
 `flash_attn_vsa.build_scope`), ``BwdConfig``'s fields, and
 ``FlashAttentionBackwardSm90._setup_attributes`` running after its register split is chosen.
 Upstream's compile cache keys the configuration (tile shape, stages, layouts, thread count) but
@@ -71,7 +71,6 @@ __all__ = [
     "Q128_KV64_CONFIG",
     "TileConfig",
     "block_sparse_backward_kv64",
-    "building",
     "check_call",
     "config_for",
 ]
@@ -192,7 +191,7 @@ def _building_config(*args: Any, **kwargs: Any) -> Any:
 def _install() -> None:
     """Once per process: upstream's sm_90 backward takes its configuration (``BwdConfig``), its
     kernel class and its compile cache from the `TileConfig` a fork entry point is building on
-    the calling thread (`building`), and exactly what it took before everywhere else (other
+    the calling thread (`_building`), and exactly what it took before everywhere else (other
     callers of upstream, other threads)."""
     import flash_attn.cute.interface as interface
 
@@ -220,7 +219,7 @@ def _building_class() -> type | None:
 
 
 @contextmanager
-def building(config: TileConfig) -> Iterator[None]:
+def _building(config: TileConfig) -> Iterator[None]:
     """For the fork's backward entry point only: within this block, on this thread, upstream's
     ``_flash_attn_bwd`` builds its sm_90 kernel with ``config`` and its kernel class
     (`TileConfig.kernel_class`), compiled into that class's own cache (upstream takes neither
@@ -268,7 +267,7 @@ def block_sparse_backward_kv64(
 
     block_size = tuple(block_sparse_tensors.block_size or ())
     check_call(q, k, v, block_size, BWD_BLOCK_SIZES)
-    with building(config_for(block_size) if config is None else config):
+    with _building(config_for(block_size) if config is None else config):
         grads = _flash_attn_bwd(
             q,
             k,

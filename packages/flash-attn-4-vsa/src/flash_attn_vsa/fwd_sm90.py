@@ -20,7 +20,7 @@ upstream's), `block_sparse_forward_q64` runs upstream's ``_flash_attn_fwd`` with
 also describes every fork forward as a frozen value, `ForwardKernel` (kind, Q in registers,
 persistent CTAs), which the fork's forward entry points (this one, `fwd_sm90_paired`'s,
 `experimental.fwd_sm90_streams`') build from their arguments and have upstream build through
-`building` (`flash_attn_vsa.build_scope`: upstream's launcher takes its kernel class from a
+`_building` (`flash_attn_vsa.build_scope`: upstream's launcher takes its kernel class from a
 module global, so a stand-in there asks what the entry point on this thread is building).
 Upstream's compile cache key does not include the kernel class, so such kernels are compiled
 into and looked up in a cache of their own.
@@ -56,7 +56,6 @@ __all__ = [
     "KINDS",
     "ForwardKernel",
     "block_sparse_forward_q64",
-    "building",
     "check_call",
     "kernel_class",
     "sm_count",
@@ -215,7 +214,7 @@ def _install() -> None:
 
 
 @contextmanager
-def building(kernel: ForwardKernel) -> Iterator[None]:
+def _building(kernel: ForwardKernel) -> Iterator[None]:
     """For the fork's forward entry points only: within this block, on this thread, upstream's
     ``_flash_attn_fwd`` compiles and runs its sm_90 forward as ``kernel``
     (`ForwardKernel.kernel_class`), from that kernel's own compile cache; the two-stream
@@ -282,7 +281,7 @@ def block_sparse_forward_q64(
     from flash_attn.cute.interface import _flash_attn_fwd
 
     check_call(q, k, v, tuple(block_sparse_tensors.block_size or ()))
-    with building(ForwardKernel(TWO_CTAS, q_in_registers, persistent)):
+    with _building(ForwardKernel(TWO_CTAS, q_in_registers, persistent)):
         result = _flash_attn_fwd(
             q,
             k,

@@ -23,7 +23,7 @@ and partial blocks):
   its partial ("mask") list with `pair_mask_mod()`, which keeps columns ``c < valid[a]`` and
   ``64 <= c < 64 + valid[b]`` (two R2P ranges; valid sizes [NKV] int32 as
   ``aux_tensors[0]``);
-- while `block_sparse_forward_paired` has upstream build the kernel (`fwd_sm90.building`),
+- while `block_sparse_forward_paired` has upstream build the kernel (`fwd_sm90._building`),
   upstream's forward builds its mask from `mask_class()` (the `ForwardKernel.mask_class`),
   which applies that mask_mod and skips upstream's sequence-length mask of a row's first tile
   (list entries are packed pairs, not tile indices; every key a pair names lies inside K).
@@ -44,7 +44,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from flash_attn_vsa.fwd_sm90 import PAIRED_KEYS, ForwardKernel, building
+from flash_attn_vsa.fwd_sm90 import PAIRED_KEYS, ForwardKernel, _building
 from flash_attn_vsa.paired_sm90 import (  # re-exported: this module's names before the split
     BLOCK_SIZE,
     HEAD_DIM,
@@ -129,7 +129,7 @@ def block_sparse_forward_paired(
     tiles (delta 7); both experimental until measured."""
     return two_block_stage_forward(
         q, k, v, block_sparse_tensors, kv_valid_sizes, BLOCK_SIZE, "paired keys",
-        pair_mask_mod(), building(ForwardKernel(PAIRED_KEYS, q_in_registers, persistent)),
+        pair_mask_mod(), _building(ForwardKernel(PAIRED_KEYS, q_in_registers, persistent)),
         softmax_scale=softmax_scale,
         out=out,
         lse=lse,

@@ -424,7 +424,7 @@ def two_block_stage_forward(
     """Check the arguments of a forward whose key/value stages hold two 64-token blocks (this
     delta's and the two-stream one's: ``block_size`` as FA4 sees it, head dim `HEAD_DIM`, one
     valid size per key block; ``what`` names it in errors), then run upstream's
-    ``_flash_attn_fwd`` inside ``scope`` (the entry point's `fwd_sm90.building` of its kernel)
+    ``_flash_attn_fwd`` inside ``scope`` (the entry point's `fwd_sm90._building` of its kernel)
     with ``mask_mod`` on the partial list."""
     from flash_attn.cute.interface import _flash_attn_fwd
 
