@@ -285,3 +285,45 @@ def test_block_sparse_attn_reruns_bitwise_equal_on_cpu():
 
     for a, b in zip(run(), run(), strict=True):
         assert torch.equal(a, b)
+
+
+class _Done:
+    def wait(self):
+        return None
+
+
+def test_sequence_parallel_op_routes_the_flag(fresh_registry, monkeypatch):
+    """The Ulysses op on a pretend group of 2 (its exchanges replaced by copies: this tests
+    where the flag goes, not the exchange): ``auto`` is decided with the flag, every step's op
+    runs with it, and a named backend that cannot run it raises."""
+    from vsa_core import distributed
+
+    def fake_all_to_all(recv, send, group=None, async_op=False):
+        recv.copy_(send)
+        return _Done()
+
+    monkeypatch.setattr(distributed, "_rank_and_world", lambda group: (0, 2))
+    monkeypatch.setattr(distributed.dist, "all_to_all_single", fake_all_to_all)
+    picky = Recorder("picky", refuse_deterministic=True)
+    register_backend(picky)
+    tiling = VideoTiling((4, 8, 8), tile_shape=(4, 4, 4))  # 4 tiles, 2 per rank
+    gen = torch.Generator().manual_seed(5)
+    shard = (1, tiling.padded_len // 2, 4, 16)
+    q, k, v = (torch.randn(shard, generator=gen).requires_grad_() for _ in range(3))
+
+    def run(**kwargs):
+        out = distributed.sequence_parallel_video_sparse_attn(
+            q, k, v, topk=2, tiling=tiling, head_chunk=1, **kwargs
+        )
+        return [out, *torch.autograd.grad(out, (q, k, v), torch.ones_like(out))]
+
+    run()
+    assert picky.calls == 2  # one step per local head
+    first = run(deterministic=True)
+    assert picky.calls == 2  # auto, decided with the flag, went elsewhere
+    for a, b in zip(first, run(deterministic=True), strict=True):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match=r"backend='picky' cannot run this call: .*determin"):
+        run(backend="picky", deterministic=True)
+    with pytest.raises(ValueError, match="deterministic must be True or False"):
+        run(deterministic="no")
