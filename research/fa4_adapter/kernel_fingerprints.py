@@ -21,6 +21,17 @@ Routes:
 
     uv run python -m research.fa4_adapter.kernel_fingerprints --out fp.json [--jobs 2] [-r ROUTE]
     uv run python -m research.fa4_adapter.kernel_fingerprints --compare before.json after.json
+
+For issue 23 (2026-12-01) each side ran from a worktree of its commit (677f3af before, afbce15
+after), the packages taken from it ahead of the editable installs::
+
+    git worktree add --detach /tmp/before 677f3af   # then copy this script into it
+    cd /tmp/before && PYTHONPATH=$PWD/packages/flash-attn-4-vsa/src:$PWD/packages/vsa-fa4/src:\
+        $PWD/packages/vsa-core/src /path/to/.venv/bin/python -m \
+        research.fa4_adapter.kernel_fingerprints --out before.json
+
+43/43 routes compiled to the same PTX and the same kernel classes
+(``results/2026-12-01-kernel-fingerprints-issue23.txt`` and the two JSON files beside it).
 """
 
 from __future__ import annotations
