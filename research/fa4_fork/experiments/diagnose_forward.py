@@ -7,9 +7,9 @@ says whether the error sits in one warpgroup's rows (a tile's first or second 64
 whose two lists differ in length (`NO_BLOCK` padding), in blocks with partial keys, or
 everywhere, instead of one relative-L2 number. Each arm runs vsa-fa4's real forward path
 (`vsa_fa4.launch.run_forward`, partial key blocks masked) with the arm's
-`vsa_fa4.launch.ForwardVariant` passed as ``variant``, into NaN-poisoned outputs, on the fork's GPU-test case
-(`tests/sm90_cases.py`: S=1536, H=3, 64-row query block i selects i % 6 key blocks, key
-blocks full, partial or empty). ::
+`vsa_fa4.launch.ForwardVariant` passed as ``variant``, into NaN-poisoned outputs, on the
+fork's GPU-test case (`tests/sm90_cases.py`: S=1536, H=3, 64-row query block i selects i % 6
+key blocks, key blocks full, partial or empty). ::
 
     python3 -m research.fa4_fork.experiments.diagnose_forward --out DIR \\
         --arms streams streams+qregs streams+persistent 128x64+persistent   # H200
