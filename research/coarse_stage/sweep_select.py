@@ -3,8 +3,8 @@
     python3 research/coarse_stage/sweep_select.py --out select_sweep.json
 
 For each latent (Wan 2.1 480p and 720p, HunyuanVideo 720p with their head counts, 64-token
-tiles, 87.5% sparse), the shipped config and the k-th key searches it offers (one or two
-bits a pass, with or without early exit), times ``select_with`` on random pooled
+tiles, 87.5% sparse), the shipped config, the same without (or with) early exit, and two
+other query tiles per program, times ``select_with`` on random pooled
 bf16 tensors (median of CUDA-event timings over back-to-back calls) and checks that every config
 picks the same tiles as the shipped one.
 """
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import itertools
 import json
 import statistics
 from pathlib import Path
@@ -21,7 +20,7 @@ from pathlib import Path
 import torch
 
 from vsa_core import VideoTiling
-from vsa_triton.coarse import SELECT, SelectConfig, select_with
+from vsa_triton.coarse import SELECT, select_with
 
 LATENTS = {"wan480p": ((21, 30, 52), 12), "wan720p": ((21, 45, 80), 40),
            "hunyuan720p": ((33, 45, 80), 24)}  # fmt: skip
@@ -58,18 +57,9 @@ def main() -> None:
                   for _ in range(2))  # fmt: skip
         topk = max(1, round(n * 0.125))
         want = select_with(qp, kp, valid, topk, SELECT)
-        searches = [
-            SelectConfig(bits_per_pass=bits, early_exit=exit_early)
-            for bits, exit_early in itertools.product((1, 2), (False, True))
+        configs = [SELECT, dataclasses.replace(SELECT, early_exit=not SELECT.early_exit)] + [
+            dataclasses.replace(SELECT, block_m=block_m) for block_m in (4, 16)
         ]
-        configs = (
-            [SELECT]
-            + [c for c in searches if c != SELECT]
-            + [
-                SelectConfig(block_m=block_m, bits_per_pass=2, early_exit=True)
-                for block_m in (4, 16)
-            ]
-        )
         for config in configs:
             got = select_with(qp, kp, valid, topk, config)
             call = (qp, kp, valid, topk, config)

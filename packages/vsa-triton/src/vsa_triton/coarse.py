@@ -46,22 +46,20 @@ class SelectConfig:
     after the other, so more, smaller programs run faster until the pooled keys each program
     reads from L2 dominate; 8 warps were slower everywhere. A radix search (four 8-bit histogram
     passes, row by row) picked the same lists but ran 1.4-2.6x slower at every latent
-    (`benchmarks/results/2026-12-01-h200-sweep_select-radix.json`) and was removed."""
+    (`benchmarks/results/2026-12-01-h200-sweep_select-radix.json`) and was removed. Bisection
+    with early exit (`early_exit`) ran 0.176 / 1.71 / 2.63 ms at Wan 480p / 720p / Hunyuan in the
+    sweep of `benchmarks/results/2026-12-01-h200-sweep_select-early-exit.json`, where the same
+    kernel's 32 full passes took 0.266 / 3.35 / 5.38 ms (its int64 keys cost 1.4-1.8x over the
+    int32 bisection measured before, 0.186 / 1.91 / 3.34 ms in an earlier sitting, which early
+    exit more than wins back); three thresholds a pass (packed counts) were slower still."""
 
     block_m: int = 8
     block_n: int = 64
     elements_per_step: int = 2048
     num_warps: int = 4
-    bits_per_pass: int = 1
-    """Bits of the k-th key found per pass over a row: 1 (bisection, 32 passes) or 2 (three
-    thresholds counted in one reduction, 16 passes)."""
-    early_exit: bool = False
-    """Stop a row's passes once its count at a threshold is exactly k (its top-k set is then
-    known); the program's rows pass together, so it stops when all of them are done."""
-
-    def __post_init__(self) -> None:
-        if self.bits_per_pass not in (1, 2):
-            raise ValueError(f"bits_per_pass must be 1 or 2, got {self.bits_per_pass!r}")
+    early_exit: bool = True
+    """Stop a row's bisection once its count at a threshold is exactly k (its top-k set is
+    then known; the program's rows pass together, so it stops when all of them are done)."""
 
 
 SELECT = SelectConfig()
@@ -292,8 +290,6 @@ def select_with(
         batch * heads, num_tiles, num_tiles, dtype=torch.float32, device=q_pooled.device
     )
     tiles_p2 = _next_pow2(num_tiles)
-    if tiles_p2 >= 1 << 20:  # the two-bit search packs 20-bit counts
-        raise ValueError(f"the Triton selection takes fewer than 2**20 tiles, got {num_tiles}")
     rows = max(1, min(config.block_m, config.elements_per_step // tiles_p2))
     _kernels().select_topk_kernel[(-(-num_tiles // config.block_m), batch * heads)](
         q_pooled, k_pooled, valid_sizes, scores, out,
@@ -301,7 +297,7 @@ def select_with(
         num_tiles, heads, topk,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEAD_DIM=dim, DIM_P2=_next_pow2(dim),
         TILES_P2=tiles_p2, ROWS=rows, IEEE=q_pooled.dtype == torch.float32,
-        INTERPRET=interpreting(), BITS=config.bits_per_pass, EARLY_EXIT=config.early_exit,
+        INTERPRET=interpreting(), EARLY_EXIT=config.early_exit,
         num_warps=config.num_warps,
     )  # fmt: skip
     return out

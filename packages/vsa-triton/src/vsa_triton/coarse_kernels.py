@@ -12,7 +12,7 @@ Conventions:
 - Selection writes each (batch, head, query tile)'s ``TOPK`` chosen key tiles as an ascending
   int32 list, straight into the layout's ``kv_indices``; no sort and no boolean map. The k-th
   largest score is found exactly by a search over the bits of an order-preserving integer
-  image of the float32 scores (one or two bits a pass, `SelectConfig`); ties at the threshold
+  image of the float32 scores (bisection, `SelectConfig`); ties at the threshold
   go to the lowest key-tile index. Empty key tiles score -inf, so they are chosen only when
   ``TOPK`` exceeds the non-empty tiles (then the lowest-numbered empty tiles).
 """
@@ -132,43 +132,34 @@ def _score_block(q, k_base, valid_ptr, score_rows, rows, dims, dim_ok, start, nu
 
 
 @triton.jit
-def _search_pass(k64, lo, done, topk, unit, BITS: tl.constexpr):
-    """One pass of the k-th key search over rows of int64 keys: the 2**BITS - 1 thresholds
-    ``lo + j * unit`` counted in one reduction (20-bit counts packed in an int64), ``lo``
-    moved to the highest one that still has ``topk`` keys at or above it. A row is done once
-    that count is exactly ``topk``: its top-k set is then the keys at or above ``lo``."""
-    packed = tl.zeros(lo.shape, dtype=tl.int64)
-    for j in tl.static_range(1, 1 << BITS):
-        above = (k64 >= (lo + j * unit)[:, None]).to(tl.int64)
-        packed += tl.sum(above, axis=1) << (20 * (j - 1))
-    step = tl.zeros(lo.shape, dtype=tl.int64)
-    exact = done
-    for j in tl.static_range(1, 1 << BITS):
-        count = (packed >> (20 * (j - 1))) & 0xFFFFF
-        step = tl.where(count >= topk, j, step)
-        exact = exact | (count == topk)
-    return lo + step * unit, exact
+def _search_pass(k64, lo, done, topk, unit):
+    """One bisection pass over rows of int64 keys: ``lo`` moves up by ``unit`` where at least
+    ``topk`` keys lie at or above ``lo + unit``. A row is done once that count is exactly
+    ``topk``: its top-k set is then the keys at or above ``lo``."""
+    trial = lo + unit
+    count = tl.sum((k64 >= trial[:, None]).to(tl.int32), axis=1)
+    return tl.where(count >= topk, trial, lo), done | (count == topk)
 
 
 @triton.jit
-def _kth_keys(key, done, topk, BITS: tl.constexpr, EARLY_EXIT: tl.constexpr):
+def _kth_keys(key, done, topk, EARLY_EXIT: tl.constexpr):
     """Per row of ``key`` ([ROWS, TILES_P2] int32, signed order), the k-th largest key: the
-    largest threshold with at least ``topk`` keys at or above it, searched from the smallest
-    int32 upwards ``BITS`` bits a pass (in int64, so no threshold overflows); with
-    ``EARLY_EXIT`` the passes stop once every row's count hit ``topk`` exactly. Rows marked
-    ``done`` on entry (past the last tile) take no part."""
+    largest threshold with at least ``topk`` keys at or above it, found by bisection from the
+    smallest int32 up (in int64, so no threshold overflows); with ``EARLY_EXIT`` the passes
+    stop once every row's count hit ``topk`` exactly (about half of the 32 on random scores).
+    Rows marked ``done`` on entry (past the last tile) take no part."""
     k64 = key.to(tl.int64)
     lo = tl.full(done.shape, -2147483648, tl.int64)
     if EARLY_EXIT:
-        unit = tl.full([], 1 << (32 - BITS), tl.int64)
+        unit = tl.full([], 1 << 31, tl.int64)
         pending = tl.sum((done == 0).to(tl.int32), axis=0)
         while (unit > 0) & (pending > 0):
-            lo, done = _search_pass(k64, lo, done, topk, unit, BITS)
+            lo, done = _search_pass(k64, lo, done, topk, unit)
             pending = tl.sum((done == 0).to(tl.int32), axis=0)
-            unit = unit >> BITS
+            unit = unit >> 1
     else:
-        for p in tl.static_range(32 // BITS):
-            lo, done = _search_pass(k64, lo, done, topk, 1 << (32 - BITS * (p + 1)), BITS)
+        for p in tl.static_range(32):
+            lo, done = _search_pass(k64, lo, done, topk, 1 << (31 - p))
     # the smallest key at or above lo: lo itself when the passes ran out, else the k-th key
     at_or_above = tl.where(k64 >= lo[:, None], k64, 2147483647)
     return tl.min(at_or_above, axis=1).to(tl.int32)
@@ -181,7 +172,7 @@ def select_topk_kernel(
     num_tiles, heads, topk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     DIM_P2: tl.constexpr, TILES_P2: tl.constexpr, ROWS: tl.constexpr, IEEE: tl.constexpr,
-    INTERPRET: tl.constexpr, BITS: tl.constexpr, EARLY_EXIT: tl.constexpr,
+    INTERPRET: tl.constexpr, EARLY_EXIT: tl.constexpr,
 ):
     """BLOCK_M query tiles of one (batch, head): their scores against every key tile, then
     each row's top-k as an ascending list.
@@ -221,7 +212,7 @@ def select_topk_kernel(
         s = tl.load(score_rows + row[:, None] * num_tiles + cols[None, :], mask=live, other=0.0)
         # columns past N take the smallest int32, below every score's key (-inf's included)
         key = tl.where(live, _order_key(s), -2147483648)
-        kth = _kth_keys(key, row >= num_tiles, topk, BITS, EARLY_EXIT)
+        kth = _kth_keys(key, row >= num_tiles, topk, EARLY_EXIT)
         above = key > kth[:, None]
         tied = key == kth[:, None]
         room = topk - tl.sum(above.to(tl.int32), axis=1)
