@@ -28,3 +28,11 @@ def fresh_registry():
     finally:
         registry._registered.clear()
         registry._registered.update(before)
+
+
+@pytest.fixture
+def no_backend_override(monkeypatch):
+    """The test sees no ``VSA_BACKEND`` from the environment it runs in."""
+    from vsa_core.backends import OVERRIDE_ENV
+
+    monkeypatch.delenv(OVERRIDE_ENV, raising=False)

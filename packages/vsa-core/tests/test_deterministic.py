@@ -26,10 +26,7 @@ from vsa_core.backends import (
 from vsa_core.backends.reference import ReferenceBackend
 from vsa_core.backends.registry import refusal
 
-
-@pytest.fixture(autouse=True)
-def _no_env_override(monkeypatch):
-    monkeypatch.delenv(OVERRIDE_ENV, raising=False)
+pytestmark = pytest.mark.usefixtures("no_backend_override")
 
 
 def _call(deterministic=True, requires_grad=True, device="cpu", dtype=torch.float32, **kw):

@@ -24,10 +24,7 @@ from vsa_core.backends import registry as registry_module
 from vsa_core.backends.reference import ReferenceBackend
 from vsa_core.backends.registry import BackendEntry
 
-
-@pytest.fixture(autouse=True)
-def _no_env_override(monkeypatch):
-    monkeypatch.delenv(OVERRIDE_ENV, raising=False)
+pytestmark = pytest.mark.usefixtures("no_backend_override")
 
 
 def _call(dtype=torch.float32, device="cpu", requires_grad=False):

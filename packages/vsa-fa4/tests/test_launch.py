@@ -48,16 +48,30 @@ def test_paired_keys_only_for_128x64_head_dim_128_on_sm90(
     assert launch._pairs_keys(q, lists(width), valid, block) is pairs
 
 
+def _replace_entry_points(monkeypatch, record, kinds):
+    """The fork's entry points of ``kinds`` replaced by ``record(kind)``, on an sm_90 device."""
+    import flash_attn.cute.interface as interface
+
+    from flash_attn_vsa import bwd_sm90, fwd_sm90, fwd_sm90_paired
+    from flash_attn_vsa.experimental import fwd_sm90_streams
+
+    entry_points = {
+        "two_ctas": (fwd_sm90, "block_sparse_forward_q64"),
+        "paired": (fwd_sm90_paired, "block_sparse_forward_paired"),
+        "streams": (fwd_sm90_streams, "block_sparse_forward_streams"),
+        "kv64": (bwd_sm90, "block_sparse_backward_kv64"),
+    }
+    for kind in kinds:
+        monkeypatch.setattr(*entry_points[kind], record(kind))
+    monkeypatch.setattr(interface, "_get_device_arch", lambda: 90)
+
+
 @pytest.mark.parametrize("q_in_registers", [None, False, True])
 @pytest.mark.parametrize("two_streams", [False, True])
 @pytest.mark.parametrize("persistent", [False, True])
 def test_forward_variant_routes_to_the_fork_kernels(
     monkeypatch, q_in_registers, two_streams, persistent
 ):
-    import flash_attn.cute.interface as interface
-
-    from flash_attn_vsa import fwd_sm90, fwd_sm90_paired
-    from flash_attn_vsa.experimental import fwd_sm90_streams
 
     seen = []
 
@@ -68,10 +82,7 @@ def test_forward_variant_routes_to_the_fork_kernels(
 
         return kernel
 
-    monkeypatch.setattr(fwd_sm90, "block_sparse_forward_q64", record("two_ctas"))
-    monkeypatch.setattr(fwd_sm90_paired, "block_sparse_forward_paired", record("paired"))
-    monkeypatch.setattr(fwd_sm90_streams, "block_sparse_forward_streams", record("streams"))
-    monkeypatch.setattr(interface, "_get_device_arch", lambda: 90)
+    _replace_entry_points(monkeypatch, record, ("two_ctas", "paired", "streams"))
     q = torch.zeros(1, 512, 2, 128)
     valid = torch.full((16,), 64, dtype=torch.int32)
     variant = launch.ForwardVariant(q_in_registers, two_streams, persistent)
@@ -148,10 +159,7 @@ def test_kernel_choice_round_trips_through_its_string():
 def test_two_threads_run_their_own_explicit_kernels_at_once(monkeypatch):
     """Two threads, two different choices, in flight together: each call's fork entry point
     gets its own caller's arguments (a thread-local or global selector would mix them up)."""
-    import flash_attn.cute.interface as interface
 
-    from flash_attn_vsa import bwd_sm90, fwd_sm90
-    from flash_attn_vsa.experimental import fwd_sm90_streams
     from flash_attn_vsa.experimental.bwd_configs import EXPERIMENTAL_CONFIGS
 
     barrier = threading.Barrier(2)
@@ -168,10 +176,7 @@ def test_two_threads_run_their_own_explicit_kernels_at_once(monkeypatch):
 
         return kernel
 
-    monkeypatch.setattr(fwd_sm90, "block_sparse_forward_q64", record("two_ctas"))
-    monkeypatch.setattr(fwd_sm90_streams, "block_sparse_forward_streams", record("streams"))
-    monkeypatch.setattr(bwd_sm90, "block_sparse_backward_kv64", record("kv64"))
-    monkeypatch.setattr(interface, "_get_device_arch", lambda: 90)
+    _replace_entry_points(monkeypatch, record, ("two_ctas", "streams", "kv64"))
     q = torch.zeros(1, 512, 2, 128)
     valid = torch.full((8,), 64, dtype=torch.int32)
     staged = EXPERIMENTAL_CONFIGS["kv64-staged"]
