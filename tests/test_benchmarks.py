@@ -766,12 +766,13 @@ def test_time_interleaved_rotates_arms_and_keeps_setup_untimed():
             calls.append(name)
             time.sleep(sleep_s)
 
-        return fn, lambda: (calls.append(f"{name}-setup"), time.sleep(0.01), f"{name}-state")[2]
+        return fn, lambda: (calls.append(f"{name}-setup"), time.sleep(0.05), f"{name}-state")[2]
 
     arms = {"a": arm("a", 0.0), "b": arm("b", 0.004), "c": arm("c", 0.0)}
     times = bc.time_interleaved(arms, torch.device("cpu"), warmup=1, reps=3)
     assert {n: len(t) for n, t in times.items()} == {"a": 3, "b": 3, "c": 3}
-    assert min(times["b"]) >= 4.0 and max(times["a"]) < 4.0  # the 10 ms setup is not timed
+    # the 50 ms setup is not timed (a margin a loaded machine's scheduling stays far below)
+    assert min(times["b"]) >= 4.0 and max(times["a"]) < 25.0
     order = [c for c in calls if "-" not in c]
     assert order == ["a", "b", "c", "a", "b", "c", "b", "c", "a", "c", "a", "b"]  # rotated
 
