@@ -9,15 +9,13 @@ Two kinds of check:
 - Reruns: the public ops with ``deterministic=True`` on the ``triton`` backend and coarse stage,
   twice, bitwise equal (out, lse and every gradient). Compiled on a GPU; without one in a child
   process under ``TRITON_INTERPRET=1`` (float16: the interpreter's bf16 dot is wrong), started
-  by the last test here (conftest.py says why a child).
+  by test_interpreter.py with the other kernel tests (conftest.py says why a child).
 """
 
 from __future__ import annotations
 
 import ast
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -119,21 +117,3 @@ if RUNS_KERNELS:
         for a, b in zip(first, second, strict=True):
             assert torch.equal(a, b)
         assert all(t.abs().sum() > 0 for t in first)  # every gradient reached
-
-
-if not RUNS_KERNELS:
-
-    def test_reruns_under_the_triton_interpreter():
-        env = {**os.environ, "TRITON_INTERPRET": "1"}
-        result = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=900,
-        )
-        summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
-        assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-        assert " passed" in summary and "skipped" not in summary, summary
-        assert "7 passed" in summary, summary  # the audit's two and the five reruns

@@ -20,7 +20,10 @@ ROOT = Path(__file__).resolve().parents[3]
 def test_kernel_suite_under_the_triton_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     here = Path(__file__).parent
-    tests = [str(here / name) for name in ("test_kernels_cpu.py", "test_coarse.py")]
+    tests = [
+        str(here / name)
+        for name in ("test_kernels_cpu.py", "test_coarse.py", "test_deterministic.py")
+    ]
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
         cwd=ROOT,
