@@ -107,3 +107,26 @@ def test_enable_twice_and_disable_without_enable_are_refused():
         disable_vsa(model)
     with pytest.raises(ValueError, match="WanTransformer3DModel"):
         enable_vsa(torch.nn.Linear(2, 2), topk=2)
+
+
+def test_compiled_model_with_vsa_matches_eager_forward_and_gradients():
+    """``torch.compile`` of the whole transformer with VSA installed (what bench_dit's
+    ``compile`` way runs): the same output and parameter gradients as eager, gate included.
+    In float32: inductor's CPU backward of diffusers' own SDPA cross-attention fails in float64
+    (torch 2.11: "expected scalar type Double but found Float"), with or without VSA."""
+    model = tiny_wan().float().train()
+    enable_vsa(model, sparsity=0.75, tile=TILE, backend="reference", coarse="add")
+    args = tuple(a.float() if a.is_floating_point() else a for a in inputs())
+
+    def step(runner):
+        model.zero_grad(set_to_none=True)
+        out = run(runner, *args)
+        out.square().mean().backward()
+        return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    eager_out, eager_grads = step(model)
+    compiled_out, compiled_grads = step(torch.compile(model))
+    torch.testing.assert_close(compiled_out, eager_out, rtol=1e-4, atol=1e-5)
+    assert compiled_grads.keys() == eager_grads.keys()
+    for name, grad in compiled_grads.items():
+        torch.testing.assert_close(grad, eager_grads[name], rtol=1e-3, atol=1e-5, msg=name)
