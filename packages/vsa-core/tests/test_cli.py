@@ -37,6 +37,32 @@ def test_info_text(capsys):
     out = capsys.readouterr().out
     assert "backend='auto' picks:" in out
     assert "reference  available" in out
+    assert "with deterministic=True: auto picks" in out
+
+
+def test_info_says_which_backends_run_deterministic_training(capsys, fresh_registry):
+    """A backend that does not declare deterministic support is refused with the reason, one
+    that does is picked by auto for the typical training call."""
+
+    class Undeclared(Backend):
+        name = "undeclared"
+        priority = 1000
+
+        def supports(self, call):
+            return None
+
+    class Declared(Undeclared):
+        name = "declared"
+        priority = 999
+        handles_deterministic = True
+
+    register_backend(Undeclared())
+    register_backend(Declared())
+    assert cli.main(["info", "--json"]) == 0
+    deterministic = json.loads(capsys.readouterr().out)["deterministic"]
+    assert deterministic["auto_picks"] == "declared"
+    assert deterministic["verdicts"]["declared"] is None
+    assert "does not declare deterministic=True" in deterministic["verdicts"]["undeclared"]
 
 
 class TrainsOnlyWideBlocks(Backend):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import json
 import math
 import platform
@@ -19,7 +20,7 @@ from typing import NoReturn
 import torch
 
 from vsa_core.backends import OVERRIDE_ENV, AttentionCall, backend_entries, select_backend
-from vsa_core.backends.registry import backend_override
+from vsa_core.backends.registry import backend_override, refusal
 from vsa_core.coarse import pool_tiles, select_topk
 from vsa_core.layout import BlockSparseLayout
 from vsa_core.ops import block_sparse_attn, video_sparse_attn
@@ -160,7 +161,24 @@ def collect_info() -> dict:
         "typical_call": "bfloat16, head_dim 128, 64x64 blocks, with gradients, on " + str(device),
         "auto_picks": select_backend(call).name,
         "backends": backends,
+        "deterministic": _deterministic_verdicts(call),
     }
+
+
+def _deterministic_verdicts(call: AttentionCall) -> dict:
+    """The typical training call with ``deterministic=True``: each usable backend's verdict
+    (None = runs it bitwise reproducibly, else why not) and auto's pick (None if none can)."""
+    call = dataclasses.replace(call, deterministic=True)
+    verdicts = {
+        name: refusal(entry.backend, call)
+        for name, entry in sorted(backend_entries().items())
+        if entry.backend is not None and entry.backend.availability() is None
+    }
+    try:
+        pick = select_backend(call).name
+    except ValueError:
+        pick = None
+    return {"verdicts": verdicts, "auto_picks": pick}
 
 
 WAN_480P_ROWS = 12 * 39_936  # 12 heads x Wan 2.1 480p's padded tile-order tokens
@@ -268,6 +286,10 @@ def run_info(as_json: bool = False) -> int:
             line += f": {b['reason']}"
         print(line)
     print(f"backend='auto' picks: {info['auto_picks']}")
+    deterministic = info["deterministic"]
+    print(f"with deterministic=True: auto picks {deterministic['auto_picks'] or 'none'}")
+    for name, reason in deterministic["verdicts"].items():
+        print(f"  {name:<10} {'ok' if reason is None else 'refuses: ' + reason}")
     _print_shape_table(info["shapes"])
     return 0
 
