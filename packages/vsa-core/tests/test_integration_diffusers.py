@@ -130,3 +130,27 @@ def test_compiled_model_with_vsa_matches_eager_forward_and_gradients():
     assert compiled_grads.keys() == eager_grads.keys()
     for name, grad in compiled_grads.items():
         torch.testing.assert_close(grad, eager_grads[name], rtol=1e-3, atol=1e-5, msg=name)
+
+
+def test_deterministic_reaches_every_attention_call(monkeypatch):
+    """``enable_vsa(deterministic=True)`` runs each block's op with the flag (and a flag that is
+    not a bool is refused, naming the argument)."""
+    import vsa_core.integrations.diffusers as integration
+
+    seen = []
+    original = integration.video_sparse_attn
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs["deterministic"])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(integration, "video_sparse_attn", recording)
+    model = tiny_wan()
+    with pytest.raises(ValueError, match="deterministic"):
+        enable_vsa(model, sparsity=0.75, tile=TILE, backend="reference", deterministic="yes")
+    for flag in (False, True):
+        enable_vsa(model, sparsity=0.75, tile=TILE, backend="reference", deterministic=flag)
+        run(model, *inputs())
+        disable_vsa(model)
+        assert seen == [flag, flag]
+        seen.clear()

@@ -37,7 +37,7 @@ from torch import nn
 
 from vsa_core.ops import video_sparse_attn
 from vsa_core.tiling import VideoTiling
-from vsa_core.validation import as_float, as_int, check_positive_triple
+from vsa_core.validation import as_flag, as_float, as_int, check_positive_triple
 
 Coarse = Literal["gate", "add", "drop"]
 GATE_NAME = "to_gate_compress"
@@ -53,6 +53,7 @@ class VSASettings:
     sparsity: float | None
     backend: str
     coarse: Coarse
+    deterministic: bool = False
     grid: tuple[int, int, int] | None = None
     """The current forward's token grid (frames, height, width after patching)."""
     originals: dict[int, Any] = field(default_factory=dict)
@@ -127,6 +128,7 @@ class VSAWanAttnProcessor:
         return video_sparse_attn(
             query, key, value, topk=settings.topk_for(tiling), tiling=tiling,
             coarse_gate=gate(), backend=settings.backend, token_order="raster",
+            deterministic=settings.deterministic,
         )  # fmt: skip
 
     def _gate(self, attn: nn.Module, hidden_states: torch.Tensor, query: torch.Tensor):
@@ -147,13 +149,16 @@ def enable_vsa(
     tile: tuple[int, int, int] = (4, 4, 4),
     backend: str = "auto",
     coarse: Coarse = "gate",
+    deterministic: bool = False,
 ) -> VSASettings:
     """Run every block's self-attention of a diffusers ``WanTransformer3DModel`` with VSA.
 
     Give exactly one of ``topk`` (key tiles per query tile) and ``sparsity`` (the fraction of
     key tiles skipped, e.g. 0.875). ``coarse``: see the module doc; ``"gate"`` adds the
     zero-initialised ``attn1.to_gate_compress`` projections (kept if already there, e.g.
-    loaded). Returns the settings the processors share; `disable_vsa` undoes it all.
+    loaded). ``deterministic``: every call bitwise reproducible (see `video_sparse_attn`; the
+    rest of the model is yours to make so). Returns the settings the processors share;
+    `disable_vsa` undoes it all.
     """
     if hasattr(transformer, _STATE):
         raise ValueError("transformer already runs VSA: call disable_vsa first")
@@ -176,7 +181,10 @@ def enable_vsa(
         raise ValueError(f"coarse must be 'gate', 'add' or 'drop', got {coarse!r}")
     if not isinstance(backend, str):
         raise ValueError(f"backend must be a backend name or 'auto', got {backend!r}")
-    settings = VSASettings(check_positive_triple("tile", tile), topk, sparsity, backend, coarse)
+    deterministic = as_flag("deterministic", deterministic)
+    settings = VSASettings(
+        check_positive_triple("tile", tile), topk, sparsity, backend, coarse, deterministic
+    )
     patch = tuple(patch)
 
     def record_grid(module, args, kwargs):
