@@ -21,14 +21,15 @@ from pathlib import Path
 import pytest
 import torch
 
+import vsa_triton
 from vsa_core import BlockSparseLayout, VideoTiling, block_sparse_attn, video_sparse_attn
 from vsa_core.backends import AttentionCall, select_backend
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 RUNS_KERNELS = INTERPRETING or torch.cuda.is_available()
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-ROOT = Path(__file__).resolve().parents[3]
-SOURCES = ROOT / "packages" / "vsa-triton" / "src" / "vsa_triton"
+# the installed package's own files (a wheel's as much as the workspace's editable install)
+SOURCES = Path(vsa_triton.__file__).resolve().parent
 
 
 # ---- the source audit -----------------------------------------------------------------------
