@@ -175,3 +175,31 @@ def test_to_tiles_rejects_wrong_length(fmt):
         tiling.to_tiles(torch.zeros(27, 2, 4), fmt)
     with pytest.raises(ValueError, match="qkv_format"):
         tiling.to_tiles(torch.zeros(1, 27, 2, 4), "sbhd")
+
+
+@pytest.mark.parametrize("fmt", ["bshd", "bhsd"])
+def test_to_tiles_gradient_is_the_gather_and_keeps_only_the_index(fmt):
+    """to_tiles' backward gathers the real slots (gradcheck in float64) and saves nothing of its
+    input: a raster-order model would otherwise hold q, k, v and the gate of every layer."""
+    tiling = VideoTiling((3, 5, 6), (2, 2, 4))
+    shape = (2, tiling.seq_len, 2, 3) if fmt == "bshd" else (2, 2, tiling.seq_len, 3)
+    x = torch.randn(*shape, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: tiling.to_tiles(t, fmt), (x,))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        tiling.to_tiles(x, fmt)
+    assert saved, "the index is kept"
+    assert all(t.untyped_storage().data_ptr() != x.untyped_storage().data_ptr() for t in saved)
+    assert all(not t.is_floating_point() for t in saved), [t.shape for t in saved]
+
+
+def test_to_tiles_gradient_under_torch_compile_equals_eager():
+    tiling = VideoTiling((2, 4, 8), (2, 4, 4))
+    x = torch.randn(1, tiling.seq_len, 2, 16, requires_grad=True)
+    grads = []
+    for fn in (tiling.to_tiles, torch.compile(lambda t: tiling.to_tiles(t), fullgraph=True)):
+        y = fn(x)
+        weights = torch.arange(y.numel(), dtype=y.dtype).view_as(y)
+        grads.append(torch.autograd.grad((y * weights).sum(), x)[0])
+    assert grads[0].abs().sum() > 0
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)

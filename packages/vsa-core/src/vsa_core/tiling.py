@@ -108,15 +108,35 @@ class VideoTiling:
         dim = _seq_dim(qkv_format)
         _check_seq_len("x", x, dim, self.seq_len, "seq_len (T*H*W)")
         index = self.indices(x.device).raster_to_tile
-        shape = list(x.shape)
-        shape[dim] = self.padded_len
-        return x.new_zeros(shape).index_copy(dim, index, x)
+        return _ScatterToTiles.apply(x, index, dim, self.padded_len)
 
     def from_tiles(self, x: torch.Tensor, qkv_format: QKVFormat = "bshd") -> torch.Tensor:
         """Tile order -> raster order, dropping the padding (differentiable)."""
         dim = _seq_dim(qkv_format)
         _check_seq_len("x", x, dim, self.padded_len, "padded_len")
         return x.index_select(dim, self.indices(x.device).raster_to_tile)
+
+
+class _ScatterToTiles(torch.autograd.Function):
+    """``x`` scattered to ``index`` along ``dim`` of a zero tensor ``padded_len`` long. Its
+    backward is a gather and keeps only the index: autograd's ``index_copy`` would keep ``x``
+    too, holding every raster input of a raster-order call alive until backward (inside a
+    model, q, k, v and the gate of every layer, beside the tiled copies attention keeps)."""
+
+    @staticmethod
+    def forward(ctx, x, index, dim, padded_len):
+        shape = list(x.shape)
+        shape[dim] = padded_len
+        ctx.save_for_backward(index)
+        ctx.dim = dim
+        # out of place: under torch.compile (2.11) the in-place index_copy_ here gave zero
+        # gradients, silently (test_tiling checks compiled against eager)
+        return x.new_zeros(shape).index_copy(dim, index, x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (index,) = ctx.saved_tensors
+        return grad.index_select(ctx.dim, index), None, None, None
 
 
 def _canonical(device: torch.device | str) -> torch.device:
