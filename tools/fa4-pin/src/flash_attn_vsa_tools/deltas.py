@@ -34,6 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from flash_attn_vsa_tools.upstream_md import workspace_upstream_md
+
 __all__ = [
     "DELTAS",
     "EXPERIMENTAL_PACKAGE",
@@ -274,14 +276,6 @@ def replace_table(text: str) -> str:
     return text.replace(current, render_table(), 1)
 
 
-def _workspace_upstream_md() -> Path | None:
-    for parent in Path(__file__).resolve().parents:
-        candidate = parent / "UPSTREAM.md"
-        if candidate.is_file() and (parent / "packages" / "flash-attn-4-vsa").is_dir():
-            return candidate
-    return None
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m flash_attn_vsa_tools.deltas",
@@ -292,7 +286,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     mode.add_argument("--write", action="store_true", help="regenerate the table in place")
     parser.add_argument("--path", type=Path, help="UPSTREAM.md (default: the workspace's)")
     args = parser.parse_args(argv)
-    path = args.path or _workspace_upstream_md()
+    path = args.path or workspace_upstream_md()
     if not args.check and not args.write:
         print(render_table())
         return 0

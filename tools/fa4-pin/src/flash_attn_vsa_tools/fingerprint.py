@@ -676,15 +676,6 @@ def format_diff(lines: Sequence[str]) -> str:
 # Command line
 
 
-def _workspace_upstream_md() -> Path | None:
-    """UPSTREAM.md of the workspace this package is checked out in, if any."""
-    for parent in Path(__file__).resolve().parents:
-        candidate = parent / "UPSTREAM.md"
-        if candidate.is_file() and (parent / "packages" / "flash-attn-4-vsa").is_dir():
-            return candidate
-    return None
-
-
 def write(record: dict[str, Any], upstream_md: Path | None) -> list[Path]:
     """Write the record and, when given, the generated symbols section of UPSTREAM.md."""
     from flash_attn_vsa_tools import upstream_md as md
@@ -722,7 +713,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(current, indent=2))
         return 0
     if args.write:
-        for path in write(current, _workspace_upstream_md()):
+        from flash_attn_vsa_tools.upstream_md import workspace_upstream_md
+
+        for path in write(current, workspace_upstream_md()):
             print(f"wrote {path}")
         return 0
     lines = diff_records(load_record(), current)

@@ -17,6 +17,7 @@ Pure text functions; nothing here imports upstream or touches the network.
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any
 
 SYMBOLS_BEGIN = "<!-- fa4-symbols:begin (generated from upstream_api.json, do not edit) -->"
@@ -120,3 +121,12 @@ def add_history_line(text: str, line: str) -> str:
     if HISTORY_MARKER not in text:
         raise ValueError(f"UPSTREAM.md has no {HISTORY_MARKER!r} marker")
     return text.replace(HISTORY_MARKER, f"{HISTORY_MARKER}\n- {line}", 1)
+
+
+def workspace_upstream_md() -> Path | None:
+    """UPSTREAM.md of the workspace this package is checked out in, if any."""
+    for parent in Path(__file__).resolve().parents:
+        candidate = parent / "UPSTREAM.md"
+        if candidate.is_file() and (parent / "packages" / "flash-attn-4-vsa").is_dir():
+            return candidate
+    return None
