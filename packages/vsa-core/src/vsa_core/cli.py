@@ -169,11 +169,7 @@ def _deterministic_verdicts(call: AttentionCall) -> dict:
     """The typical training call with ``deterministic=True``: each usable backend's verdict
     (None = runs it bitwise reproducibly, else why not) and auto's pick (None if none can)."""
     call = dataclasses.replace(call, deterministic=True)
-    verdicts = {
-        name: refusal(entry.backend, call)
-        for name, entry in sorted(backend_entries().items())
-        if entry.backend is not None and entry.backend.availability() is None
-    }
+    verdicts = {name: refusal(b, call) for name, b in sorted(_usable_backends().items())}
     try:
         pick = select_backend(call).name
     except ValueError:
@@ -197,14 +193,19 @@ at two problem sizes, and with pairs sharing key lists (refined from a coarser l
 key blocks full (a tile-aligned latent), since backends may rank those differently."""
 
 
-def _shape_table(device: torch.device) -> list[dict]:
-    """Per block shape and pass (inference, training): every usable backend's verdict on a
-    bf16, head dim 128 call on ``device`` (None = runs it, else its reason) and auto's pick."""
-    usable = {
+def _usable_backends() -> dict:
+    """The installed backends that loaded and are available on this machine, by name."""
+    return {
         name: entry.backend
         for name, entry in backend_entries().items()
         if entry.backend is not None and entry.backend.availability() is None
     }
+
+
+def _shape_table(device: torch.device) -> list[dict]:
+    """Per block shape and pass (inference, training): every usable backend's verdict on a
+    bf16, head dim 128 call on ``device`` (None = runs it, else its reason) and auto's pick."""
+    usable = _usable_backends()
     rows = []
     for block_shape, group, full, query_rows in INFO_SHAPES:
         for grad in (False, True):
