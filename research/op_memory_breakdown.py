@@ -18,9 +18,9 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import bench_video as bv  # noqa: E402
+import bench_video as bv
 
-from vsa_core import VideoTiling, video_sparse_attn  # noqa: E402
+from vsa_core import VideoTiling, video_sparse_attn
 
 OWN_CODE = ("vsa_core", "vsa_fa4", "vsa_triton", "flash_attn_vsa", "flash_attn")
 
@@ -83,8 +83,8 @@ def main(argv=None) -> int:
             for size, site in alive:
                 by_site.setdefault(site, []).append(size)
             rows = sorted(((sum(s), len(s), site) for site, s in by_site.items()), reverse=True)
-            entry = {"backend": backend, "mode": mode, "peak_mib": peak / 2**20,
-                     "sites": [{"mib": b / 2**20, "count": n, "site": s} for b, n, s in rows]}  # fmt: skip
+            sites = [{"mib": b / 2**20, "count": n, "site": s} for b, n, s in rows]
+            entry = {"backend": backend, "mode": mode, "peak_mib": peak / 2**20, "sites": sites}
             report.append(entry)
             print(f"== {backend} {mode}: peak {peak / 2**20:.1f} MiB beyond the inputs")
             for b, n, s in rows[:15]:
