@@ -101,7 +101,10 @@ def test_two_threads_build_their_own_kernels_through_the_entry_points(monkeypatc
     valid = torch.empty(4, dtype=torch.int32, device="meta")
 
     def tensors(block_size):
-        return type("Tensors", (), {"block_size": block_size})()
+        lists = dict.fromkeys(
+            ("mask_block_cnt", "mask_block_idx", "full_block_cnt", "full_block_idx")
+        )
+        return type("Tensors", (), {"block_size": block_size, **lists})()
 
     calls = {
         "q-regs": lambda: fwd_sm90.block_sparse_forward_q64(

@@ -23,7 +23,9 @@ a global because two threads may build two different kernels at once (tested).
 `traced` / `trace_stack` hold trace-time state of the same kind: while upstream traces a kernel
 method, the fork's kernel classes (never callers) push what an upstream function called deeper
 in that trace needs to see (`sm90_operands`' partition hooks of delta 5 and 6, the dQ buffers of
-`bwd_sm90_dq_parts`); each is pushed and popped inside one method of a kernel class.
+`bwd_sm90_dq_parts`); each is pushed and popped inside one method of a kernel class. The one
+other pusher is `launch_replay`, around the first call of a description to upstream's launcher
+(its recorder, which the scoped compile caches hand the compiled kernel to).
 """
 
 from __future__ import annotations

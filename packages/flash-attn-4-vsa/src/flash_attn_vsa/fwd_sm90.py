@@ -265,6 +265,7 @@ def block_sparse_forward_q64(
     lse: Any = None,
     q_in_registers: bool = False,
     persistent: bool | int = False,
+    replay: bool = True,
 ) -> tuple[Any, Any]:
     """Block-sparse attention forward on sm_90 with 64x64 sparse blocks, two CTAs per SM.
 
@@ -276,22 +277,37 @@ def block_sparse_forward_q64(
     ``(out, lse)``; rows that see no key get out 0 and lse -inf. ``q_in_registers``: QK^T
     reads Q from registers (delta 5, `q_regs_sm90`), ``persistent``: CTAs walk the tiles
     (delta 7, `experimental.persistent_sm90`, experimental). vsa-fa4 runs this forward with Q
-    in registers and without persistent CTAs unless asked otherwise.
+    in registers and without persistent CTAs unless asked otherwise. ``replay``: after the
+    first call of a description, launch the kernel upstream compiled without upstream's
+    per-call Python (`launch_replay`; given ``out`` and ``lse``); False runs upstream's
+    launcher every call.
     """
     from flash_attn.cute.interface import _flash_attn_fwd
 
-    check_call(q, k, v, tuple(block_sparse_tensors.block_size or ()))
-    with _building(ForwardKernel(TWO_CTAS, q_in_registers, persistent)):
-        result = _flash_attn_fwd(
-            q,
-            k,
-            v,
-            softmax_scale=softmax_scale,
-            mask_mod=mask_mod,
-            aux_tensors=aux_tensors,
-            block_sparse_tensors=block_sparse_tensors,
-            return_lse=True,
-            out=out,
-            lse=lse,
-        )
-    return result[0], result[1]
+    from flash_attn_vsa import launch_replay
+
+    block_size = tuple(block_sparse_tensors.block_size or ())
+    check_call(q, k, v, block_size)
+    kernel = ForwardKernel(TWO_CTAS, q_in_registers, persistent)
+
+    def upstream() -> tuple[Any, Any]:
+        with _building(kernel):
+            result = _flash_attn_fwd(
+                q,
+                k,
+                v,
+                softmax_scale=softmax_scale,
+                mask_mod=mask_mod,
+                aux_tensors=aux_tensors,
+                block_sparse_tensors=block_sparse_tensors,
+                return_lse=True,
+                out=out,
+                lse=lse,
+            )
+        return result[0], result[1]
+
+    if not replay:
+        return upstream()
+    tensors = launch_replay.forward_tensors(q, k, v, block_sparse_tensors, aux_tensors, out, lse)
+    key = (kernel, block_size, softmax_scale, mask_mod, len(aux_tensors or ()))
+    return launch_replay.FORWARDS.run(key, tensors, upstream, out, lse)

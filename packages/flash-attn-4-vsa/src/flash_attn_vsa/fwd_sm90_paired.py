@@ -44,7 +44,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from flash_attn_vsa.fwd_sm90 import PAIRED_KEYS, ForwardKernel, _building
+from flash_attn_vsa.fwd_sm90 import PAIRED_KEYS, ForwardKernel
 from flash_attn_vsa.paired_sm90 import (  # re-exported: this module's names before the split
     BLOCK_SIZE,
     HEAD_DIM,
@@ -120,17 +120,20 @@ def block_sparse_forward_paired(
     lse: Any = None,
     q_in_registers: bool = False,
     persistent: bool | int = False,
+    replay: bool = True,
 ) -> tuple[Any, Any]:
     """Block-sparse attention forward on sm_90, 128-row query blocks over pairs of 64-token key
     blocks. ``block_sparse_tensors``: FA4 ``BlockSparseTensorsTorch`` with `BLOCK_SIZE` whose
     lists hold `pair_lists`' packed pairs; ``kv_valid_sizes``: [S / 64] int32 real tokens per
     key block. BSHD ``q, k, v`` (fp16/bf16, head dim `HEAD_DIM`). Returns ``(out, lse)``.
     ``q_in_registers``: QK^T reads Q from registers (delta 5), ``persistent``: CTAs walk the
-    tiles (delta 7); both experimental until measured."""
+    tiles (delta 7); both experimental until measured. ``replay``: launches after the first of a
+    description skip upstream's per-call Python (`launch_replay`); False runs it every call."""
     return two_block_stage_forward(
         q, k, v, block_sparse_tensors, kv_valid_sizes, BLOCK_SIZE, "paired keys",
-        pair_mask_mod(), _building(ForwardKernel(PAIRED_KEYS, q_in_registers, persistent)),
+        pair_mask_mod(), ForwardKernel(PAIRED_KEYS, q_in_registers, persistent),
         softmax_scale=softmax_scale,
         out=out,
         lse=lse,
+        replay=replay,
     )  # fmt: skip

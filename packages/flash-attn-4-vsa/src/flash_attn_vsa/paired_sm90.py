@@ -11,7 +11,6 @@ and the delta's description are in `fwd_sm90_paired`, which re-exports this modu
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from typing import Any
 
@@ -415,19 +414,23 @@ def two_block_stage_forward(
     block_size: tuple[int, int],
     what: str,
     mask_mod: Any,
-    scope: contextlib.AbstractContextManager[Any],
+    kernel: Any,
     *,
     softmax_scale: float,
     out: Any,
     lse: Any,
+    replay: bool = True,
 ) -> tuple[Any, Any]:
     """Check the arguments of a forward whose key/value stages hold two 64-token blocks (this
     delta's and the two-stream one's: ``block_size`` as FA4 sees it, head dim `HEAD_DIM`, one
     valid size per key block; ``what`` names it in errors), then run upstream's
-    ``_flash_attn_fwd`` inside ``scope`` (the entry point's `fwd_sm90._building` of its kernel)
-    with ``mask_mod`` on the partial list."""
+    ``_flash_attn_fwd`` building ``kernel`` (a `fwd_sm90.ForwardKernel`: `fwd_sm90._building`)
+    with ``mask_mod`` on the partial list (replayed after the first call of a description
+    unless ``replay`` is False: `launch_replay`)."""
     from flash_attn.cute.interface import _flash_attn_fwd
 
+    from flash_attn_vsa import launch_replay
+    from flash_attn_vsa.fwd_sm90 import _building
     from flash_attn_vsa.sm90_blocks import check_call
 
     check_call(q, k, v, tuple(block_sparse_tensors.block_size or ()), (block_size,))
@@ -440,17 +443,27 @@ def two_block_stage_forward(
             f"kv_valid_sizes must have one entry per {KEY_BLOCK}-token key block "
             f"({k.shape[1] // KEY_BLOCK}), got {kv_valid_sizes.shape[0]}"
         )
-    with scope:
-        result = _flash_attn_fwd(
-            q,
-            k,
-            v,
-            softmax_scale=softmax_scale,
-            mask_mod=mask_mod,
-            aux_tensors=[kv_valid_sizes],
-            block_sparse_tensors=block_sparse_tensors,
-            return_lse=True,
-            out=out,
-            lse=lse,
-        )
-    return result[0], result[1]
+
+    def upstream() -> tuple[Any, Any]:
+        with _building(kernel):
+            result = _flash_attn_fwd(
+                q,
+                k,
+                v,
+                softmax_scale=softmax_scale,
+                mask_mod=mask_mod,
+                aux_tensors=[kv_valid_sizes],
+                block_sparse_tensors=block_sparse_tensors,
+                return_lse=True,
+                out=out,
+                lse=lse,
+            )
+        return result[0], result[1]
+
+    if not replay:
+        return upstream()
+    tensors = launch_replay.forward_tensors(
+        q, k, v, block_sparse_tensors, [kv_valid_sizes], out, lse
+    )
+    key = (kernel, block_size, softmax_scale, mask_mod)
+    return launch_replay.FORWARDS.run(key, tensors, upstream, out, lse)

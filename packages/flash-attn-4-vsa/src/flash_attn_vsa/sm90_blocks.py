@@ -85,7 +85,9 @@ class ScopedCompileCache:
         return key in self._current()
 
     def __getitem__(self, key: Any) -> Any:
-        return self._current()[key]
+        from flash_attn_vsa.launch_replay import recording_wrapper
+
+        return recording_wrapper(self._current()[key])
 
     def __setitem__(self, key: Any, value: Any) -> None:
         self._current()[key] = value

@@ -45,7 +45,7 @@ from flash_attn_vsa.experimental.streams_sm90 import (  # the body's names, re-e
     stream_lists,
     stream_mask_mod,
 )
-from flash_attn_vsa.fwd_sm90 import TWO_STREAMS, ForwardKernel, _building
+from flash_attn_vsa.fwd_sm90 import TWO_STREAMS, ForwardKernel
 from flash_attn_vsa.paired_sm90 import HEAD_DIM, KEY_BLOCK, NO_BLOCK, two_block_stage_forward
 
 __all__ = [
@@ -80,6 +80,7 @@ def block_sparse_forward_streams(
     lse: Any = None,
     q_in_registers: bool = False,
     persistent: bool | int = False,
+    replay: bool = True,
 ) -> tuple[Any, Any]:
     """Block-sparse attention forward on sm_90 for 64-row query blocks with their own lists of
     64-token key blocks, two blocks per 128-row tile. ``block_sparse_tensors``: FA4
@@ -87,9 +88,10 @@ def block_sparse_forward_streams(
     entries; ``kv_valid_sizes``: [S / 64] int32 real tokens per key block. BSHD ``q, k, v``
     (fp16/bf16, head dim `HEAD_DIM`, sequence lengths multiples of 128 and 64). Returns
     ``(out, lse)``; rows that see no key get out 0 and lse -inf. ``q_in_registers`` (delta
-    5) and ``persistent`` (delta 7) as for the paired-key forward."""
+    5), ``persistent`` (delta 7) and ``replay`` (`launch_replay`) as for the paired-key
+    forward."""
     return two_block_stage_forward(
         q, k, v, block_sparse_tensors, kv_valid_sizes, BLOCK_SIZE, "two streams",
-        stream_mask_mod(), _building(ForwardKernel(TWO_STREAMS, q_in_registers, persistent)),
-        softmax_scale=softmax_scale, out=out, lse=lse,
+        stream_mask_mod(), ForwardKernel(TWO_STREAMS, q_in_registers, persistent),
+        softmax_scale=softmax_scale, out=out, lse=lse, replay=replay,
     )  # fmt: skip
