@@ -111,6 +111,31 @@ def test_launches_that_are_not_one_plain_kernel_call_always_run_upstream(launche
     assert replay.recorded("call", tensors(0)) is False
 
 
+@pytest.mark.skipif(upstream_version() is None, reason="needs flash-attn-4")
+def test_a_kernel_from_any_upstream_compile_cache_counts(monkeypatch):
+    """A launch that also runs a kernel from another of upstream's caches (a pre-processing
+    pass, say) is two compiled calls: never recorded."""
+    import flash_attn.cute.interface as interface
+
+    def preprocess(out):
+        with _disable_current_modes():
+            out.fill_(7.0)
+
+    def launcher_with_preprocess():
+        pass
+
+    launcher_with_preprocess.compile_cache = {"pre": preprocess}
+    monkeypatch.setattr(interface, "_a_preprocessing_launcher", launcher_with_preprocess,
+                        raising=False)  # fmt: skip
+    launch_replay._watch_upstream_caches.__wrapped__()
+    watched = interface._a_preprocessing_launcher.compile_cache
+    launcher = Launcher(before=lambda out: watched["pre"](out))
+    replay = launch_replay.LaunchReplay(devices=("cpu",))
+    for seed in range(2):
+        run(replay, launcher, tensors(seed))
+    assert launcher.calls == 2 and replay.recorded("call", tensors(0)) is False
+
+
 def test_coinciding_caller_tensors_are_not_recorded_until_they_differ():
     replay, launcher = launch_replay.LaunchReplay(devices=("cpu",)), Launcher()
     q, _, out, lse, lists, valid = tensors(0)

@@ -11,8 +11,9 @@ description calls that kernel itself with the caller's tensors put where the fir
 
 A record is kept only when replaying it is the same launch:
 
-- upstream makes exactly one compiled-kernel call through the fork's scoped compile cache
-  (`sm90_blocks.ScopedCompileCache` hands the recorder the kernel it returns);
+- upstream makes exactly one compiled-kernel call (every compile cache of upstream's launchers
+  hands the recorder the kernels it returns: the fork's scoped caches,
+  `sm90_blocks.ScopedCompileCache`, and the others, watched from the first recording on);
 - every tensor in that call's arguments is one of the caller's tensors (same pointer, dtype,
   shape and strides; an ambiguous match between two non-empty caller tensors is not recorded);
   no argument is an object the replay could not rebuild (tuples, lists and named tuples are
@@ -32,6 +33,7 @@ like upstream's compile caches, not a setting.
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -56,10 +58,14 @@ class _Recorder:
         self.calls: list[tuple[Any, tuple[Any, ...], dict[str, Any]]] = []
 
     def wrap(self, compiled: Any) -> Callable[..., Any]:
+        if getattr(compiled, "recorder", None) is self:  # handed out by two nested caches
+            return compiled
+
         def call(*args: Any, **kwargs: Any) -> Any:
             self.calls.append((compiled, args, kwargs))
             return compiled(*args, **kwargs)
 
+        call.recorder = self  # type: ignore[attr-defined]
         return call
 
 
@@ -68,6 +74,42 @@ def recording_wrapper(compiled: Any) -> Any:
     entry point records its launch on this thread (`LaunchReplay`), else unchanged."""
     recorders = build_scope.trace_stack(RECORDER)
     return recorders[-1].wrap(compiled) if recorders else compiled
+
+
+class _WatchedCache:
+    """An upstream compile cache that hands its kernels out through `recording_wrapper`."""
+
+    def __init__(self, upstream: Any) -> None:
+        self.upstream = upstream
+
+    def __contains__(self, key: Any) -> bool:
+        return key in self.upstream
+
+    def __getitem__(self, key: Any) -> Any:
+        return recording_wrapper(self.upstream[key])
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self.upstream[key] = value
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.upstream, name)
+
+
+@functools.cache
+def _watch_upstream_caches() -> None:
+    """Every compile cache of upstream's launchers (``flash_attn.cute.interface``: the forward
+    and backward ones, their pre/post-processing, combine, scheduler metadata...) hands its
+    kernels out through `recording_wrapper`, so that a recording counts every compiled call a
+    launch makes, not only those of the caches the fork scopes (once per process)."""
+    try:
+        import flash_attn.cute.interface as interface
+    except ImportError:  # no upstream: nothing of it can launch
+        return
+    for name in dir(interface):
+        launcher = getattr(interface, name)
+        cache = getattr(launcher, "compile_cache", None)
+        if callable(launcher) and cache is not None and not isinstance(cache, _WatchedCache):
+            launcher.compile_cache = _WatchedCache(cache)
 
 
 class _DeviceWork(TorchDispatchMode):
@@ -214,6 +256,7 @@ class LaunchReplay:
     def _record(upstream, tensors, out, lse) -> tuple[tuple[Any, Any], Any]:
         """Run ``upstream()`` recorded: its result and a `RecordedLaunch`, `_REFUSED`, or None
         (not decidable from this call: two caller tensors coincide)."""
+        _watch_upstream_caches()
         recorder, work = _Recorder(), _DeviceWork()
         with build_scope.traced(RECORDER, recorder), work:
             result = upstream()
