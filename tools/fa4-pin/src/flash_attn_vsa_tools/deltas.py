@@ -192,6 +192,10 @@ SUPPORT: dict[str, str] = {
     "forward module), below `fwd_sm90`'s `ForwardKernel`; `fwd_sm90_paired` re-exports it",
     "bwd_sm90_kv64": "delta 1's kernel class (the register split), a leaf below `bwd_sm90` and "
     "delta 8, which subclasses it; `bwd_sm90` re-exports it",
+    "launch_replay": "the forward entry points' replayed launches: the one compiled kernel "
+    "upstream's `_flash_attn_fwd` calls for a call description, recorded on its first call "
+    "(through the compile caches, which hand kernels to its recorder) and called directly on "
+    "later ones, skipping upstream's per-call Python; changes no kernel",
 }
 """Modules the deltas share that change no kernel on their own."""
 

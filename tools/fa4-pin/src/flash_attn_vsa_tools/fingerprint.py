@@ -71,7 +71,10 @@ SYMBOLS: tuple[Symbol, ...] = (
         "_flash_attn_fwd",
         "forward entry point the adapter calls (dense and block-sparse); compile gate; "
         "fwd_sm90 runs it with FlashAttentionForwardSm90 (a module global it constructs) and "
-        "its compile_cache (in, get, set) scoped to our kernel class",
+        "its compile_cache (in, get, set) scoped to our kernel class; launch_replay records the "
+        "one compiled call it makes per call description (checked when recorded: one call, "
+        "every tensor argument the caller's, no other ATen work) and makes that call itself "
+        "on later calls",
         source=True,
     ),
     Symbol(
