@@ -113,7 +113,8 @@ def test_two_threads_build_their_own_configs_through_the_entry_point(monkeypatch
     bwd_sm90._install()
     monkeypatch.setattr(interface, "_flash_attn_bwd", fake_bwd)
     q = _Shape(1, 128, 2, 128)
-    tensors = type("Tensors", (), {"block_size": (64, 64)})()
+    lists = dict.fromkeys(("mask_block_cnt", "mask_block_idx", "full_block_cnt", "full_block_idx"))
+    tensors = type("Tensors", (), {"block_size": (64, 64), **lists})()
 
     def call(config):
         bwd_sm90.block_sparse_backward_kv64(q, q, q, q, q, q, tensors, softmax_scale=1.0,

@@ -12,7 +12,14 @@ import sm90_cases as cases
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from flash_attn_vsa import build_scope, fwd_sm90, launch_replay, mask_sm90, upstream_version
+from flash_attn_vsa import (
+    build_scope,
+    bwd_sm90,
+    fwd_sm90,
+    launch_replay,
+    mask_sm90,
+    upstream_version,
+)
 from flash_attn_vsa.sm90_blocks import ScopedCompileCache
 
 
@@ -21,30 +28,44 @@ class Aux(NamedTuple):
     scalars: tuple | None = None
 
 
-def kernel(q, k, out, lse, scale, nothing, lists, aux):
+def kernel(q, k, out, lse, scale, nothing, lists, aux, scratch=None):
     """A stand-in compiled kernel: device work the dispatcher does not see (as a CuTe call)."""
     assert nothing is None
     with _disable_current_modes():
-        out.copy_(q * scale + k + lists[0].sum() + aux.tensors[0].sum())
+        extra = 0.0 if scratch is None else scratch.sum()
+        out.copy_(q * scale + k + lists[0].sum() + aux.tensors[0].sum() + extra)
         lse.copy_(out.float().sum(-1).transpose(1, 2))
+
+
+def preprocess(scratch, q):
+    """A second stand-in kernel (a pre-processing pass into a buffer the launcher made)."""
+    with _disable_current_modes():
+        scratch.copy_(q.float().abs().amax())
 
 
 class Launcher:
     """Upstream's launcher as the fork sees it: it assembles arguments (views of the caller's
-    tensors among them) and calls a compiled kernel from the scoped compile cache."""
+    tensors among them) and calls compiled kernels from compile caches. ``scratch``: it makes a
+    buffer (``torch.full``), has a pre-processing kernel from ``pre_cache`` fill it, and the
+    main kernel reads it."""
 
-    def __init__(self, before=None, scratch=False, kernels=1):
+    def __init__(self, scratch=False, pre_cache=None, host_read=False):
         self.cache = ScopedCompileCache({"key": kernel}, lambda: None)
+        self.pre_cache = pre_cache or ScopedCompileCache({"pre": preprocess}, lambda: None)
         self.calls = 0
-        self.before, self.scratch, self.kernels = before, scratch, kernels
+        self.scratch, self.host_read = scratch, host_read
 
     def __call__(self, q, k, out, lse, lists, valid):
         self.calls += 1
-        if self.before is not None:
-            self.before(out)
-        lists_arg = (lists, lists.detach()) if not self.scratch else (torch.zeros(2), lists)
-        for _ in range(self.kernels):
-            self.cache["key"](q, k.detach(), out, lse, 0.5, None, lists_arg, Aux([valid]))
+        buffer = None
+        if self.scratch:
+            buffer = torch.full((3,), 2.0)
+            self.pre_cache["pre"](buffer, q.detach())
+        if self.host_read:
+            int(lists.max())  # a launch that depends on the data
+        lists_arg = (lists, lists.detach())
+        self.cache["key"](q, k.detach(), out, lse, 0.5, None, lists_arg, Aux([valid]),
+                          scratch=buffer)  # fmt: skip
         return out, lse
 
 
@@ -59,67 +80,56 @@ def tensors(seed=0, seq=8):
 
 def run(replay, launcher, ts, key="call"):
     q, k, out, lse, lists, valid = ts
-    return replay.run(key, ts, lambda: launcher(q, k, out, lse, lists, valid), out, lse)
+    return replay.run(key, ts, lambda: launcher(q, k, out, lse, lists, valid))
 
 
-def expected(ts):
+def expected(ts, scratch=False):
     q, k, out, lse, lists, valid = (t.clone() for t in ts)
-    kernel(q, k, out, lse, 0.5, None, (lists,), Aux([valid]))
+    buffer = None
+    if scratch:
+        buffer = torch.full((3,), 2.0)
+        preprocess(buffer, q)
+    kernel(q, k, out, lse, 0.5, None, (lists,), Aux([valid]), scratch=buffer)
     return out, lse
 
 
-def test_later_calls_run_the_recorded_kernel_on_their_own_tensors():
-    replay, launcher = launch_replay.LaunchReplay(devices=("cpu",)), Launcher()
-    first = tensors(0)
-    assert run(replay, launcher, first)[0] is first[2]
-    assert replay.recorded("call", first) is True
-    for seed in (1, 2):
+def check(got, ts, scratch=False):
+    want = expected(ts, scratch)
+    assert got[0] is ts[2] and got[1] is ts[3]  # the caller's outputs, written
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def replay_cpu(**kwargs):
+    return launch_replay.LaunchReplay(devices=("cpu",), **kwargs)
+
+
+def test_the_second_call_records_and_later_ones_replay_on_their_own_tensors():
+    replay, launcher = replay_cpu(), Launcher()
+    for seed in range(4):
         ts = tensors(seed)
-        got = run(replay, launcher, ts)
-        assert got[0] is ts[2] and got[1] is ts[3]
-        want = expected(ts)
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    assert launcher.calls == 1  # upstream's launcher ran for the first call only
+        check(run(replay, launcher, ts), ts)
+    assert launcher.calls == 2  # the first call (it may compile) and the recorded one
+    record = replay.recorded("call", tensors(0))
+    assert record.kernels == 1 and record.operations == ["aten.detach.default"] * 2
 
 
-def test_a_new_description_records_again():
-    replay, launcher = launch_replay.LaunchReplay(devices=("cpu",)), Launcher()
-    run(replay, launcher, tensors(0))
-    other = tensors(1, seq=16)
-    assert replay.recorded("call", other) is None
-    got = run(replay, launcher, other)
-    assert torch.equal(got[0], expected(other)[0])
-    run(replay, launcher, tensors(2, seq=16))
-    run(replay, launcher, tensors(3), key="another scale")
-    assert launcher.calls == 3
-
-
-@pytest.mark.parametrize(
-    "launcher",
-    [
-        Launcher(before=lambda out: out.zero_()),  # device work besides the kernel
-        Launcher(scratch=True),  # a tensor the launcher made (and filled)
-        Launcher(kernels=2),  # two compiled calls
-    ],
-    ids=["device-work", "scratch-tensor", "two-kernels"],
-)
-def test_launches_that_are_not_one_plain_kernel_call_always_run_upstream(launcher):
-    replay = launch_replay.LaunchReplay(devices=("cpu",))
-    for seed in range(3):
-        run(replay, launcher, tensors(seed))
-    assert launcher.calls == 3
-    assert replay.recorded("call", tensors(0)) is False
+def test_buffers_and_kernels_the_launcher_adds_are_replayed_in_order():
+    """A launch that makes a buffer, fills it with a pre-processing kernel and hands it to the
+    main kernel replays all three steps on each call."""
+    replay, launcher = replay_cpu(), Launcher(scratch=True)
+    for seed in range(4):
+        ts = tensors(seed)
+        check(run(replay, launcher, ts), ts, scratch=True)
+    assert launcher.calls == 2
+    record = replay.recorded("call", tensors(0))
+    assert record.kernels == 2 and "aten.full.default" in record.operations
 
 
 @pytest.mark.skipif(upstream_version() is None, reason="needs flash-attn-4")
-def test_a_kernel_from_any_upstream_compile_cache_counts(monkeypatch):
-    """A launch that also runs a kernel from another of upstream's caches (a pre-processing
-    pass, say) is two compiled calls: never recorded."""
+def test_a_kernel_from_any_upstream_compile_cache_is_recorded(monkeypatch):
+    """The pre-processing kernel comes from another of upstream's launchers' caches: watched,
+    it is a step of the program (unwatched, the replay would skip it and read a stale buffer)."""
     import flash_attn.cute.interface as interface
-
-    def preprocess(out):
-        with _disable_current_modes():
-            out.fill_(7.0)
 
     def launcher_with_preprocess():
         pass
@@ -129,46 +139,63 @@ def test_a_kernel_from_any_upstream_compile_cache_counts(monkeypatch):
                         raising=False)  # fmt: skip
     launch_replay._watch_upstream_caches.__wrapped__()
     watched = interface._a_preprocessing_launcher.compile_cache
-    launcher = Launcher(before=lambda out: watched["pre"](out))
-    replay = launch_replay.LaunchReplay(devices=("cpu",))
-    for seed in range(2):
+    replay, launcher = replay_cpu(), Launcher(scratch=True, pre_cache=watched)
+    for seed in range(4):
+        ts = tensors(seed)
+        check(run(replay, launcher, ts), ts, scratch=True)
+    assert replay.recorded("call", tensors(0)).kernels == 2
+
+
+def test_a_launch_the_host_reads_data_for_always_runs_upstream():
+    replay, launcher = replay_cpu(), Launcher(host_read=True)
+    for seed in range(5):
+        ts = tensors(seed)
+        check(run(replay, launcher, ts), ts)
+    assert launcher.calls == 5
+    assert replay.recorded("call", tensors(0)) is False
+
+
+def test_a_new_description_records_again():
+    replay, launcher = replay_cpu(), Launcher()
+    for seed in range(3):
         run(replay, launcher, tensors(seed))
-    assert launcher.calls == 2 and replay.recorded("call", tensors(0)) is False
+    for seed in range(3):
+        ts = tensors(seed, seq=16)
+        check(run(replay, launcher, ts), ts)
+    run(replay, launcher, tensors(3), key="another scale")
+    assert launcher.calls == 5
 
 
 def test_coinciding_caller_tensors_are_not_recorded_until_they_differ():
-    replay, launcher = launch_replay.LaunchReplay(devices=("cpu",)), Launcher()
-    q, _, out, lse, lists, valid = tensors(0)
+    replay, launcher = replay_cpu(), Launcher()
+    run(replay, launcher, tensors(0))
+    q, _, out, lse, lists, valid = tensors(1)
     aliased = (q, q, out, lse, lists, valid)  # k is q: the record could not tell them apart
     run(replay, launcher, aliased)
     assert replay.recorded("call", aliased) is None
-    run(replay, launcher, tensors(1))
-    ts = tensors(2)
-    assert torch.equal(run(replay, launcher, ts)[0], expected(ts)[0])
-    assert launcher.calls == 2
+    run(replay, launcher, tensors(2))
+    ts = tensors(3)
+    check(run(replay, launcher, ts), ts)
+    assert launcher.calls == 3
 
 
-def test_no_replay_off_its_devices_or_without_caller_outputs():
+def test_no_replay_off_its_devices():
     replay, launcher = launch_replay.LaunchReplay(), Launcher()  # CUDA only
-    for seed in range(2):
+    for seed in range(3):
         run(replay, launcher, tensors(seed))
-    q, k, out, lse, lists, valid = tensors(0)
-    cpu = launch_replay.LaunchReplay(devices=("cpu",))
-    for _ in range(2):
-        cpu.run("call", (q, k, None, lse, lists, valid),
-                lambda: launcher(q, k, out, lse, lists, valid), None, lse)  # fmt: skip
-    assert launcher.calls == 4
+    assert launcher.calls == 3 and replay.recorded("call", tensors(0)) is None
 
 
 def test_capacity_drops_the_oldest_record():
-    replay, launcher = launch_replay.LaunchReplay(capacity=2, devices=("cpu",)), Launcher()
+    replay, launcher = replay_cpu(capacity=2), Launcher()
     for key in ("a", "b", "c"):
-        run(replay, launcher, tensors(0), key=key)
-    assert [replay.recorded(key, tensors(0)) for key in "abc"] == [None, True, True]
+        for _ in range(2):
+            run(replay, launcher, tensors(0), key=key)
+    assert [bool(replay.recorded(key, tensors(0))) for key in "abc"] == [False, True, True]
+    assert replay.recorded("a", tensors(0)) is None
 
 
-def test_the_recorder_sees_only_its_own_thread_and_scope():
-    """Outside a recording the scoped cache hands out the kernel itself."""
+def test_outside_a_recording_the_caches_hand_out_the_kernel_itself():
     cache = ScopedCompileCache({"key": kernel}, lambda: None)
     assert cache["key"] is kernel
     assert build_scope.trace_stack(launch_replay.RECORDER) == ()
@@ -200,19 +227,32 @@ def test_the_entry_point_runs_upstream_every_call_with_replay_false(monkeypatch)
 
 
 # ---- GPU ----------------------------------------------------------------------------------------
-@pytest.mark.gpu
-@pytest.mark.skipif(upstream_version() is None, reason="needs flash-attn-4")
-@pytest.mark.skipif(not cases.sm90(), reason="needs an sm_90 GPU")
+needs_sm90 = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(upstream_version() is None, reason="needs flash-attn-4"),
+    pytest.mark.skipif(not cases.sm90(), reason="needs an sm_90 GPU"),
+]
+
+
+def needs_sm90_marks(test):
+    for mark in reversed(needs_sm90):
+        test = mark(test)
+    return test
+
+
+def records(replay: launch_replay.LaunchReplay) -> list[launch_replay.RecordedLaunch]:
+    return [r for r in replay._records.values() if isinstance(r, launch_replay.RecordedLaunch)]
+
+
 @pytest.mark.parametrize("masked", [True, False], ids=["partial-blocks", "full-blocks"])
+@needs_sm90_marks
 def test_replayed_forward_is_bitwise_the_launchers(masked):
-    """The second call of a description replays the recorded kernel on new tensors (new
-    inputs, lists, outputs): bitwise what upstream's launcher gives for them."""
+    """From the third call of a description on, the forward replays the recorded launch on new
+    tensors (inputs, lists, outputs): bitwise what upstream's launcher gives for them."""
     head_dim, dtype, scale = 128, cases.BF16, 128**-0.5
-    masking = {}
-    if masked:
-        masking = {"mask_mod": mask_sm90.valid_size_mask_mod(cases.BLOCK)}
-    results = []
-    for seed in (3, 4):
+    masking = {"mask_mod": mask_sm90.valid_size_mask_mod(cases.BLOCK)} if masked else {}
+    launch_replay.FORWARDS.clear()
+    for seed in (3, 4, 5):
         valid, selected = cases.case(seed=seed)
         q, k, v, _ = cases.inputs(head_dim, dtype, valid)
         q = q * (seed / 3)  # other inputs than the recorded call's
@@ -225,13 +265,39 @@ def test_replayed_forward_is_bitwise_the_launchers(masked):
                 q, k, v, tensors, softmax_scale=scale, out=out, lse=lse, replay=replay,
                 q_in_registers=True, **masking, **aux,
             ))  # fmt: skip
-        results.append(got)
     torch.cuda.synchronize()
-    replayed, launched = results[1]
+    (replayed, launched), recorded = got, records(launch_replay.FORWARDS)
     assert torch.equal(replayed[0], launched[0]) and torch.equal(replayed[1], launched[1])
     assert torch.isfinite(replayed[0]).all()
-    assert len(launch_replay.FORWARDS._records) > 0
-    recorded = [r for r in launch_replay.FORWARDS._records.values() if r is not None]
-    assert any(isinstance(r, launch_replay.RecordedLaunch) for r in recorded), (
-        "no forward description was recorded: upstream's launch did more than one kernel call"
-    )
+    assert len(recorded) == 1 and recorded[0].kernels == 1, recorded
+
+
+@pytest.mark.parametrize("q_block", [64, 128])
+@needs_sm90_marks
+def test_replayed_backward_is_bitwise_the_launchers(q_block):
+    """The backward's recorded launch (upstream's buffers, pre-processing, the KV64 kernel,
+    post-processing) replayed on new tensors: bitwise what upstream's launcher gives."""
+    head_dim, dtype, scale = 128, cases.BF16, 128**-0.5
+    mask_mod = mask_sm90.valid_size_mask_mod(cases.BLOCK)
+    launch_replay.BACKWARDS.clear()
+    for seed in (3, 4, 5):
+        valid, selected = cases.case(seed=seed, q_block=q_block)
+        q, k, v, dout = cases.inputs(head_dim, dtype, valid)
+        q, dout = q * (seed / 3), dout * (seed / 4)
+        ref_out, ref_lse, _ = cases.reference(q, k, v, dout, valid, selected, scale)
+        out, lse = ref_out.to(dtype).contiguous(), ref_lse.float().contiguous()
+        got = []
+        for replay in (True, False):
+            tensors = cases.sparse_tensors(valid, selected, backward=True)
+            grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
+            got.append(bwd_sm90.block_sparse_backward_kv64(
+                q, k, v, out, dout, lse, tensors, softmax_scale=scale, mask_mod=mask_mod,
+                aux_tensors=[valid.cuda()], dq=grads[0], dk=grads[1], dv=grads[2],
+                replay=replay,
+            ))  # fmt: skip
+    torch.cuda.synchronize()
+    (replayed, launched), recorded = got, records(launch_replay.BACKWARDS)
+    for a, b in zip(replayed, launched, strict=True):
+        assert torch.equal(a, b) and torch.isfinite(a).all()
+    assert len(recorded) == 1 and recorded[0].kernels >= 1, recorded
+    print("backward replay:", recorded[0].kernels, "kernels,", recorded[0].operations)

@@ -248,6 +248,7 @@ def block_sparse_backward_kv64(
     dk: Any = None,
     dv: Any = None,
     config: TileConfig | None = None,
+    replay: bool = True,
 ) -> tuple[Any, Any, Any]:
     """Block-sparse attention backward on sm_90 with 64-token key blocks (64x64 or 128x64
     sparse blocks).
@@ -261,26 +262,41 @@ def block_sparse_backward_kv64(
     preallocated ``dq, dk, dv``. Returns ``(dq, dk, dv)``. Key blocks no query block attends to
     get zero dk/dv. ``config``: the tile configuration to build (a `TileConfig`, e.g. one of
     `flash_attn_vsa.experimental.bwd_configs`'), by default the shipped one for the block size
-    (`config_for`).
+    (`config_for`). ``replay``: after the first calls of a description, replay what upstream's
+    launcher did on the device (allocations, pre-processing, the kernel, post-processing)
+    without its per-call Python (`launch_replay`); False runs upstream's launcher every call.
     """
     from flash_attn.cute.interface import _flash_attn_bwd
 
+    from flash_attn_vsa import launch_replay
+
     block_size = tuple(block_sparse_tensors.block_size or ())
     check_call(q, k, v, block_size, BWD_BLOCK_SIZES)
-    with _building(config_for(block_size) if config is None else config):
-        grads = _flash_attn_bwd(
-            q,
-            k,
-            v,
-            out,
-            dout,
-            lse,
-            softmax_scale=softmax_scale,
-            mask_mod=mask_mod,
-            aux_tensors=aux_tensors,
-            block_sparse_tensors=block_sparse_tensors,
-            dq=dq,
-            dk=dk,
-            dv=dv,
-        )
-    return grads[0], grads[1], grads[2]
+    config = config_for(block_size) if config is None else config
+
+    def upstream() -> tuple[Any, Any, Any]:
+        with _building(config):
+            grads = _flash_attn_bwd(
+                q,
+                k,
+                v,
+                out,
+                dout,
+                lse,
+                softmax_scale=softmax_scale,
+                mask_mod=mask_mod,
+                aux_tensors=aux_tensors,
+                block_sparse_tensors=block_sparse_tensors,
+                dq=dq,
+                dk=dk,
+                dv=dv,
+            )
+        return grads[0], grads[1], grads[2]
+
+    if not replay:
+        return upstream()
+    tensors = launch_replay.backward_tensors(
+        q, k, v, out, dout, lse, block_sparse_tensors, aux_tensors, dq, dk, dv
+    )
+    key = (config, block_size, softmax_scale, mask_mod, len(aux_tensors or ()))
+    return launch_replay.BACKWARDS.run(key, tensors, upstream)

@@ -277,10 +277,9 @@ def block_sparse_forward_q64(
     ``(out, lse)``; rows that see no key get out 0 and lse -inf. ``q_in_registers``: QK^T
     reads Q from registers (delta 5, `q_regs_sm90`), ``persistent``: CTAs walk the tiles
     (delta 7, `experimental.persistent_sm90`, experimental). vsa-fa4 runs this forward with Q
-    in registers and without persistent CTAs unless asked otherwise. ``replay``: after the
-    first call of a description, launch the kernel upstream compiled without upstream's
-    per-call Python (`launch_replay`; given ``out`` and ``lse``); False runs upstream's
-    launcher every call.
+    in registers and without persistent CTAs unless asked otherwise. ``replay``: after the first
+    calls of a description, replay what upstream's launcher did on the device without its
+    per-call Python (`launch_replay`); False runs upstream's launcher every call.
     """
     from flash_attn.cute.interface import _flash_attn_fwd
 
@@ -310,4 +309,4 @@ def block_sparse_forward_q64(
         return upstream()
     tensors = launch_replay.forward_tensors(q, k, v, block_sparse_tensors, aux_tensors, out, lse)
     key = (kernel, block_size, softmax_scale, mask_mod, len(aux_tensors or ()))
-    return launch_replay.FORWARDS.run(key, tensors, upstream, out, lse)
+    return launch_replay.FORWARDS.run(key, tensors, upstream)

@@ -1,33 +1,36 @@
-"""Replayed launches: the fork's forward entry points without upstream's per-call Python.
+"""Replayed launches: the fork's entry points without upstream's per-call Python.
 
-Upstream's ``_flash_attn_fwd`` spends a fifth of a millisecond of host time on every call
-(argument checks, a compile key of some sixty fields, the assembly of the compiled kernel's
-arguments) before its compiled kernel runs: at Wan 2.1 480p that is most of what separates a
-call waited for from calls back to back. Everything it computes there depends only on the
-call's description: the dtype, shape, strides and device of each tensor, the scalars, the
-kernel being built. So an entry point records, on the first call of each description, the one
-compiled kernel upstream calls and the arguments it passes, and on later calls of the same
-description calls that kernel itself with the caller's tensors put where the first call's were.
+Upstream's launchers (``_flash_attn_fwd``, ``_flash_attn_bwd``) spend a fifth of a millisecond
+or more of host time on every call (argument checks, a compile key of some sixty fields, the
+assembly of the compiled kernels' arguments) before their compiled kernels run: at Wan 2.1 480p
+that was most of what separated a forward call waited for from calls back to back. What they
+compute there depends only on the call's description: the dtype, shape, strides and device of
+each tensor, the scalars, the kernel being built. So an entry point records, on the second call
+of each description, what upstream's launcher does to the device, in order: the ATen operations
+it runs (allocations, fills, views: a dispatch mode sees each) and the compiled kernels it calls
+(every compile cache of upstream's launchers hands its kernels to the recorder: the fork's
+scoped caches, `sm90_blocks.ScopedCompileCache`, and the others, watched from the first
+recording on). Later calls of the same description run that program: the ATen operations again
+on the new tensors, the compiled kernels called directly, the caller's tensors put where the
+first call's were.
 
-A record is kept only when replaying it is the same launch:
+A record is kept only when every tensor the program reads is one of the caller's tensors (same
+object, or same pointer, dtype, shape and strides; an ambiguous match between two non-empty
+caller tensors is not recorded) or made by an earlier step of the program; every operation
+returns tensors (an operation whose result the host reads, ``.item()`` say, makes the launch
+data-dependent); and every other argument is a value the replay can rebuild (tuples, lists and
+named tuples are rebuilt; ``None``, numbers, strings, enums, dtypes and devices are constants).
+The first call of a description is not recorded (it may compile); a description whose
+recording fails twice runs upstream's launcher on every call, as without replay.
 
-- upstream makes exactly one compiled-kernel call (every compile cache of upstream's launchers
-  hands the recorder the kernels it returns: the fork's scoped caches,
-  `sm90_blocks.ScopedCompileCache`, and the others, watched from the first recording on);
-- every tensor in that call's arguments is one of the caller's tensors (same pointer, dtype,
-  shape and strides; an ambiguous match between two non-empty caller tensors is not recorded);
-  no argument is an object the replay could not rebuild (tuples, lists and named tuples are
-  rebuilt; ``None``, numbers, strings and enums are constants);
-- upstream does no other device work: the recording call runs under a dispatch mode that sees
-  every ATen operation, and any operation other than a view (an allocation, a fill, a copy)
-  refuses the record;
-- upstream returns the caller's own ``out`` and ``lse``.
-
-A description that fails runs upstream's launcher on every call, as without replay. Replay never
-applies to tensors off CUDA or to fake tensors (a compile without a GPU), and the entry points
-take ``replay=False`` to run upstream's launcher always (the benchmarks' comparison). Records
-live in one bounded cache per entry point (`LaunchReplay`): a cache of launches already made,
-like upstream's compile caches, not a setting.
+Not seen, so assumed absent (the GPU tests compare replays with upstream's launches bitwise):
+device work upstream would start other than through ATen or a compile cache of
+``flash_attn.cute.interface``, and host state its launch depends on beyond the description
+(environment variables read per call, say). Replay never applies to tensors off CUDA or to fake
+tensors (a compile without a GPU), nor while torch.compile traces; the entry points take
+``replay=False`` to run upstream's launcher always (the benchmarks' comparison). Records live in
+bounded caches of launches already made (`FORWARDS`, `BACKWARDS`), like upstream's compile
+caches, not settings.
 """
 
 from __future__ import annotations
@@ -43,37 +46,137 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from flash_attn_vsa import build_scope
 
-__all__ = ["FORWARDS", "LaunchReplay", "RecordedLaunch", "forward_tensors"]
+__all__ = [
+    "BACKWARDS",
+    "FORWARDS",
+    "LaunchReplay",
+    "RecordedLaunch",
+    "backward_tensors",
+    "forward_tensors",
+]
 
 RECORDER = "launch_record"
-"""The `build_scope.traced` stack the recording entry point pushes its recorder on."""
+"""The `build_scope.traced` stack the recording entry point pushes its trace on."""
 
-_CONSTANT_TYPES = (type(None), bool, int, float, str, enum.Enum)
+ATTEMPTS = 2
+"""Recordings of a description that may fail before it runs upstream's launcher for good. The
+first call of a description is never recorded: it may compile, which is more than later calls
+do."""
+
+_CONSTANT_TYPES = (
+    type(None), bool, int, float, complex, str, enum.Enum, torch.dtype, torch.device,
+    torch.layout, torch.memory_format,
+)  # fmt: skip
 
 
-class _Recorder:
-    """Collects the compiled kernels upstream calls (and their arguments) while pushed."""
+class _Unrecordable(Exception):
+    """The launch being recorded cannot be replayed (the message says why)."""
 
-    def __init__(self) -> None:
-        self.calls: list[tuple[Any, tuple[Any, ...], dict[str, Any]]] = []
+
+class _Caller:
+    """The caller's tensor number ``index`` (a replay puts the new call's there)."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+class _Made:
+    """The tensor the program's step made as its value number ``index``."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+def _describe(t: torch.Tensor | None) -> Hashable:
+    if t is None:
+        return None
+    return (t.dtype, t.shape, t.stride(), t.device)
+
+
+def _owners(tensors: Sequence[torch.Tensor | None]) -> dict[tuple, int] | None:
+    """Caller tensors by (pointer, description); None when two non-empty ones coincide (the
+    record could not tell which goes where)."""
+    owners: dict[tuple, int] = {}
+    for i, t in enumerate(tensors):
+        if t is None:
+            continue
+        key = (t.data_ptr(), *_describe(t))
+        if key in owners and t.numel():
+            return None
+        owners.setdefault(key, i)
+    return owners
+
+
+class _Trace:
+    """What a recording sees, in order: ATen operations and compiled-kernel calls, with their
+    tensors as references to the caller's tensors or to values earlier steps made."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor | None], owners: dict[tuple, int]) -> None:
+        self.steps: list[tuple[Any, ...]] = []
+        self.by_id = {id(t): _Caller(i) for i, t in enumerate(tensors) if t is not None}
+        self.owners = owners
+        self.made: list[torch.Tensor] = []  # kept alive while recording: ids stay unique
+        self.in_kernel = False
+
+    def template(self, value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            ref = self.by_id.get(id(value))
+            if ref is None:
+                index = self.owners.get((value.data_ptr(), *_describe(value)))
+                if index is None:
+                    raise _Unrecordable("a tensor neither the caller's nor made by the launch")
+                ref = _Caller(index)
+            return ref
+        if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple
+            return type(value)._make(self.template(v) for v in value)
+        if isinstance(value, (tuple, list)):
+            return type(value)(self.template(v) for v in value)
+        if isinstance(value, dict):
+            return {name: self.template(v) for name, v in value.items()}
+        if isinstance(value, _CONSTANT_TYPES):
+            return value
+        raise _Unrecordable(f"an argument of type {type(value).__name__}")
+
+    def bind(self, value: Any) -> Any:
+        """Number the tensors an operation made (its outputs' template)."""
+        if isinstance(value, torch.Tensor):
+            ref = _Made(len(self.made))
+            self.made.append(value)
+            self.by_id[id(value)] = ref
+            return ref
+        if isinstance(value, (tuple, list)):
+            return type(value)(self.bind(v) for v in value)
+        if value is None:
+            return None
+        raise _Unrecordable(f"an operation whose result the host reads ({type(value).__name__})")
 
     def wrap(self, compiled: Any) -> Callable[..., Any]:
-        if getattr(compiled, "recorder", None) is self:  # handed out by two nested caches
+        """``compiled``, recorded when called (once, however many caches hand it out)."""
+        if getattr(compiled, "trace", None) is self:
             return compiled
 
         def call(*args: Any, **kwargs: Any) -> Any:
-            self.calls.append((compiled, args, kwargs))
-            return compiled(*args, **kwargs)
+            step = ("kernel", compiled, self.template(args), self.template(kwargs))
+            self.steps.append(step)
+            self.in_kernel = True  # what its wrapper does with the tensors is the kernel's
+            try:
+                return compiled(*args, **kwargs)
+            finally:
+                self.in_kernel = False
 
-        call.recorder = self  # type: ignore[attr-defined]
+        call.trace = self  # type: ignore[attr-defined]
         return call
 
 
 def recording_wrapper(compiled: Any) -> Any:
-    """``compiled`` as a scoped compile cache hands it out: wrapped to be recorded while an
-    entry point records its launch on this thread (`LaunchReplay`), else unchanged."""
-    recorders = build_scope.trace_stack(RECORDER)
-    return recorders[-1].wrap(compiled) if recorders else compiled
+    """``compiled`` as a compile cache hands it out: recorded while an entry point records its
+    launch on this thread (`LaunchReplay`), else unchanged."""
+    traces = build_scope.trace_stack(RECORDER)
+    return traces[-1].wrap(compiled) if traces else compiled
 
 
 class _WatchedCache:
@@ -99,7 +202,7 @@ class _WatchedCache:
 def _watch_upstream_caches() -> None:
     """Every compile cache of upstream's launchers (``flash_attn.cute.interface``: the forward
     and backward ones, their pre/post-processing, combine, scheduler metadata...) hands its
-    kernels out through `recording_wrapper`, so that a recording counts every compiled call a
+    kernels out through `recording_wrapper`, so that a recording sees every compiled call a
     launch makes, not only those of the caches the fork scopes (once per process)."""
     try:
         import flash_attn.cute.interface as interface
@@ -112,98 +215,89 @@ def _watch_upstream_caches() -> None:
             launcher.compile_cache = _WatchedCache(cache)
 
 
-class _DeviceWork(TorchDispatchMode):
-    """Names the ATen operations other than views that run while active."""
+class _RecordOps(TorchDispatchMode):
+    """Records every ATen operation run while active (outside compiled kernels' wrappers)."""
 
-    def __init__(self) -> None:
+    def __init__(self, trace: _Trace) -> None:
         super().__init__()
-        self.ops: list[str] = []
+        self.trace = trace
+        self.failure: str | None = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not func.is_view:
-            self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        if self.trace.in_kernel or self.failure is not None:
+            return result
+        try:
+            args_t, kwargs_t = self.trace.template(args), self.trace.template(kwargs)
+            self.trace.steps.append(("op", func, args_t, kwargs_t, self.trace.bind(result)))
+        except _Unrecordable as why:
+            self.failure = str(why)
+        return result
 
 
-class _Slot:
-    """Where the caller's tensor number ``index`` goes in a replayed call."""
-
-    __slots__ = ("index",)
-
-    def __init__(self, index: int) -> None:
-        self.index = index
-
-
-def _describe(t: torch.Tensor | None) -> Hashable:
-    if t is None:
-        return None
-    return (t.dtype, t.shape, t.stride(), t.device)
-
-
-def _template(value: Any, owners: dict[tuple, int]) -> Any:
-    """``value`` with each caller tensor replaced by its `_Slot`; ValueError when a tensor is
-    not the caller's or an object cannot be rebuilt."""
-    if isinstance(value, torch.Tensor):
-        index = owners.get((value.data_ptr(), *_describe(value)))
-        if index is None:
-            raise ValueError("a tensor argument that is not one of the caller's")
-        return _Slot(index)
-    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple
-        return type(value)._make(_template(v, owners) for v in value)
-    if isinstance(value, (tuple, list)):
-        return type(value)(_template(v, owners) for v in value)
-    if isinstance(value, _CONSTANT_TYPES):
-        return value
-    raise ValueError(f"an argument of type {type(value).__name__}")
-
-
-def _fill(template: Any, tensors: Sequence[torch.Tensor | None]) -> Any:
-    if isinstance(template, _Slot):
+def _fill(template: Any, tensors: Sequence[Any], made: list[Any]) -> Any:
+    if isinstance(template, _Caller):
         return tensors[template.index]
+    if isinstance(template, _Made):
+        return made[template.index]
     if isinstance(template, tuple) and hasattr(template, "_fields"):
-        return type(template)._make(_fill(v, tensors) for v in template)
+        return type(template)._make(_fill(v, tensors, made) for v in template)
     if isinstance(template, (tuple, list)):
-        return type(template)(_fill(v, tensors) for v in template)
+        return type(template)(_fill(v, tensors, made) for v in template)
+    if isinstance(template, dict):
+        return {name: _fill(v, tensors, made) for name, v in template.items()}
     return template
 
 
+def _store(template: Any, value: Any, made: list[Any]) -> None:
+    if isinstance(template, _Made):
+        made[template.index] = value
+    elif isinstance(template, (tuple, list)):
+        for t, v in zip(template, value, strict=True):
+            _store(t, v, made)
+
+
 class RecordedLaunch:
-    """One compiled kernel and its argument template (see the module doc)."""
+    """A launch as a program (see the module doc): its steps, how many tensors they make, and
+    the template of what the launcher returned."""
 
-    def __init__(self, compiled: Any, args: Any, kwargs: dict[str, Any]) -> None:
-        self.compiled = compiled
-        self.args = args
-        self.kwargs = kwargs
+    def __init__(self, steps: list[tuple[Any, ...]], made: int, result: Any) -> None:
+        self.steps = steps
+        self.made = made
+        self.result = result
 
-    def __call__(self, tensors: Sequence[torch.Tensor | None]) -> None:
-        kwargs = {name: _fill(v, tensors) for name, v in self.kwargs.items()}
-        self.compiled(*_fill(self.args, tensors), **kwargs)
+    @property
+    def kernels(self) -> int:
+        """Compiled-kernel calls per replay."""
+        return sum(step[0] == "kernel" for step in self.steps)
 
+    @property
+    def operations(self) -> list[str]:
+        """The ATen operations a replay runs, in order."""
+        return [str(step[1]) for step in self.steps if step[0] == "op"]
 
-def _owners(tensors: Sequence[torch.Tensor | None]) -> dict[tuple, int] | None:
-    """Caller tensors by (pointer, description); None when two non-empty ones coincide (the
-    record could not tell which goes where)."""
-    owners: dict[tuple, int] = {}
-    for i, t in enumerate(tensors):
-        if t is None:
-            continue
-        key = (t.data_ptr(), *_describe(t))
-        if key in owners and t.numel():
-            return None
-        owners.setdefault(key, i)
-    return owners
+    def __call__(self, tensors: Sequence[torch.Tensor | None]) -> Any:
+        made: list[Any] = [None] * self.made
+        for step in self.steps:
+            kind, fn, args, kwargs = step[:4]
+            value = fn(*_fill(args, tensors, made), **_fill(kwargs, tensors, made))
+            if kind == "op":
+                _store(step[4], value, made)
+        return _fill(self.result, tensors, made)
 
 
 def _replayable(tensors: Sequence[torch.Tensor | None], devices: frozenset[str]) -> bool:
     for t in tensors:
         if t is None:
             continue
-        if t.device.type not in devices or isinstance(t, FakeTensor):
+        if (
+            not isinstance(t, torch.Tensor)
+            or t.device.type not in devices
+            or isinstance(t, FakeTensor)
+        ):
             return False
     return not torch.compiler.is_compiling()
-
-
-_REFUSED = object()
 
 
 class LaunchReplay:
@@ -219,73 +313,86 @@ class LaunchReplay:
         self,
         key: Hashable,
         tensors: Sequence[torch.Tensor | None],
-        upstream: Callable[[], tuple[Any, Any]],
-        out: torch.Tensor | None,
-        lse: torch.Tensor | None,
-    ) -> tuple[Any, Any]:
-        """``upstream()`` (the entry point's launch through upstream's launcher, returning
-        ``(out, lse)``), or its record for a call described by ``key`` (the non-tensor
-        arguments, hashable) and ``tensors`` (every tensor the launch may pass: the caller's
-        ``out`` and ``lse`` among them)."""
-        if out is None or lse is None or not _replayable(tensors, self.devices):
+        upstream: Callable[[], Any],
+    ) -> Any:
+        """``upstream()`` (the entry point's call of upstream's launcher), or its record for a
+        call described by ``key`` (the non-tensor arguments, hashable) and ``tensors`` (every
+        tensor the caller passes, outputs included)."""
+        if not _replayable(tensors, self.devices):
             return upstream()
         full_key = (key, tuple(_describe(t) for t in tensors))
-        record = self._records.get(full_key)
-        if record is _REFUSED:
+        calls = self._records.get(full_key, 0)  # calls not recorded so far, or the record
+        if isinstance(calls, RecordedLaunch):
+            return calls(tensors)
+        if calls > ATTEMPTS:
             return upstream()
-        if record is not None:
-            record(tensors)
-            return out, lse
-        result, record = self._record(upstream, tensors, out, lse)
-        if record is not None:
-            if len(self._records) >= self.capacity:
+        if calls == 0:  # the first call may compile: never recorded
+            result, made = upstream(), False
+        else:
+            result, made = self._record(upstream, tensors)
+        if made is not None:
+            if len(self._records) >= self.capacity and full_key not in self._records:
                 self._records.pop(next(iter(self._records)))
-            self._records[full_key] = record
+            self._records[full_key] = made if made else calls + 1
         return result
 
-    def recorded(self, key: Hashable, tensors: Sequence[torch.Tensor | None]) -> bool | None:
-        """Whether a call so described replays (True), runs upstream always (False), or has
-        not been seen (None)."""
+    def recorded(self, key: Hashable, tensors: Sequence[torch.Tensor | None]) -> Any:
+        """The `RecordedLaunch` of a call so described, False when it runs upstream's launcher
+        for good, None when not (yet) decided."""
         record = self._records.get((key, tuple(_describe(t) for t in tensors)))
-        return None if record is None else record is not _REFUSED
+        if isinstance(record, RecordedLaunch):
+            return record
+        return False if record is not None and record > ATTEMPTS else None
 
     def clear(self) -> None:
         self._records.clear()
 
     @staticmethod
-    def _record(upstream, tensors, out, lse) -> tuple[tuple[Any, Any], Any]:
-        """Run ``upstream()`` recorded: its result and a `RecordedLaunch`, `_REFUSED`, or None
-        (not decidable from this call: two caller tensors coincide)."""
-        _watch_upstream_caches()
-        recorder, work = _Recorder(), _DeviceWork()
-        with build_scope.traced(RECORDER, recorder), work:
-            result = upstream()
+    def _record(upstream, tensors) -> tuple[Any, RecordedLaunch | bool | None]:
+        """Run ``upstream()`` recorded: its result and a `RecordedLaunch`, False (not
+        replayable) or None (not decidable from this call: two caller tensors coincide)."""
         owners = _owners(tensors)
         if owners is None:
-            return result, None
-        if work.ops or len(recorder.calls) != 1 or result[0] is not out or result[1] is not lse:
-            return result, _REFUSED
-        compiled, args, kwargs = recorder.calls[0]
+            return upstream(), None
+        _watch_upstream_caches()
+        trace = _Trace(tensors, owners)
+        ops = _RecordOps(trace)
+        with build_scope.traced(RECORDER, trace), ops:
+            result = upstream()
+        if ops.failure is not None:
+            return result, False
         try:
-            record = RecordedLaunch(
-                compiled,
-                _template(args, owners),
-                {name: _template(v, owners) for name, v in kwargs.items()},
-            )
-        except ValueError:
-            return result, _REFUSED
-        return result, record
+            result_template = trace.template(result)
+        except _Unrecordable:
+            return result, False
+        return result, RecordedLaunch(trace.steps, len(trace.made), result_template)
 
 
 FORWARDS = LaunchReplay()
 """The forward entry points' records (their keys hold the `fwd_sm90.ForwardKernel`)."""
+
+BACKWARDS = LaunchReplay()
+"""The backward entry point's records (their keys hold the `bwd_sm90.TileConfig`)."""
+
+
+def _list_tensors(block_sparse_tensors: Any) -> tuple[Any, ...]:
+    bst = block_sparse_tensors
+    return (bst.mask_block_cnt, bst.mask_block_idx, bst.full_block_cnt, bst.full_block_idx)
 
 
 def forward_tensors(
     q: Any, k: Any, v: Any, block_sparse_tensors: Any, aux_tensors: Sequence[Any] | None,
     out: Any, lse: Any,
 ) -> tuple[Any, ...]:  # fmt: skip
-    """Every tensor a forward entry point's launch may pass to the compiled kernel."""
-    bst = block_sparse_tensors
-    lists = (bst.mask_block_cnt, bst.mask_block_idx, bst.full_block_cnt, bst.full_block_idx)
+    """Every tensor a forward entry point's caller passes."""
+    lists = _list_tensors(block_sparse_tensors)
     return (q, k, v, out, lse, *lists, *(aux_tensors or ()))
+
+
+def backward_tensors(
+    q: Any, k: Any, v: Any, out: Any, dout: Any, lse: Any, block_sparse_tensors: Any,
+    aux_tensors: Sequence[Any] | None, dq: Any, dk: Any, dv: Any,
+) -> tuple[Any, ...]:  # fmt: skip
+    """Every tensor the backward entry point's caller passes."""
+    lists = _list_tensors(block_sparse_tensors)
+    return (q, k, v, out, dout, lse, dq, dk, dv, *lists, *(aux_tensors or ()))

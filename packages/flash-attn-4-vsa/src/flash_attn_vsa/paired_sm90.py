@@ -425,7 +425,7 @@ def two_block_stage_forward(
     delta's and the two-stream one's: ``block_size`` as FA4 sees it, head dim `HEAD_DIM`, one
     valid size per key block; ``what`` names it in errors), then run upstream's
     ``_flash_attn_fwd`` building ``kernel`` (a `fwd_sm90.ForwardKernel`: `fwd_sm90._building`)
-    with ``mask_mod`` on the partial list (replayed after the first call of a description
+    with ``mask_mod`` on the partial list (replayed after the first calls of a description
     unless ``replay`` is False: `launch_replay`)."""
     from flash_attn.cute.interface import _flash_attn_fwd
 
@@ -466,4 +466,4 @@ def two_block_stage_forward(
         q, k, v, block_sparse_tensors, [kv_valid_sizes], out, lse
     )
     key = (kernel, block_size, softmax_scale, mask_mod)
-    return launch_replay.FORWARDS.run(key, tensors, upstream, out, lse)
+    return launch_replay.FORWARDS.run(key, tensors, upstream)
