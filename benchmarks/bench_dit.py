@@ -1,14 +1,16 @@
 """A whole diffusers WanTransformer3DModel with dense attention vs VSA: the step time users feel.
 
-Random weights at Wan 2.1's real configurations (1.3B at 480p, 14B at 720p; ``tiny`` for a CPU
-smoke run), bf16 on CUDA. Per sparsity, mode (``fwd``: one denoising step's transformer
-forward; ``train``: forward + backward of a mean-square loss) and way (``eager``,
-``compile``: ``torch.compile`` of the transformer), the dense model (diffusers' own attention
-processors, PyTorch SDPA) and the same model after `vsa_core.integrations.diffusers.enable_vsa`
-are timed one after the other (not interleaved: the switch reinstalls processors), in both
-views (`bench_timing.call_views`: one call waited for, and back to back), with peak extra
-memory; on a CPU nothing is timed (a smoke run). Before timing, VSA with every tile
-selected and no coarse term is checked against the dense model (bf16 tolerance).
+Random weights at Wan 2.1's real configurations (1.3B at 480p, 14B at 720p; ``tiny`` for a CPU smoke
+run), bf16 on CUDA. Per sparsity, mode (``fwd``: one denoising step's transformer forward;
+``train``: forward + backward of a mean-square loss) and way (``eager``, ``compile``:
+``torch.compile``, by default of each repeated block, as diffusers' ``compile_repeated_blocks``
+does, so that the thirty blocks share one compiled graph per arm; ``--compile whole`` compiles the
+transformer as one graph), the dense model (diffusers' own attention processors, PyTorch SDPA) and
+the same model after `vsa_core.integrations.diffusers.enable_vsa` are timed one after the other (not
+interleaved: the switch reinstalls processors), in both views (`bench_timing.call_views`: one call
+waited for, and back to back), with peak extra memory; on a CPU nothing is timed (a smoke run).
+Before timing, VSA with every tile selected and no coarse term is checked against the dense model
+(bf16 tolerance).
 
 Arms (``--arms``): ``dense`` (diffusers' processors), ``vsa``, and two that run VSA's own
 processor with its attention step replaced, so everything around attention is identical to the
@@ -26,6 +28,8 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import bench_report as brep
@@ -63,13 +67,20 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 
 
+@torch.compiler.disable
+def _dense_fa4(query, key, value):
+    """FA4's dense attention, run eagerly under ``torch.compile`` (a graph break: dynamo cannot
+    trace FA4's Python launcher, which is no custom op; the block compiles around it)."""
+    from flash_attn.cute import flash_attn_func
+
+    return flash_attn_func(query, key, value)[0]
+
+
 class DenseFA4Processor(VSAWanAttnProcessor):
     """VSA's processor with dense FA4 attention in place of VSA (raster-order BSHD)."""
 
     def attend(self, query, key, value, tiling, gate):
-        from flash_attn.cute import flash_attn_func
-
-        return flash_attn_func(query, key, value)[0]
+        return _dense_fa4(query, key, value)
 
 
 class NoAttentionProcessor(VSAWanAttnProcessor):
@@ -110,6 +121,26 @@ def build(config: dict[str, Any], device: torch.device, dtype: torch.dtype):
     text_shape = (1, config["text_tokens"], config["model"]["text_dim"])
     text = torch.randn(text_shape, generator=gen, device=device, dtype=dtype)
     return model, (latent, torch.tensor([500], device=device), text)
+
+
+@contextmanager
+def compiled(model, way: str, how: str) -> Iterator[Any]:
+    """The model to time for ``way``: itself (``eager``), or compiled (``compile``): per
+    repeated block (``how="regional"``, diffusers' ``compile_repeated_blocks``; undone on exit,
+    so that later eager cells run eager) or whole (``"whole"``, a ``torch.compile`` wrapper)."""
+    if way != "compile":
+        yield model
+        return
+    if how == "whole" or not getattr(model, "_repeated_blocks", None):
+        yield torch.compile(model)
+        return
+    model.compile_repeated_blocks()
+    try:
+        yield model
+    finally:
+        for module in model.modules():  # nn.Module.compile's state: back to the eager call
+            if getattr(module, "_compiled_call_impl", None) is not None:
+                module._compiled_call_impl = None
 
 
 def step_fn(model, inputs, mode: str):
@@ -166,12 +197,60 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
+def run_cells(args, model, runner, inputs, mode: str, way: str, tile, device, log) -> None:
+    """Time every arm at every sparsity for one mode and way; ``log`` each row."""
+    graphs_before = _compiled_graphs()
+    for sparsity in args.sparsities:
+        arms = {}
+        for arm in args.arms:
+            installed = install(model, arm, sparsity, tile, args.backend)
+            try:
+                fn = step_fn(runner, inputs, mode)
+                arms[arm] = measure(fn, device, args.reps)
+                if args.profile:
+                    profile_step(fn, f"{args.profile}/{mode}-{way}-{arm}.txt")
+            except Exception as exc:  # a failure is a finding: record it, go on
+                arms[arm] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+            finally:
+                if installed:
+                    disable_vsa(model)
+                model.zero_grad(set_to_none=True)
+            print(f"# {mode} {way} {sparsity} {arm}: {arms[arm]}", file=sys.stderr)
+        row = {"mode": mode, "way": way, "sparsity": sparsity, **{
+            f"{arm}_{k}": v for arm, d in arms.items() for k, v in d.items()
+        }}  # fmt: skip
+        for base in ("dense", "dense_fa4"):
+            for view in ("once_ms", "b2b_ms"):
+                pair = arms.get(base, {}), arms.get("vsa", {})
+                if view in pair[0] and view in pair[1]:
+                    speedup = pair[0][view] / pair[1][view]
+                    row[f"speedup_vs_{base}_{view[:-3]}"] = speedup
+        if way == "compile":
+            row["compiled_graphs"] = _compiled_graphs() - graphs_before
+        log(row)
+
+
+def _compiled_graphs() -> int:
+    """Graphs dynamo has compiled in this process (regional compilation: one per block
+    variant, not one per block)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", choices=sorted(CONFIGS), default="wan1.3b")
     ap.add_argument("--sparsities", type=float, nargs="+", default=[0.875, 0.9])
     ap.add_argument("--modes", nargs="+", default=["fwd", "train"])
     ap.add_argument("--ways", nargs="+", default=["eager", "compile"])
+    ap.add_argument(
+        "--compile",
+        choices=["regional", "whole"],
+        default="regional",
+        help="what --ways compile compiles: each repeated block (diffusers' "
+        "compile_repeated_blocks; the default) or the whole transformer",
+    )
     ap.add_argument("--arms", nargs="+", choices=ARMS, default=["dense", "vsa"])
     ap.add_argument("--backend", default="auto", help="VSA's fine backend")
     ap.add_argument("--tile", type=int, nargs=3, default=[4, 4, 4])
@@ -212,35 +291,11 @@ def main() -> int:
         all_tiles = model(*inputs, return_dict=False)[0]
         disable_vsa(model)
     log({"check": "all tiles, no coarse term vs dense", "rel_err": rel(all_tiles, dense_out)})
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     for mode in args.modes:
         for way in args.ways:
-            runner = torch.compile(model) if way == "compile" else model
-            for sparsity in args.sparsities:
-                arms = {}
-                for arm in args.arms:
-                    installed = install(model, arm, sparsity, tile, args.backend)
-                    try:
-                        fn = step_fn(runner, inputs, mode)
-                        arms[arm] = measure(fn, device, args.reps)
-                        if args.profile:
-                            profile_step(fn, f"{args.profile}/{mode}-{way}-{arm}.txt")
-                    except Exception as exc:  # a failure is a finding: record it, go on
-                        arms[arm] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
-                    finally:
-                        if installed:
-                            disable_vsa(model)
-                        model.zero_grad(set_to_none=True)
-                    print(f"# {mode} {way} {sparsity} {arm}: {arms[arm]}", file=sys.stderr)
-                row = {"mode": mode, "way": way, "sparsity": sparsity, **{
-                    f"{arm}_{k}": v for arm, d in arms.items() for k, v in d.items()
-                }}  # fmt: skip
-                for base in ("dense", "dense_fa4"):
-                    for view in ("once_ms", "b2b_ms"):
-                        pair = arms.get(base, {}), arms.get("vsa", {})
-                        if view in pair[0] and view in pair[1]:
-                            speedup = pair[0][view] / pair[1][view]
-                            row[f"speedup_vs_{base}_{view[:-3]}"] = speedup
-                log(row)
+            with compiled(model, way, args.compile) as runner:
+                run_cells(args, model, runner, inputs, mode, way, tile, device, log)
     if args.out:
         result = {
             "command": " ".join(["python3", *sys.argv]),

@@ -132,6 +132,51 @@ def test_compiled_model_with_vsa_matches_eager_forward_and_gradients():
         torch.testing.assert_close(grad, eager_grads[name], rtol=1e-3, atol=1e-5, msg=name)
 
 
+@pytest.mark.parametrize("sparsity", [0.875, 0.9, 0.75, 0.5, 1 / 3, 0.0])
+def test_topk_for_a_sparsity_is_the_rounded_kept_fraction(sparsity):
+    model = tiny_wan()
+    settings = enable_vsa(model, sparsity=sparsity, tile=TILE)
+    for tiles in (1, 7, 12, 624, 1440):
+        tiling = type("Tiling", (), {"num_tiles": tiles})()
+        assert settings.topk_for(tiling) == max(1, round((1 - sparsity) * tiles)), tiles
+    disable_vsa(model)
+
+
+def test_blocks_compiled_once_then_run_at_another_sparsity_in_training():
+    """Regional compilation (each block, as diffusers' ``compile_repeated_blocks``) at one
+    sparsity, then a forward and backward at another: dynamo recompiles with the kept fraction
+    as integers and the gradients match eager's (a float sparsity became a symbolic float and
+    failed in the backward under torch 2.11)."""
+    torch._dynamo.reset()
+    model = tiny_wan().float().train()
+    args = tuple(a.float() if a.is_floating_point() else a for a in inputs())
+    for block in model.blocks:
+        block.compile()
+    try:
+        for sparsity in (0.75, 0.5):
+            enable_vsa(model, sparsity=sparsity, tile=TILE, backend="reference", coarse="add")
+            results = []
+            for compiled in (True, False):
+                for block in model.blocks:
+                    if not compiled:
+                        block._compiled_call_impl = None
+                model.zero_grad(set_to_none=True)
+                out = run(model, *args)
+                out.square().mean().backward()
+                results.append((out.detach(), [p.grad.clone() for p in model.parameters()]))
+                if not compiled:
+                    for block in model.blocks:
+                        block.compile()
+            disable_vsa(model)
+            (c_out, c_grads), (e_out, e_grads) = results
+            torch.testing.assert_close(c_out, e_out, rtol=1e-4, atol=1e-5)
+            for c, e in zip(c_grads, e_grads, strict=True):
+                torch.testing.assert_close(c, e, rtol=1e-3, atol=1e-5)
+    finally:
+        for block in model.blocks:
+            block._compiled_call_impl = None
+
+
 def test_deterministic_reaches_every_attention_call(monkeypatch):
     """``enable_vsa(deterministic=True)`` runs each block's op with the flag (and a flag that is
     not a bool is refused, naming the argument)."""

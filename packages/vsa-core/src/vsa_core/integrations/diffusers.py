@@ -30,6 +30,7 @@ not import it: it works with the transformer object it is given.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any, Literal
 
 import torch
@@ -59,11 +60,22 @@ class VSASettings:
     originals: dict[int, Any] = field(default_factory=dict)
     hook: Any = None
 
+    keep: tuple[int, int] = (1, 1)
+    """``1 - sparsity`` as an exact fraction (numerator, denominator): `topk_for` computes in
+    integers, since under ``torch.compile`` a float attribute that changed between compiles
+    becomes a symbolic float whose rounding dynamo cannot always lift (torch 2.11: compiling a
+    block for a second sparsity failed in training)."""
+
     def topk_for(self, tiling: VideoTiling) -> int:
+        """Key tiles per query tile: ``topk``, or ``(1 - sparsity) * tiles`` rounded half to
+        even, at least 1."""
         if self.topk is not None:
             return min(self.topk, tiling.num_tiles)
-        assert self.sparsity is not None
-        return max(1, round((1 - self.sparsity) * tiling.num_tiles))
+        numerator, denominator = self.keep
+        quotient, remainder = divmod(numerator * tiling.num_tiles, denominator)
+        if 2 * remainder > denominator or (2 * remainder == denominator and quotient % 2):
+            quotient += 1
+        return max(1, quotient)
 
 
 def _rotate(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> torch.Tensor:
@@ -185,6 +197,9 @@ def enable_vsa(
     settings = VSASettings(
         check_positive_triple("tile", tile), topk, sparsity, backend, coarse, deterministic
     )
+    if sparsity is not None:
+        keep = Fraction(1 - sparsity).limit_denominator(1 << 20)
+        settings.keep = (keep.numerator, keep.denominator)
     patch = tuple(patch)
 
     def record_grid(module, args, kwargs):
