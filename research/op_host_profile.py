@@ -2,7 +2,7 @@
 (forward, and forward + backward), per fine backend, tables by own time and by cumulative time.
 The companion of `benchmarks/diagnose_op_host.py` (which times; this one attributes). ::
 
-    python3 research/op_host_profile.py --shape wan480p --backends fa4 triton --out DIR
+    python3 -m research.op_host_profile --shape wan480p --backends fa4 triton --out DIR
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from types import SimpleNamespace
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import bench_video as bv
-
+from research.harness import benchmark_module
 from vsa_core import VideoTiling, video_sparse_attn
+
+bv = benchmark_module("bench_video")
 
 
 def profile_text(runner, calls: int, rows: int) -> str:

@@ -3,7 +3,7 @@ history, then the tensors alive at the peak (beyond the inputs), each with the i
 of this repository's code that allocated it. Used to explain a peak that is a multiple of dense
 attention's (bench_video's ``peak MiB`` column). ::
 
-    python3 research/op_memory_breakdown.py --shape wan480p --backends fa4 triton --out DIR
+    python3 -m research.op_memory_breakdown --shape wan480p --backends fa4 triton --out DIR
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from types import SimpleNamespace
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import bench_video as bv
-
+from research.harness import benchmark_module
 from vsa_core import VideoTiling, video_sparse_attn
+
+bv = benchmark_module("bench_video")
 
 OWN_CODE = ("vsa_core", "vsa_fa4", "vsa_triton", "flash_attn_vsa", "flash_attn")
 

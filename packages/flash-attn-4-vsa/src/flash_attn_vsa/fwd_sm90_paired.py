@@ -44,7 +44,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from flash_attn_vsa.fwd_sm90 import PAIRED_KEYS, ForwardKernel
+from flash_attn_vsa.fwd_sm90 import PAIRED_KEYS, ForwardKernel, _building
 from flash_attn_vsa.paired_sm90 import (  # re-exported: this module's names before the split
     BLOCK_SIZE,
     HEAD_DIM,
@@ -131,7 +131,7 @@ def block_sparse_forward_paired(
     description skip upstream's per-call Python (`launch_replay`); False runs it every call."""
     return two_block_stage_forward(
         q, k, v, block_sparse_tensors, kv_valid_sizes, BLOCK_SIZE, "paired keys",
-        pair_mask_mod(), ForwardKernel(PAIRED_KEYS, q_in_registers, persistent),
+        pair_mask_mod(), ForwardKernel(PAIRED_KEYS, q_in_registers, persistent), _building,
         softmax_scale=softmax_scale,
         out=out,
         lse=lse,

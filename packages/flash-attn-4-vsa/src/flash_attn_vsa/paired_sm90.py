@@ -11,7 +11,9 @@ and the delta's description are in `fwd_sm90_paired`, which re-exports this modu
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Callable
 from typing import Any
 
 from flash_attn_vsa.build_scope import current
@@ -415,6 +417,7 @@ def two_block_stage_forward(
     what: str,
     mask_mod: Any,
     kernel: Any,
+    building: Callable[[Any], contextlib.AbstractContextManager[Any]],
     *,
     softmax_scale: float,
     out: Any,
@@ -424,13 +427,13 @@ def two_block_stage_forward(
     """Check the arguments of a forward whose key/value stages hold two 64-token blocks (this
     delta's and the two-stream one's: ``block_size`` as FA4 sees it, head dim `HEAD_DIM`, one
     valid size per key block; ``what`` names it in errors), then run upstream's
-    ``_flash_attn_fwd`` building ``kernel`` (a `fwd_sm90.ForwardKernel`: `fwd_sm90._building`)
+    ``_flash_attn_fwd`` inside ``building(kernel)`` (the entry point's `fwd_sm90._building` of
+    ``kernel``, a `fwd_sm90.ForwardKernel`)
     with ``mask_mod`` on the partial list (replayed after the first calls of a description
     unless ``replay`` is False: `launch_replay`)."""
     from flash_attn.cute.interface import _flash_attn_fwd
 
     from flash_attn_vsa import launch_replay
-    from flash_attn_vsa.fwd_sm90 import _building
     from flash_attn_vsa.sm90_blocks import check_call
 
     check_call(q, k, v, tuple(block_sparse_tensors.block_size or ()), (block_size,))
@@ -445,7 +448,7 @@ def two_block_stage_forward(
         )
 
     def upstream() -> tuple[Any, Any]:
-        with _building(kernel):
+        with building(kernel):
             result = _flash_attn_fwd(
                 q,
                 k,

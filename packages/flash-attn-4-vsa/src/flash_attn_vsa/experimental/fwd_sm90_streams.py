@@ -45,7 +45,7 @@ from flash_attn_vsa.experimental.streams_sm90 import (  # the body's names, re-e
     stream_lists,
     stream_mask_mod,
 )
-from flash_attn_vsa.fwd_sm90 import TWO_STREAMS, ForwardKernel
+from flash_attn_vsa.fwd_sm90 import TWO_STREAMS, ForwardKernel, _building
 from flash_attn_vsa.paired_sm90 import HEAD_DIM, KEY_BLOCK, NO_BLOCK, two_block_stage_forward
 
 __all__ = [
@@ -92,6 +92,6 @@ def block_sparse_forward_streams(
     forward."""
     return two_block_stage_forward(
         q, k, v, block_sparse_tensors, kv_valid_sizes, BLOCK_SIZE, "two streams",
-        stream_mask_mod(), ForwardKernel(TWO_STREAMS, q_in_registers, persistent),
+        stream_mask_mod(), ForwardKernel(TWO_STREAMS, q_in_registers, persistent), _building,
         softmax_scale=softmax_scale, out=out, lse=lse, replay=replay,
     )  # fmt: skip
