@@ -245,6 +245,14 @@ def main() -> int:
     ap.add_argument("--modes", nargs="+", default=["fwd", "train"])
     ap.add_argument("--ways", nargs="+", default=["eager", "compile"])
     ap.add_argument(
+        "--no-mix-order-reduction",
+        action="store_true",
+        help="turn inductor's mix-order reduction off (torch._inductor.config.triton."
+        "mix_order_reduction = False): with it, torch 2.10-2.11 compiled training of Wan on "
+        "CUDA fails ('CompiledFunctionBackward returned an invalid gradient ... got [1536] but "
+        "expected shape compatible with [1, 1, 1536]', pytorch/pytorch#178080)",
+    )
+    ap.add_argument(
         "--compile",
         choices=["regional", "whole"],
         default="regional",
@@ -292,6 +300,10 @@ def main() -> int:
         disable_vsa(model)
     log({"check": "all tiles, no coarse term vs dense", "rel_err": rel(all_tiles, dense_out)})
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    if args.no_mix_order_reduction:
+        import torch._inductor.config as inductor_config
+
+        inductor_config.triton.mix_order_reduction = False
     for mode in args.modes:
         for way in args.ways:
             with compiled(model, way, args.compile) as runner:
