@@ -12,6 +12,7 @@ import cProfile
 import io
 import pstats
 import sys
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
@@ -43,15 +44,18 @@ def profile_text(runner, calls: int, rows: int) -> str:
     return text.getvalue()
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def op_arguments(argv, modes: list[str], **extra) -> tuple[argparse.Namespace, Callable]:
+    """The command line both op scripts take (shape, backends, modes, sparsity, out, and
+    ``extra`` options with their defaults) and a function giving bench_video's runner of the
+    op on CUDA bf16 inputs of that latent (gate on) for a backend and a mode."""
+    ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="wan480p")
     ap.add_argument("--backends", nargs="+", default=["fa4", "triton"])
-    ap.add_argument("--modes", nargs="+", default=["fwd", "fwd+bwd"])
+    ap.add_argument("--modes", nargs="+", default=modes)
     ap.add_argument("--sparsity", type=float, default=0.875)
-    ap.add_argument("--calls", type=int, default=20)
-    ap.add_argument("--rows", type=int, default=45)
     ap.add_argument("--out", type=Path, default=Path("."))
+    for name, default in extra.items():
+        ap.add_argument(f"--{name}", type=type(default), default=default)
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     shape = bv.parse_shape(args.shape)
@@ -59,11 +63,20 @@ def main(argv=None) -> int:
     tiling = VideoTiling(shape.latent, (4, 4, 4))
     topk = bv.topk_for(args.sparsity, tiling.num_tiles)
     inputs = bv.make_op_inputs(cfg, tiling, shape.heads, torch.device("cuda"))
+
+    def runner(backend: str, mode: str):
+        attn = partial(video_sparse_attn, tiling=tiling, topk=topk, backend=backend,
+                       validate=False)  # fmt: skip
+        return bv.attn_runner(inputs, mode, attn)
+
+    return args, runner
+
+
+def main(argv=None) -> int:
+    args, runner = op_arguments(argv, ["fwd", "fwd+bwd"], calls=20, rows=45)
     for backend in args.backends:
         for mode in args.modes:
-            attn = partial(video_sparse_attn, tiling=tiling, topk=topk, backend=backend,
-                           validate=False)  # fmt: skip
-            text = profile_text(bv.attn_runner(inputs, mode, attn), args.calls, args.rows)
+            text = profile_text(runner(backend, mode), args.calls, args.rows)
             name = f"{args.shape}-{backend}-{mode.replace('+', '_')}.txt"
             (args.out / name).write_text(text)
             print(f"wrote {name}")

@@ -8,19 +8,12 @@ attention's (bench_video's ``peak MiB`` column). ::
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
-from functools import partial
-from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
-from research.harness import benchmark_module
-from vsa_core import VideoTiling, video_sparse_attn
-
-bv = benchmark_module("bench_video")
+from .op_host_profile import op_arguments
 
 OWN_CODE = ("vsa_core", "vsa_fa4", "vsa_triton", "flash_attn_vsa", "flash_attn")
 
@@ -50,25 +43,11 @@ def live_at_peak(trace) -> tuple[int, list[tuple[int, str]]]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", default="wan480p")
-    ap.add_argument("--backends", nargs="+", default=["fa4", "triton"])
-    ap.add_argument("--modes", nargs="+", default=["fwd"])
-    ap.add_argument("--sparsity", type=float, default=0.875)
-    ap.add_argument("--out", type=Path, default=Path("."))
-    args = ap.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
-    shape = bv.parse_shape(args.shape)
-    cfg = SimpleNamespace(head_dim=128, batch=1, seed=0, coarse_gate=True, dtype=torch.bfloat16)
-    tiling = VideoTiling(shape.latent, (4, 4, 4))
-    topk = bv.topk_for(args.sparsity, tiling.num_tiles)
-    inputs = bv.make_op_inputs(cfg, tiling, shape.heads, torch.device("cuda"))
+    args, make_runner = op_arguments(argv, ["fwd"])
     report = []
     for backend in args.backends:
         for mode in args.modes:
-            attn = partial(video_sparse_attn, tiling=tiling, topk=topk, backend=backend,
-                           validate=False)  # fmt: skip
-            runner = bv.attn_runner(inputs, mode, attn)
+            runner = make_runner(backend, mode)
             for _ in range(2):  # compile and warm the caches outside the record
                 runner.run(runner.setup() if runner.setup else None)
             torch.cuda.synchronize()

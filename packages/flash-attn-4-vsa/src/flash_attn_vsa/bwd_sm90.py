@@ -293,10 +293,8 @@ def block_sparse_backward_kv64(
             )
         return grads[0], grads[1], grads[2]
 
-    if not replay:
-        return upstream()
     tensors = launch_replay.backward_tensors(
         q, k, v, out, dout, lse, block_sparse_tensors, aux_tensors, dq, dk, dv
     )
     key = (config, block_size, softmax_scale, mask_mod, len(aux_tensors or ()))
-    return launch_replay.BACKWARDS.run(key, tensors, upstream)
+    return launch_replay.BACKWARDS.run(key, tensors, upstream, enabled=replay)

@@ -281,32 +281,11 @@ def block_sparse_forward_q64(
     calls of a description, replay what upstream's launcher did on the device without its
     per-call Python (`launch_replay`); False runs upstream's launcher every call.
     """
-    from flash_attn.cute.interface import _flash_attn_fwd
-
     from flash_attn_vsa import launch_replay
 
-    block_size = tuple(block_sparse_tensors.block_size or ())
-    check_call(q, k, v, block_size)
-    kernel = ForwardKernel(TWO_CTAS, q_in_registers, persistent)
-
-    def upstream() -> tuple[Any, Any]:
-        with _building(kernel):
-            result = _flash_attn_fwd(
-                q,
-                k,
-                v,
-                softmax_scale=softmax_scale,
-                mask_mod=mask_mod,
-                aux_tensors=aux_tensors,
-                block_sparse_tensors=block_sparse_tensors,
-                return_lse=True,
-                out=out,
-                lse=lse,
-            )
-        return result[0], result[1]
-
-    if not replay:
-        return upstream()
-    tensors = launch_replay.forward_tensors(q, k, v, block_sparse_tensors, aux_tensors, out, lse)
-    key = (kernel, block_size, softmax_scale, mask_mod, len(aux_tensors or ()))
-    return launch_replay.FORWARDS.run(key, tensors, upstream)
+    check_call(q, k, v, tuple(block_sparse_tensors.block_size or ()))
+    return launch_replay.forward(
+        ForwardKernel(TWO_CTAS, q_in_registers, persistent), _building, q, k, v,
+        block_sparse_tensors, softmax_scale=softmax_scale, mask_mod=mask_mod,
+        aux_tensors=aux_tensors, out=out, lse=lse, replay=replay,
+    )  # fmt: skip

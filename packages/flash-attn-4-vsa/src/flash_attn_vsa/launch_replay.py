@@ -38,6 +38,7 @@ from __future__ import annotations
 import enum
 import functools
 from collections.abc import Callable, Hashable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -52,6 +53,7 @@ __all__ = [
     "LaunchReplay",
     "RecordedLaunch",
     "backward_tensors",
+    "forward",
     "forward_tensors",
 ]
 
@@ -314,11 +316,13 @@ class LaunchReplay:
         key: Hashable,
         tensors: Sequence[torch.Tensor | None],
         upstream: Callable[[], Any],
+        enabled: bool = True,
     ) -> Any:
         """``upstream()`` (the entry point's call of upstream's launcher), or its record for a
         call described by ``key`` (the non-tensor arguments, hashable) and ``tensors`` (every
-        tensor the caller passes, outputs included)."""
-        if not _replayable(tensors, self.devices):
+        tensor the caller passes, outputs included); ``enabled=False`` (an entry point's
+        ``replay=False``) always runs ``upstream()``."""
+        if not enabled or not _replayable(tensors, self.devices):
             return upstream()
         full_key = (key, tuple(_describe(t) for t in tensors))
         calls = self._records.get(full_key, 0)  # calls not recorded so far, or the record
@@ -378,6 +382,42 @@ BACKWARDS = LaunchReplay()
 def _list_tensors(block_sparse_tensors: Any) -> tuple[Any, ...]:
     bst = block_sparse_tensors
     return (bst.mask_block_cnt, bst.mask_block_idx, bst.full_block_cnt, bst.full_block_idx)
+
+
+def forward(
+    kernel: Any,
+    building: Callable[[Any], AbstractContextManager[Any]],
+    q: Any,
+    k: Any,
+    v: Any,
+    block_sparse_tensors: Any,
+    *,
+    softmax_scale: float,
+    mask_mod: Any,
+    aux_tensors: Sequence[Any] | None,
+    out: Any,
+    lse: Any,
+    replay: bool,
+) -> tuple[Any, Any]:
+    """A forward entry point's launch: upstream's ``_flash_attn_fwd`` inside
+    ``building(kernel)`` (the entry point's scope of its `fwd_sm90.ForwardKernel`), replayed
+    from `FORWARDS` after the first calls of a description unless ``replay`` is False.
+    Returns ``(out, lse)``."""
+    from flash_attn.cute.interface import _flash_attn_fwd
+
+    def upstream() -> tuple[Any, Any]:
+        with building(kernel):
+            result = _flash_attn_fwd(
+                q, k, v, softmax_scale=softmax_scale, mask_mod=mask_mod,
+                aux_tensors=aux_tensors, block_sparse_tensors=block_sparse_tensors,
+                return_lse=True, out=out, lse=lse,
+            )  # fmt: skip
+        return result[0], result[1]
+
+    tensors = forward_tensors(q, k, v, block_sparse_tensors, aux_tensors, out, lse)
+    key = (kernel, tuple(block_sparse_tensors.block_size or ()), softmax_scale, mask_mod,
+           len(aux_tensors or ()))  # fmt: skip
+    return FORWARDS.run(key, tensors, upstream, enabled=replay)
 
 
 def forward_tensors(

@@ -431,8 +431,6 @@ def two_block_stage_forward(
     ``kernel``, a `fwd_sm90.ForwardKernel`)
     with ``mask_mod`` on the partial list (replayed after the first calls of a description
     unless ``replay`` is False: `launch_replay`)."""
-    from flash_attn.cute.interface import _flash_attn_fwd
-
     from flash_attn_vsa import launch_replay
     from flash_attn_vsa.sm90_blocks import check_call
 
@@ -447,26 +445,7 @@ def two_block_stage_forward(
             f"({k.shape[1] // KEY_BLOCK}), got {kv_valid_sizes.shape[0]}"
         )
 
-    def upstream() -> tuple[Any, Any]:
-        with building(kernel):
-            result = _flash_attn_fwd(
-                q,
-                k,
-                v,
-                softmax_scale=softmax_scale,
-                mask_mod=mask_mod,
-                aux_tensors=[kv_valid_sizes],
-                block_sparse_tensors=block_sparse_tensors,
-                return_lse=True,
-                out=out,
-                lse=lse,
-            )
-        return result[0], result[1]
-
-    if not replay:
-        return upstream()
-    tensors = launch_replay.forward_tensors(
-        q, k, v, block_sparse_tensors, [kv_valid_sizes], out, lse
-    )
-    key = (kernel, block_size, softmax_scale, mask_mod)
-    return launch_replay.FORWARDS.run(key, tensors, upstream)
+    return launch_replay.forward(
+        kernel, building, q, k, v, block_sparse_tensors, softmax_scale=softmax_scale,
+        mask_mod=mask_mod, aux_tensors=[kv_valid_sizes], out=out, lse=lse, replay=replay,
+    )  # fmt: skip
