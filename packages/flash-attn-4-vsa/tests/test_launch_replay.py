@@ -49,11 +49,11 @@ class Launcher:
     buffer (``torch.full``), has a pre-processing kernel from ``pre_cache`` fill it, and the
     main kernel reads it."""
 
-    def __init__(self, scratch=False, pre_cache=None, host_read=False):
+    def __init__(self, scratch=False, pre_cache=None, host_read=False, pointer=False):
         self.cache = ScopedCompileCache({"key": kernel}, lambda: None)
         self.pre_cache = pre_cache or ScopedCompileCache({"pre": preprocess}, lambda: None)
         self.calls = 0
-        self.scratch, self.host_read = scratch, host_read
+        self.scratch, self.host_read, self.pointer = scratch, host_read, pointer
 
     def __call__(self, q, k, out, lse, lists, valid):
         self.calls += 1
@@ -64,6 +64,8 @@ class Launcher:
         if self.host_read:
             int(lists.max())  # a launch that depends on the data
         lists_arg = (lists, lists.detach())
+        if self.pointer:  # a launcher that hands the kernel an address, not the tensor
+            lists_arg = (lists, lists.data_ptr())
         self.cache["key"](q, k.detach(), out, lse, 0.5, None, lists_arg, Aux([valid]),
                           scratch=buffer)  # fmt: skip
         return out, lse
@@ -153,6 +155,14 @@ def test_a_launch_the_host_reads_data_for_always_runs_upstream():
         check(run(replay, launcher, ts), ts)
     assert launcher.calls == 5
     assert replay.recorded("call", tensors(0)) is False
+
+
+def test_a_launch_passing_a_caller_address_as_a_number_always_runs_upstream():
+    replay, launcher = replay_cpu(), Launcher(pointer=True)
+    for seed in range(4):
+        ts = tensors(seed)
+        check(run(replay, launcher, ts), ts)
+    assert launcher.calls == 4 and replay.recorded("call", tensors(0)) is False
 
 
 def test_a_new_description_records_again():
@@ -252,6 +262,7 @@ def test_replayed_forward_is_bitwise_the_launchers(masked):
     head_dim, dtype, scale = 128, cases.BF16, 128**-0.5
     masking = {"mask_mod": mask_sm90.valid_size_mask_mod(cases.BLOCK)} if masked else {}
     launch_replay.FORWARDS.clear()
+    alive = []  # every call's tensors stay allocated: a replay sees new addresses
     for seed in (3, 4, 5):
         valid, selected = cases.case(seed=seed)
         q, k, v, _ = cases.inputs(head_dim, dtype, valid)
@@ -261,6 +272,7 @@ def test_replayed_forward_is_bitwise_the_launchers(masked):
         for replay in (True, False):
             tensors = cases.sparse_tensors(valid, selected, backward=False)
             out, lse = cases.nan_outputs(q)
+            alive.append((q, k, v, tensors, out, lse))
             got.append(fwd_sm90.block_sparse_forward_q64(
                 q, k, v, tensors, softmax_scale=scale, out=out, lse=lse, replay=replay,
                 q_in_registers=True, **masking, **aux,
@@ -280,6 +292,7 @@ def test_replayed_backward_is_bitwise_the_launchers(q_block):
     head_dim, dtype, scale = 128, cases.BF16, 128**-0.5
     mask_mod = mask_sm90.valid_size_mask_mod(cases.BLOCK)
     launch_replay.BACKWARDS.clear()
+    alive = []  # every call's tensors stay allocated: a replay sees new addresses
     for seed in (3, 4, 5):
         valid, selected = cases.case(seed=seed, q_block=q_block)
         q, k, v, dout = cases.inputs(head_dim, dtype, valid)
@@ -290,6 +303,7 @@ def test_replayed_backward_is_bitwise_the_launchers(q_block):
         for replay in (True, False):
             tensors = cases.sparse_tensors(valid, selected, backward=True)
             grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
+            alive.append((q, k, v, dout, out, lse, tensors, grads))
             got.append(bwd_sm90.block_sparse_backward_kv64(
                 q, k, v, out, dout, lse, tensors, softmax_scale=scale, mask_mod=mask_mod,
                 aux_tensors=[valid.cuda()], dq=grads[0], dk=grads[1], dv=grads[2],

@@ -19,7 +19,8 @@ object, or same pointer, dtype, shape and strides; an ambiguous match between tw
 caller tensors is not recorded) or made by an earlier step of the program; every operation
 returns tensors (an operation whose result the host reads, ``.item()`` say, makes the launch
 data-dependent); and every other argument is a value the replay can rebuild (tuples, lists and
-named tuples are rebuilt; ``None``, numbers, strings, enums, dtypes and devices are constants).
+named tuples are rebuilt; ``None``, numbers, strings, enums, dtypes and devices are constants,
+except a number equal to a caller tensor's address, which would be stale on a replay).
 The first call of a description is not recorded (it may compile); a description whose
 recording fails twice runs upstream's launcher on every call, as without replay.
 
@@ -121,8 +122,10 @@ class _Trace:
         self.steps: list[tuple[Any, ...]] = []
         self.by_id = {id(t): _Caller(i) for i, t in enumerate(tensors) if t is not None}
         self.owners = owners
+        self.pointers = {key[0] for key in owners if key[0]}
         self.made: list[torch.Tensor] = []  # kept alive while recording: ids stay unique
         self.in_kernel = False
+        self.failure: str | None = None  # why the launch cannot be replayed
 
     def template(self, value: Any) -> Any:
         if isinstance(value, torch.Tensor):
@@ -139,6 +142,8 @@ class _Trace:
             return type(value)(self.template(v) for v in value)
         if isinstance(value, dict):
             return {name: self.template(v) for name, v in value.items()}
+        if type(value) is int and value in self.pointers:
+            raise _Unrecordable("a caller tensor's address as a number (stale on a replay)")
         if isinstance(value, _CONSTANT_TYPES):
             return value
         raise _Unrecordable(f"an argument of type {type(value).__name__}")
@@ -162,8 +167,7 @@ class _Trace:
             return compiled
 
         def call(*args: Any, **kwargs: Any) -> Any:
-            step = ("kernel", compiled, self.template(args), self.template(kwargs))
-            self.steps.append(step)
+            self.record(lambda: ("kernel", compiled, self.template(args), self.template(kwargs)))
             self.in_kernel = True  # what its wrapper does with the tensors is the kernel's
             try:
                 return compiled(*args, **kwargs)
@@ -172,6 +176,16 @@ class _Trace:
 
         call.trace = self  # type: ignore[attr-defined]
         return call
+
+    def record(self, step: Callable[[], tuple[Any, ...]]) -> None:
+        """Append ``step()`` unless the trace failed; a failure is noted, never raised into
+        upstream's launch (which runs on, as without a recording)."""
+        if self.failure is not None:
+            return
+        try:
+            self.steps.append(step())
+        except _Unrecordable as why:
+            self.failure = str(why)
 
 
 def recording_wrapper(compiled: Any) -> Any:
@@ -223,18 +237,18 @@ class _RecordOps(TorchDispatchMode):
     def __init__(self, trace: _Trace) -> None:
         super().__init__()
         self.trace = trace
-        self.failure: str | None = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         result = func(*args, **kwargs)
-        if self.trace.in_kernel or self.failure is not None:
-            return result
-        try:
-            args_t, kwargs_t = self.trace.template(args), self.trace.template(kwargs)
-            self.trace.steps.append(("op", func, args_t, kwargs_t, self.trace.bind(result)))
-        except _Unrecordable as why:
-            self.failure = str(why)
+        if not self.trace.in_kernel:
+            trace = self.trace
+
+            def step() -> tuple[Any, ...]:
+                args_t, kwargs_t = trace.template(args), trace.template(kwargs)
+                return ("op", func, args_t, kwargs_t, trace.bind(result))
+
+            trace.record(step)
         return result
 
 
@@ -363,7 +377,7 @@ class LaunchReplay:
         ops = _RecordOps(trace)
         with build_scope.traced(RECORDER, trace), ops:
             result = upstream()
-        if ops.failure is not None:
+        if trace.failure is not None:
             return result, False
         try:
             result_template = trace.template(result)
