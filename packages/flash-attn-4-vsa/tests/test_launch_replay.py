@@ -165,6 +165,19 @@ def test_a_launch_passing_a_caller_address_as_a_number_always_runs_upstream():
     assert launcher.calls == 4 and replay.recorded("call", tensors(0)) is False
 
 
+def test_a_misaligned_tensor_is_another_description():
+    """Same shapes, a q 4 bytes off the alignment of the recorded call's: not its record."""
+    replay, launcher = replay_cpu(), Launcher()
+    for seed in range(3):
+        run(replay, launcher, tensors(seed))
+    q, k, out, lse, lists, valid = tensors(3)
+    shifted = torch.empty(q.numel() + 1)[1:].view_as(q).copy_(q)
+    ts = (shifted, k, out, lse, lists, valid)
+    assert replay.recorded("call", ts) is None
+    check(run(replay, launcher, ts), ts)
+    assert launcher.calls == 3
+
+
 def test_a_new_description_records_again():
     replay, launcher = replay_cpu(), Launcher()
     for seed in range(3):

@@ -4,15 +4,15 @@ Upstream's launchers (``_flash_attn_fwd``, ``_flash_attn_bwd``) spend a fifth of
 or more of host time on every call (argument checks, a compile key of some sixty fields, the
 assembly of the compiled kernels' arguments) before their compiled kernels run: at Wan 2.1 480p
 that was most of what separated a forward call waited for from calls back to back. What they
-compute there depends only on the call's description: the dtype, shape, strides and device of
-each tensor, the scalars, the kernel being built. So an entry point records, on the second call
-of each description, what upstream's launcher does to the device, in order: the ATen operations
-it runs (allocations, fills, views: a dispatch mode sees each) and the compiled kernels it calls
-(every compile cache of upstream's launchers hands its kernels to the recorder: the fork's
-scoped caches, `sm90_blocks.ScopedCompileCache`, and the others, watched from the first
-recording on). Later calls of the same description run that program: the ATen operations again
-on the new tensors, the compiled kernels called directly, the caller's tensors put where the
-first call's were.
+compute there depends only on the call's description: the dtype, shape, strides, device and
+address alignment of each tensor, the scalars, the kernel being built. So an entry point
+records, on the second call of each description, what upstream's launcher does to the device, in
+order: the ATen operations it runs (allocations, fills, views: a dispatch mode sees each) and
+the compiled kernels it calls (every compile cache of upstream's launchers hands its kernels to
+the recorder: the fork's scoped caches, `sm90_blocks.ScopedCompileCache`, and the others,
+watched from the first recording on). Later calls of the same description run that program: the
+ATen operations again on the new tensors, the compiled kernels called directly, the caller's
+tensors put where the first call's were.
 
 A record is kept only when every tensor the program reads is one of the caller's tensors (same
 object, or same pointer, dtype, shape and strides; an ambiguous match between two non-empty
@@ -303,6 +303,18 @@ class RecordedLaunch:
         return _fill(self.result, tensors, made)
 
 
+ALIGNMENT = 16
+"""Bytes of address alignment a call's description records per tensor (the alignment compiled
+kernels may assume: a misaligned tensor is another description)."""
+
+
+def _full_key(key: Hashable, tensors: Sequence[torch.Tensor | None]) -> Hashable:
+    described = tuple(
+        None if t is None else (*_describe(t), t.data_ptr() % ALIGNMENT) for t in tensors
+    )
+    return (key, described)
+
+
 def _replayable(tensors: Sequence[torch.Tensor | None], devices: frozenset[str]) -> bool:
     for t in tensors:
         if t is None:
@@ -338,7 +350,7 @@ class LaunchReplay:
         ``replay=False``) always runs ``upstream()``."""
         if not enabled or not _replayable(tensors, self.devices):
             return upstream()
-        full_key = (key, tuple(_describe(t) for t in tensors))
+        full_key = _full_key(key, tensors)
         calls = self._records.get(full_key, 0)  # calls not recorded so far, or the record
         if isinstance(calls, RecordedLaunch):
             return calls(tensors)
@@ -357,7 +369,7 @@ class LaunchReplay:
     def recorded(self, key: Hashable, tensors: Sequence[torch.Tensor | None]) -> Any:
         """The `RecordedLaunch` of a call so described, False when it runs upstream's launcher
         for good, None when not (yet) decided."""
-        record = self._records.get((key, tuple(_describe(t) for t in tensors)))
+        record = self._records.get(_full_key(key, tensors))
         if isinstance(record, RecordedLaunch):
             return record
         return False if record is not None and record > ATTEMPTS else None
