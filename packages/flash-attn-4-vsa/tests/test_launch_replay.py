@@ -263,10 +263,6 @@ def needs_sm90_marks(test):
     return test
 
 
-def records(replay: launch_replay.LaunchReplay) -> list[launch_replay.RecordedLaunch]:
-    return [r for r in replay._records.values() if isinstance(r, launch_replay.RecordedLaunch)]
-
-
 @pytest.mark.parametrize("masked", [True, False], ids=["partial-blocks", "full-blocks"])
 @needs_sm90_marks
 def test_replayed_forward_is_bitwise_the_launchers(masked):
@@ -291,7 +287,7 @@ def test_replayed_forward_is_bitwise_the_launchers(masked):
                 q_in_registers=True, **masking, **aux,
             ))  # fmt: skip
     torch.cuda.synchronize()
-    (replayed, launched), recorded = got, records(launch_replay.FORWARDS)
+    (replayed, launched), recorded = got, launch_replay.FORWARDS.records()
     assert torch.equal(replayed[0], launched[0]) and torch.equal(replayed[1], launched[1])
     assert torch.isfinite(replayed[0]).all()
     assert len(recorded) == 1 and recorded[0].kernels == 1, recorded
@@ -323,7 +319,7 @@ def test_replayed_backward_is_bitwise_the_launchers(q_block):
                 replay=replay,
             ))  # fmt: skip
     torch.cuda.synchronize()
-    (replayed, launched), recorded = got, records(launch_replay.BACKWARDS)
+    (replayed, launched), recorded = got, launch_replay.BACKWARDS.records()
     for a, b in zip(replayed, launched, strict=True):
         assert torch.equal(a, b) and torch.isfinite(a).all()
     assert len(recorded) == 1 and recorded[0].kernels >= 1, recorded

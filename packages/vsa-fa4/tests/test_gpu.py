@@ -180,6 +180,33 @@ def test_forward_and_backward_match_the_reference(block_shape):
     check_backward(grads, ref_grads)
 
 
+@pytest.mark.parametrize("block_shape", [(64, 64), (128, 64)], ids=["64x64", "128x64"])
+def test_replayed_launches_match_the_reference(block_shape):
+    """The fork's entry points replay recorded launches from a description's third call on
+    (`flash_attn_vsa.launch_replay`): calls on new layouts and inputs of the same shapes, all
+    kept allocated (so that the replays see new addresses), still match the reference, forward
+    and backward, and the fork holds records for both directions."""
+    from flash_attn_vsa import launch_replay
+
+    if _refusal(block_shape, grad=True) is not None or _capability() != (9, 0):
+        pytest.skip("the fork's sm_90 kernels run this block shape on sm_90 only")
+    launch_replay.FORWARDS.clear()
+    launch_replay.BACKWARDS.clear()
+    alive = []
+    for seed in range(4):
+        layout = make_layout(block_shape, seed=seed)
+        q, k, v = make_inputs(layout, seed=seed + 1)
+        out, lse = block_sparse_attn(q, k, v, layout, backend="fa4")
+        dout = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        alive.append((layout, q, k, v, out, lse, dout, grads))
+    ref_out, ref_lse, ref_grads = reference(q, k, v, layout, dout)
+    check_forward(out, lse, ref_out, ref_lse, layout)
+    check_backward(grads, ref_grads)
+    for cache in (launch_replay.FORWARDS, launch_replay.BACKWARDS):
+        assert cache.records(), "no launch was recorded: every call ran upstream's launcher"
+
+
 @pytest.mark.parametrize("kv_block", [64, 128])
 @pytest.mark.parametrize("parent_q", [128, 256])
 def test_paired_64_row_blocks_match_the_reference(kv_block, parent_q):

@@ -374,6 +374,10 @@ class LaunchReplay:
             return record
         return False if record is not None and record > ATTEMPTS else None
 
+    def records(self) -> list[RecordedLaunch]:
+        """The launches recorded so far (every description's that replays)."""
+        return [r for r in self._records.values() if isinstance(r, RecordedLaunch)]
+
     def clear(self) -> None:
         self._records.clear()
 
