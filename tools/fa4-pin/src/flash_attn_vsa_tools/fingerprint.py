@@ -71,10 +71,9 @@ SYMBOLS: tuple[Symbol, ...] = (
         "_flash_attn_fwd",
         "forward entry point the adapter calls (dense and block-sparse); compile gate; "
         "fwd_sm90 runs it with FlashAttentionForwardSm90 (a module global it constructs) and "
-        "its compile_cache (in, get, set) scoped to our kernel class; launch_replay records the "
-        "one compiled call it makes per call description (checked when recorded: one call, "
-        "every tensor argument the caller's, no other ATen work) and makes that call itself "
-        "on later calls",
+        "its compile_cache (in, get, set) scoped to our kernel class; launch_replay records what "
+        "it does on the device per call description (ATen operations and compiled calls through "
+        "the interface's compile caches, checked when recorded) and replays that on later calls",
         source=True,
     ),
     Symbol(
@@ -83,7 +82,7 @@ SYMBOLS: tuple[Symbol, ...] = (
         "backward entry point the adapter calls (dense and block-sparse); compile gate; "
         "bwd_sm90 runs it with stand-ins for _tile_size_bwd_sm90 and FlashAttentionBackwardSm90 "
         "(it must look both up as module globals) and its compile_cache (in, get, set) scoped "
-        "to our kernel class",
+        "to our kernel class; launch_replay records and replays it as the forward's",
         source=True,
     ),
     Symbol(
