@@ -137,6 +137,31 @@ def test_backward_hands_its_tile_config_to_the_fork(monkeypatch):
                             config=staged)  # fmt: skip
 
 
+def test_upstream_routes_launch_through_the_replay(monkeypatch):
+    """128-token key blocks run upstream's own kernels, through `launch_replay` (recorded and
+    replayed like the fork's entry points' launches), outside any fork scope."""
+    from flash_attn_vsa import launch_replay
+
+    seen = []
+
+    def record(direction):
+        def launch(kernel, building, *args, **kwargs):
+            seen.append((direction, kernel, building, kwargs["replay"], kwargs["mask_mod"]))
+
+        return launch
+
+    monkeypatch.setattr(launch_replay, "forward", record("fwd"))
+    monkeypatch.setattr(launch_replay, "backward", record("bwd"))
+    q = torch.zeros(1, 512, 2, 128)
+    valid = torch.full((4,), 128, dtype=torch.int32)
+    for masked in (True, False):
+        launch.run_forward(q, q, q, q, q, lists(4), valid, 0.1, (128, 128), masked)
+        launch.run_backward(q, q, q, q, q, q, q, q, q, lists(4), valid, 0.1, (128, 128), masked)
+    kernel, scope = launch_replay.UPSTREAM_KERNELS, launch_replay.no_scope
+    assert [s[:4] for s in seen] == [(d, kernel, scope, True) for d in ("fwd", "bwd")] * 2
+    assert [s[4] is None for s in seen] == [False, False, True, True]  # mask_mod when masked
+
+
 def test_kernel_choice_round_trips_through_its_string():
     from flash_attn_vsa.experimental.bwd_configs import ABLATIONS, EXPERIMENTAL_CONFIGS
 

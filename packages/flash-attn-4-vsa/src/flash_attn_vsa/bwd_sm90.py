@@ -266,35 +266,12 @@ def block_sparse_backward_kv64(
     launcher did on the device (allocations, pre-processing, the kernel, post-processing)
     without its per-call Python (`launch_replay`); False runs upstream's launcher every call.
     """
-    from flash_attn.cute.interface import _flash_attn_bwd
-
     from flash_attn_vsa import launch_replay
 
     block_size = tuple(block_sparse_tensors.block_size or ())
     check_call(q, k, v, block_size, BWD_BLOCK_SIZES)
-    config = config_for(block_size) if config is None else config
-
-    def upstream() -> tuple[Any, Any, Any]:
-        with _building(config):
-            grads = _flash_attn_bwd(
-                q,
-                k,
-                v,
-                out,
-                dout,
-                lse,
-                softmax_scale=softmax_scale,
-                mask_mod=mask_mod,
-                aux_tensors=aux_tensors,
-                block_sparse_tensors=block_sparse_tensors,
-                dq=dq,
-                dk=dk,
-                dv=dv,
-            )
-        return grads[0], grads[1], grads[2]
-
-    tensors = launch_replay.backward_tensors(
-        q, k, v, out, dout, lse, block_sparse_tensors, aux_tensors, dq, dk, dv
-    )
-    key = (config, block_size, softmax_scale, mask_mod, len(aux_tensors or ()))
-    return launch_replay.BACKWARDS.run(key, tensors, upstream, enabled=replay)
+    return launch_replay.backward(
+        config_for(block_size) if config is None else config, _building, q, k, v, out, dout,
+        lse, block_sparse_tensors, softmax_scale=softmax_scale, mask_mod=mask_mod,
+        aux_tensors=aux_tensors, dq=dq, dk=dk, dv=dv, replay=replay,
+    )  # fmt: skip

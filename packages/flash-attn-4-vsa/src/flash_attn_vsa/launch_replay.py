@@ -39,7 +39,7 @@ from __future__ import annotations
 import enum
 import functools
 from collections.abc import Callable, Hashable, Sequence
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -51,11 +51,14 @@ from flash_attn_vsa import build_scope
 __all__ = [
     "BACKWARDS",
     "FORWARDS",
+    "UPSTREAM_KERNELS",
     "LaunchReplay",
     "RecordedLaunch",
+    "backward",
     "backward_tensors",
     "forward",
     "forward_tensors",
+    "no_scope",
 ]
 
 RECORDER = "launch_record"
@@ -448,6 +451,57 @@ def forward(
     key = (kernel, tuple(block_sparse_tensors.block_size or ()), softmax_scale, mask_mod,
            len(aux_tensors or ()))  # fmt: skip
     return FORWARDS.run(key, tensors, upstream, enabled=replay)
+
+
+def backward(
+    kernel: Any,
+    building: Callable[[Any], AbstractContextManager[Any]],
+    q: Any,
+    k: Any,
+    v: Any,
+    out: Any,
+    dout: Any,
+    lse: Any,
+    block_sparse_tensors: Any,
+    *,
+    softmax_scale: float,
+    mask_mod: Any,
+    aux_tensors: Sequence[Any] | None,
+    dq: Any,
+    dk: Any,
+    dv: Any,
+    replay: bool,
+) -> tuple[Any, Any, Any]:
+    """A backward launch: upstream's ``_flash_attn_bwd`` inside ``building(kernel)`` (the
+    entry point's scope of its `bwd_sm90.TileConfig`, or none for upstream's own kernels),
+    replayed from `BACKWARDS` after the first calls of a description unless ``replay`` is
+    False. Returns ``(dq, dk, dv)``."""
+    from flash_attn.cute.interface import _flash_attn_bwd
+
+    def upstream() -> tuple[Any, Any, Any]:
+        with building(kernel):
+            grads = _flash_attn_bwd(
+                q, k, v, out, dout, lse, softmax_scale=softmax_scale, mask_mod=mask_mod,
+                aux_tensors=aux_tensors, block_sparse_tensors=block_sparse_tensors,
+                dq=dq, dk=dk, dv=dv,
+            )  # fmt: skip
+        return grads[0], grads[1], grads[2]
+
+    tensors = backward_tensors(
+        q, k, v, out, dout, lse, block_sparse_tensors, aux_tensors, dq, dk, dv
+    )
+    key = (kernel, tuple(block_sparse_tensors.block_size or ()), softmax_scale, mask_mod,
+           len(aux_tensors or ()))  # fmt: skip
+    return BACKWARDS.run(key, tensors, upstream, enabled=replay)
+
+
+def no_scope(kernel: Any) -> AbstractContextManager[Any]:
+    """The ``building`` of upstream's own kernels (called outside the fork's entry points)."""
+    return nullcontext()
+
+
+UPSTREAM_KERNELS = "upstream"
+"""The ``kernel`` of a launch of upstream's own kernels (its records' key)."""
 
 
 def forward_tensors(

@@ -16,6 +16,9 @@ configuration of the fork's KV64 backward (``config=``, default the shipped one 
 and hand them to the fork's entry points as their ``q_in_registers`` / ``persistent`` /
 ``config`` arguments. `KernelChoice` carries both down from the backend and the ops (as a
 string through the custom ops' schema: `KernelChoice.encode`).
+
+Every launch, the fork's and upstream's own (128-token key blocks), is replayed after the first
+calls of its description without upstream's per-call Python (`flash_attn_vsa.launch_replay`).
 """
 
 from __future__ import annotations
@@ -152,13 +155,12 @@ SHIPPED = KernelChoice()
 """The shipped kernels everywhere."""
 
 
-def _upstream() -> tuple[Any, Any, Any, Any]:
+def _upstream() -> tuple[Any, Any]:
     from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
-    from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd
 
     from flash_attn_vsa.mask_sm90 import valid_size_mask_mod
 
-    return BlockSparseTensorsTorch, _flash_attn_fwd, _flash_attn_bwd, valid_size_mask_mod
+    return BlockSparseTensorsTorch, valid_size_mask_mod
 
 
 def _block_sparse(cls: Any, lists: SparseLists, block_size: tuple[int, int]) -> Any:
@@ -240,24 +242,26 @@ def run_forward(
             *run, q, k, v, out, lse, kv_valid_sizes, scale, variant.kernel_options("streams")
         )
         return
-    tensors_cls, fwd, _, mask_mod = _upstream()
-    kwargs: dict[str, Any] = {"return_lse": True}
-    if tuple(block_size) == (64, 64):
-        from flash_attn_vsa.fwd_sm90 import block_sparse_forward_q64 as fwd
-
-        kwargs = variant.kernel_options("two_ctas")
+    tensors_cls, mask_mod = _upstream()
+    masking = _masking(mask_mod, kv_valid_sizes, block_size, masked)
+    tensors = _block_sparse(tensors_cls, lists, block_size)
     with _on_device(q.device):
-        fwd(
-            q,
-            k,
-            v,
-            softmax_scale=scale,
-            **_masking(mask_mod, kv_valid_sizes, block_size, masked),
-            block_sparse_tensors=_block_sparse(tensors_cls, lists, block_size),
-            out=out,
-            lse=lse,
-            **kwargs,
-        )
+        if tuple(block_size) == (64, 64):
+            from flash_attn_vsa.fwd_sm90 import block_sparse_forward_q64
+
+            block_sparse_forward_q64(
+                q, k, v, tensors, softmax_scale=scale, **masking, out=out, lse=lse,
+                **variant.kernel_options("two_ctas"),
+            )  # fmt: skip
+            return
+        from flash_attn_vsa import launch_replay
+
+        # upstream's own kernels, its launches replayed like the fork's entry points'
+        launch_replay.forward(
+            launch_replay.UPSTREAM_KERNELS, launch_replay.no_scope, q, k, v, tensors,
+            softmax_scale=scale, mask_mod=masking.get("mask_mod"),
+            aux_tensors=masking.get("aux_tensors"), out=out, lse=lse, replay=True,
+        )  # fmt: skip
 
 
 def _pairs_keys(
@@ -367,29 +371,28 @@ def run_backward(
     (`flash_attn_vsa.bwd_sm90`; upstream refuses them) with the tile configuration ``config``
     (None: the shipped one for the block size), everything else on upstream's
     ``_flash_attn_bwd`` (``config`` must then be None)."""
-    tensors_cls, _, bwd, mask_mod = _upstream()
-    kwargs: dict[str, Any] = {}
-    if _runs_on_fork_kv64(block_size):
-        from flash_attn_vsa.bwd_sm90 import block_sparse_backward_kv64 as bwd
-
-        kwargs["config"] = config
-    elif config is not None:
+    tensors_cls, mask_mod = _upstream()
+    fork = _runs_on_fork_kv64(block_size)
+    if config is not None and not fork:
         raise ValueError(
             f"a backward tile config applies to 64-token key blocks only, got blocks {block_size}"
         )
+    masking = _masking(mask_mod, kv_valid_sizes, block_size, masked)
+    tensors = _block_sparse(tensors_cls, lists, block_size)
     with _on_device(q.device):
-        bwd(
-            q,
-            k,
-            v,
-            out,
-            dout,
-            lse,
-            softmax_scale=scale,
-            **_masking(mask_mod, kv_valid_sizes, block_size, masked),
-            block_sparse_tensors=_block_sparse(tensors_cls, lists, block_size),
-            dq=dq,
-            dk=dk,
-            dv=dv,
-            **kwargs,
-        )
+        if fork:
+            from flash_attn_vsa.bwd_sm90 import block_sparse_backward_kv64
+
+            block_sparse_backward_kv64(
+                q, k, v, out, dout, lse, tensors, softmax_scale=scale, **masking, dq=dq, dk=dk,
+                dv=dv, config=config,
+            )  # fmt: skip
+            return
+        from flash_attn_vsa import launch_replay
+
+        # upstream's own kernels, its launches replayed like the fork's entry points'
+        launch_replay.backward(
+            launch_replay.UPSTREAM_KERNELS, launch_replay.no_scope, q, k, v, out, dout, lse,
+            tensors, softmax_scale=scale, mask_mod=masking.get("mask_mod"),
+            aux_tensors=masking.get("aux_tensors"), dq=dq, dk=dk, dv=dv, replay=True,
+        )  # fmt: skip
