@@ -406,10 +406,12 @@ class LaunchReplay:
 
 
 FORWARDS = LaunchReplay()
-"""The forward entry points' records (their keys hold the `fwd_sm90.ForwardKernel`)."""
+"""Forward launches' records (their keys hold the fork's `fwd_sm90.ForwardKernel`, or
+`UPSTREAM_KERNELS` for upstream's own kernels)."""
 
 BACKWARDS = LaunchReplay()
-"""The backward entry point's records (their keys hold the `bwd_sm90.TileConfig`)."""
+"""Backward launches' records (their keys hold the fork's `bwd_sm90.TileConfig`, or
+`UPSTREAM_KERNELS`)."""
 
 
 def _list_tensors(block_sparse_tensors: Any) -> tuple[Any, ...]:
