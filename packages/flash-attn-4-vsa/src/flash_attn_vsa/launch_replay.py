@@ -255,18 +255,38 @@ class _RecordOps(TorchDispatchMode):
         return result
 
 
-def _fill(template: Any, tensors: Sequence[Any], made: list[Any]) -> Any:
-    if isinstance(template, _Caller):
-        return tensors[template.index]
-    if isinstance(template, _Made):
-        return made[template.index]
-    if isinstance(template, tuple) and hasattr(template, "_fields"):
-        return type(template)._make(_fill(v, tensors, made) for v in template)
+Filler = Callable[[Sequence[Any], list[Any]], Any]
+"""A template made into a function of (the call's tensors, the values made so far): built once
+per record, so that a replay rebuilds only what holds a tensor."""
+
+
+def _has_refs(template: Any) -> bool:
+    if isinstance(template, (_Caller, _Made)):
+        return True
     if isinstance(template, (tuple, list)):
-        return type(template)(_fill(v, tensors, made) for v in template)
+        return any(_has_refs(v) for v in template)
     if isinstance(template, dict):
-        return {name: _fill(v, tensors, made) for name, v in template.items()}
-    return template
+        return any(_has_refs(v) for v in template.values())
+    return False
+
+
+def _filler(template: Any) -> Filler:
+    if isinstance(template, _Caller):
+        index = template.index
+        return lambda tensors, made: tensors[index]
+    if isinstance(template, _Made):
+        index = template.index
+        return lambda tensors, made: made[index]
+    if isinstance(template, tuple) and not _has_refs(template):
+        return lambda tensors, made: template  # immutable and tensor-free: shared
+    if isinstance(template, dict):
+        parts = {name: _filler(v) for name, v in template.items()}
+        return lambda tensors, made: {name: f(tensors, made) for name, f in parts.items()}
+    if isinstance(template, (tuple, list)):
+        items = [_filler(v) for v in template]
+        rebuild = type(template)._make if hasattr(template, "_fields") else type(template)
+        return lambda tensors, made: rebuild(f(tensors, made) for f in items)
+    return lambda tensors, made: template
 
 
 def _store(template: Any, value: Any, made: list[Any]) -> None:
@@ -284,7 +304,11 @@ class RecordedLaunch:
     def __init__(self, steps: list[tuple[Any, ...]], made: int, result: Any) -> None:
         self.steps = steps
         self.made = made
-        self.result = result
+        self._program = [  # (function, its arguments, its keyword arguments, outputs)
+            (step[1], _filler(step[2]), _filler(step[3]), step[4] if step[0] == "op" else None)
+            for step in steps
+        ]
+        self._result = _filler(result)
 
     @property
     def kernels(self) -> int:
@@ -298,12 +322,11 @@ class RecordedLaunch:
 
     def __call__(self, tensors: Sequence[torch.Tensor | None]) -> Any:
         made: list[Any] = [None] * self.made
-        for step in self.steps:
-            kind, fn, args, kwargs = step[:4]
-            value = fn(*_fill(args, tensors, made), **_fill(kwargs, tensors, made))
-            if kind == "op":
-                _store(step[4], value, made)
-        return _fill(self.result, tensors, made)
+        for fn, args, kwargs, outputs in self._program:
+            value = fn(*args(tensors, made), **kwargs(tensors, made))
+            if outputs is not None:
+                _store(outputs, value, made)
+        return self._result(tensors, made)
 
 
 ALIGNMENT = 16
