@@ -176,9 +176,9 @@ def _block_sparse(cls: Any, lists: SparseLists, block_size: tuple[int, int]) -> 
 def _masking(
     mask_mod: Any, kv_valid_sizes: torch.Tensor, block_size: tuple[int, int], masked: bool
 ) -> dict[str, Any]:
-    """FA4's mask_mod arguments for partial key blocks, or none when no block is partial."""
+    """FA4's mask_mod arguments for partial key blocks (both None when no block is partial)."""
     if not masked:
-        return {}
+        return {"mask_mod": None, "aux_tensors": None}
     return {"mask_mod": mask_mod(block_size[1]), "aux_tensors": [kv_valid_sizes]}
 
 
@@ -259,8 +259,7 @@ def run_forward(
         # upstream's own kernels, its launches replayed like the fork's entry points'
         launch_replay.forward(
             launch_replay.UPSTREAM_KERNELS, launch_replay.no_scope, q, k, v, tensors,
-            softmax_scale=scale, mask_mod=masking.get("mask_mod"),
-            aux_tensors=masking.get("aux_tensors"), out=out, lse=lse, replay=True,
+            softmax_scale=scale, **masking, out=out, lse=lse, replay=True,
         )  # fmt: skip
 
 
@@ -393,6 +392,5 @@ def run_backward(
         # upstream's own kernels, its launches replayed like the fork's entry points'
         launch_replay.backward(
             launch_replay.UPSTREAM_KERNELS, launch_replay.no_scope, q, k, v, out, dout, lse,
-            tensors, softmax_scale=scale, mask_mod=masking.get("mask_mod"),
-            aux_tensors=masking.get("aux_tensors"), dq=dq, dk=dk, dv=dv, replay=True,
+            tensors, softmax_scale=scale, **masking, dq=dq, dk=dk, dv=dv, replay=True,
         )  # fmt: skip
