@@ -60,11 +60,16 @@ class VSASettings:
     originals: dict[int, Any] = field(default_factory=dict)
     hook: Any = None
 
-    keep: tuple[int, int] = (1, 1)
-    """``1 - sparsity`` as an exact fraction (numerator, denominator): `topk_for` computes in
-    integers, since under ``torch.compile`` a float attribute that changed between compiles
-    becomes a symbolic float whose rounding dynamo cannot always lift (torch 2.11: compiling a
-    block for a second sparsity failed in training)."""
+    keep: tuple[int, int] = field(init=False, default=(1, 1))
+    """``1 - sparsity`` as an exact fraction (numerator, denominator), derived from ``sparsity``:
+    `topk_for` computes in integers, since under ``torch.compile`` a float attribute that
+    changed between compiles becomes a symbolic float whose rounding dynamo cannot always lift
+    (torch 2.11: compiling a block for a second sparsity failed in training)."""
+
+    def __post_init__(self) -> None:
+        if self.sparsity is not None:
+            keep = Fraction(1 - self.sparsity).limit_denominator(1 << 20)
+            self.keep = (keep.numerator, keep.denominator)
 
     def topk_for(self, tiling: VideoTiling) -> int:
         """Key tiles per query tile: ``topk``, or ``(1 - sparsity) * tiles`` rounded half to
@@ -197,9 +202,6 @@ def enable_vsa(
     settings = VSASettings(
         check_positive_triple("tile", tile), topk, sparsity, backend, coarse, deterministic
     )
-    if sparsity is not None:
-        keep = Fraction(1 - sparsity).limit_denominator(1 << 20)
-        settings.keep = (keep.numerator, keep.denominator)
     patch = tuple(patch)
 
     def record_grid(module, args, kwargs):
