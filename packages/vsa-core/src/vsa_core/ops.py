@@ -33,6 +33,7 @@ set to ``:4096:8``.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Literal
 
 import torch
@@ -235,13 +236,12 @@ def _coarse_attention(q_pooled, k_pooled, v_pooled, valid_sizes, scale, may_have
     """`coarse_attention`; with ``deterministic`` on SDPA's math backend, whose forward and
     backward are matmuls and a softmax through autograd (PyTorch's flash backward accumulates
     dQ with atomics, and the memory-efficient and cuDNN ones are documented nondeterministic)."""
-    if not deterministic:
-        return coarse_attention(
-            q_pooled, k_pooled, v_pooled, valid_sizes, scale, may_have_empty=may_have_empty
-        )
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    backends = nullcontext()
+    if deterministic:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    with sdpa_kernel(SDPBackend.MATH):
+        backends = sdpa_kernel(SDPBackend.MATH)
+    with backends:
         return coarse_attention(
             q_pooled, k_pooled, v_pooled, valid_sizes, scale, may_have_empty=may_have_empty
         )
