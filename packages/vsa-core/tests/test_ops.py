@@ -515,9 +515,10 @@ def test_video_sparse_attn_bhsd_error_names_bhsd():
 
 
 def test_raster_order_asks_for_no_clean_copies_and_keeps_the_gradients(monkeypatch):
-    """Tiles the op makes from raster tokens hold zeros in their padding, so it asks the coarse
-    stage for no zero-padded copies (training included, where tile-order inputs need them);
-    output and gradients still equal the tiled call's on the same zero-padded tiles."""
+    """Raster tokens go through the stage's `pool_from_raster`, which tiles them with zero
+    padding, so no zero-padded copies are asked of `pool_and_clean` (training included, where
+    tile-order inputs need them); output and gradients still equal the tiled call's on the same
+    zero-padded tiles."""
     from vsa_core.coarse import TorchCoarse
 
     asked = []
@@ -535,10 +536,10 @@ def test_raster_order_asks_for_no_clean_copies_and_keeps_the_gradients(monkeypat
     dout = _randn(gen, 1, tiling.seq_len, 2, 4)
     out = video_sparse_attn(*raster, topk=3, tiling=tiling, token_order="raster")
     grads = torch.autograd.grad(out, raster, dout)
-    assert asked == [(False, False, False)]
+    assert asked == [], "raster tokens are tiled with zero padding: nothing to clean"
     out_t = video_sparse_attn(*tiled, topk=3, tiling=tiling)
     grads_t = torch.autograd.grad(out_t, tiled, tiling.to_tiles(dout))
-    assert asked[1] != (False, False, False), "tile-order inputs with padding must be cleaned"
+    assert asked and asked[0] != (False, False, False), "tiled inputs with padding are cleaned"
     torch.testing.assert_close(out, tiling.from_tiles(out_t), rtol=0, atol=1e-12)
     for g, g_t in zip(grads, grads_t, strict=True):
         torch.testing.assert_close(g, tiling.from_tiles(g_t), rtol=0, atol=1e-12)

@@ -196,6 +196,107 @@ def test_pool_and_clean_matches_the_torch_path_in_values_and_gradients(clean):
         torch.testing.assert_close(g, w.detach(), rtol=0, atol=0, equal_nan=True)
 
 
+def _raster(tiling, heads, dim, dtype, seed, count=3):
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        torch.randn(2, tiling.seq_len, heads, dim, generator=gen).to(DEVICE, dtype)
+        for _ in range(count)
+    ]
+
+
+@pytest.mark.parametrize("case", CASES[:3])
+def test_pool_from_raster_matches_the_torch_path_in_values_and_gradients(case):
+    """Raster-order q, k, v: the tiles equal `VideoTiling.to_tiles`' (zeros on padding), the
+    means the torch path's; the gradients of all six outputs reach the raster inputs as through
+    the torch path's to_tiles + pool, and the tiles' gradients on padding slots (NaN here)
+    reach nothing."""
+    latent, tile, heads, dim = case
+    tiling = VideoTiling(latent, tile)
+    xs = _raster(tiling, heads, dim, torch.float32, seed=21)
+    padding = tiling.indices().tile_to_raster < 0
+    runs = {}
+    for stage in (TorchCoarse(), TritonCoarse()):
+        leaves = [x.clone().requires_grad_() for x in xs]
+        outs = stage.pool_from_raster(*leaves, tiling)
+        gen = torch.Generator().manual_seed(22)
+        upstream = [torch.randn(o.shape, generator=gen).to(DEVICE) for o in outs]
+        for u in upstream[3:]:
+            u[:, padding] = float("nan")
+        runs[stage.name] = (outs, torch.autograd.grad(outs, leaves, upstream))
+    (want, want_grads), (got, got_grads) = runs["torch"], runs["triton"]
+    for g, w in zip(got[3:], want[3:], strict=True):
+        assert torch.equal(g, w), "a tile-order copy differs from to_tiles'"
+    for g, w in zip(got[:3], want[:3], strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        assert torch.isfinite(g).all(), "a padding slot's gradient reached a raster token"
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        plain = TritonCoarse().pool_from_raster(*xs, tiling)
+    for g, w in zip(plain, got, strict=True):  # without autograd: the same six tensors
+        torch.testing.assert_close(g, w.detach(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("gate_kind", ["none", "token", "head"])
+@pytest.mark.parametrize("case", CASES[:3])
+def test_combine_to_raster_matches_the_torch_path(case, gate_kind):
+    """The output and the gate in raster order: values against float64, gradients of fine,
+    coarse and the gate against the torch path's combine + from_tiles (fine's gradient is 0
+    on padding), with and without autograd."""
+    fine, coarse, _, tiling = _combine_inputs(case, torch.float32, "none", seed=23)
+    heads, dim = fine.shape[2:]
+    gen = torch.Generator().manual_seed(24)
+    gate = {
+        "none": None,
+        "token": torch.randn(2, tiling.seq_len, heads, dim, generator=gen).to(DEVICE),
+        "head": torch.randn(1, 1, heads, 1, generator=gen).to(DEVICE).expand(
+            2, tiling.seq_len, heads, dim),
+    }[gate_kind]  # fmt: skip
+    padding = tiling.indices().tile_to_raster < 0
+    index = tiling.indices(DEVICE).raster_to_tile
+    tiled_gate = None if gate is None else tiling.to_tiles(gate.contiguous())
+    want64 = _combined64(fine, coarse, tiled_gate, tiling.tile_tokens)[:, index.cpu()]
+    leaves = [None if t is None else t.detach().clone().requires_grad_()
+              for t in (fine, coarse, gate)]  # fmt: skip
+    dout = torch.randn(2, tiling.seq_len, heads, dim, generator=gen).to(DEVICE)
+    runs = {}
+    for stage in (TorchCoarse(), TritonCoarse()):
+        out = stage.combine_to_raster(*leaves, tiling)
+        wrt = [t for t in leaves if t is not None]
+        runs[stage.name] = (out, torch.autograd.grad(out, wrt, dout))
+    (want, want_grads), (got, got_grads) = runs["torch"], runs["triton"]
+    torch.testing.assert_close(got.double().cpu(), want64, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert not got_grads[0][:, padding].any(), "fine's padding received a gradient"
+    for g, w in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+    with torch.no_grad():
+        plain = TritonCoarse().combine_to_raster(fine, coarse, gate, tiling)
+    torch.testing.assert_close(plain, got.detach(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("case", CASES[:2])
+def test_whole_op_in_raster_order_agrees_with_the_torch_coarse_path(case):
+    """token_order="raster" with a per-token gate: output and gradients of q, k, v and the
+    gate equal the torch coarse path's (to_tiles, pool, combine, from_tiles)."""
+    latent, tile, heads, dim = case
+    tiling = VideoTiling(latent, tile)
+    inputs = _raster(tiling, heads, dim, torch.float32, seed=25, count=5)
+    topk = max(1, tiling.num_tiles // 3)
+    runs = {}
+    for name in ("torch", "triton"):
+        leaves = [x.clone().requires_grad_() for x in inputs[:4]]
+        out = video_sparse_attn(
+            *leaves[:3], tiling=tiling, topk=topk, coarse_gate=leaves[3], backend="reference",
+            coarse_backend=name, token_order="raster",
+        )  # fmt: skip
+        runs[name] = (out, torch.autograd.grad(out, leaves, inputs[4]))
+    (want, want_grads), (got, got_grads) = runs["torch"], runs["triton"]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+
+
 def _combine_inputs(case, dtype, gate_kind, seed):
     """fine [B, N*T, H, D], coarse [B, N, H, D] (a transposed view, as SDPA's output is) and
     a gate: None, per token, or per head broadcast (strides 0)."""

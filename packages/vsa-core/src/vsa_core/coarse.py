@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from vsa_core.host_cache import resolved_once
 from vsa_core.layout import BlockSparseLayout, _full_on_host
+from vsa_core.tiling import VideoTiling
 
 # Scores of the torch path's top-k selection are computed a group of heads at a time, within
 # this budget.
@@ -104,6 +105,35 @@ class CoarseStage:
         if gate is not None and gate_padding_as_zero:
             gate = zero_padding(gate, valid_sizes, padding_index)
         return combine_tiles(fine, coarse, gate, fine.shape[1] // valid_sizes.shape[0])
+
+    def pool_from_raster(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiling: VideoTiling
+    ) -> tuple[torch.Tensor, ...]:
+        """(q_pooled, k_pooled, v_pooled, q_tiles, k_tiles, v_tiles) from q, k, v in the
+        latent's raster order ([B, T*H*W, H, D]): the tile means and the tile-order forms the
+        fine attention reads (zero padding: what `VideoTiling.to_tiles` makes), differentiable.
+        Default: `VideoTiling.to_tiles`, then `pool`; a plug-in may pool and write the tiles
+        from one read of the inputs."""
+        tiles = tuple(tiling.to_tiles(t) for t in (q, k, v))
+        return (*self.pool(*tiles, tiling.valid_sizes(q.device)), *tiles)
+
+    def combine_to_raster(
+        self,
+        fine: torch.Tensor,
+        coarse: torch.Tensor,
+        gate: torch.Tensor | None,
+        tiling: VideoTiling,
+    ) -> torch.Tensor:
+        """`combine` with the gate and the output in raster order ([B, T*H*W, H, D]; the gate
+        may broadcast). Default: the gate tiled (a view when it does not vary along the
+        sequence), `combine`, `VideoTiling.from_tiles`; a plug-in may write the output in
+        raster order directly."""
+        if gate is not None:
+            if gate.stride(1) == 0:  # the same along the sequence: a view of the padded length
+                gate = gate.narrow(1, 0, 1).expand(fine.shape)
+            else:
+                gate = tiling.to_tiles(gate)
+        return tiling.from_tiles(self.combine(fine, coarse, gate, tiling.valid_sizes(fine.device)))
 
 
 class TorchCoarse(CoarseStage):

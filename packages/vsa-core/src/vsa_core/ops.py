@@ -149,8 +149,10 @@ def video_sparse_attn(
         qkv_format: ``"bshd"`` or ``"bhsd"``.
         token_order: ``"tiled"`` (default): the sequence is already in tile order, padded to
             ``tiling.padded_len`` (permute once per model, not per layer); ``"raster"``: the
-            sequence is in T-H-W raster order and is tiled here and untiled on the way out,
-            which costs copies of q, k, v and out (needs ``tiling``).
+            sequence is in T-H-W raster order (needs ``tiling``); the coarse stage tiles q, k
+            and v as it pools them and writes the output back in raster order (with the
+            Triton coarse stage in the same kernels, no separate permutation copies; the torch
+            stage copies).
         validate: run data checks on user-supplied ``kv_valid_sizes``.
         coarse_backend: what runs the pooling and top-k selection (`vsa_core.coarse`):
             ``"auto"`` (the fastest installed implementation that accepts the tensors: Triton
@@ -190,19 +192,9 @@ def video_sparse_attn(
 
     gate = None if gate is None else _as_bshd(gate.expand(q.shape), qkv_format)
     q, k, v = (_as_bshd(t, qkv_format) for t in (q, k, v))
-    if token_order == "raster":
-        assert tiling is not None
-        q, k, v = (tiling.to_tiles(t) for t in (q, k, v))
-        gate = None if gate is None else tiling.to_tiles(gate)
-
     all_full = _tiles_all_full(tiling, valid_sizes, tile_tokens)
     block_shape = (tile_tokens, tile_tokens)
-    chosen = _backend_for(q, k, v, block_shape, 1, all_full, backend, deterministic)
     training = _requires_grad(q, k, v) or (gate is not None and _requires_grad(gate))
-    # tiles made here from raster tokens hold zeros in their padding: nothing to clean
-    padding_is_zero = all_full or token_order == "raster"
-    clean = _inputs_to_clean(padding_is_zero, training, chosen.key_padding_safe)
-    padding_index = None if tiling is None else tiling.indices(q.device).padding_index
     stage = coarse_stage(coarse_backend, q)
     if deterministic and stage.name not in DETERMINISTIC_COARSE_STAGES:
         known = ", ".join(sorted(DETERMINISTIC_COARSE_STAGES))
@@ -210,9 +202,20 @@ def video_sparse_attn(
             f"coarse_backend={coarse_backend!r} runs the coarse stage {stage.name!r}, which is "
             f"not known to be deterministic; with deterministic=True use one of {known}"
         )
-    q_pooled, k_pooled, v_pooled, q_fine, k_fine, v_fine = stage.pool_and_clean(
-        q, k, v, valid_sizes, clean, padding_index
-    )
+    if token_order == "raster":
+        # the stage tiles q, k, v as it pools them: zero padding, so nothing to clean
+        assert tiling is not None
+        q_pooled, k_pooled, v_pooled, q_fine, k_fine, v_fine = stage.pool_from_raster(
+            q, k, v, tiling
+        )
+        chosen = _backend_for(q_fine, k_fine, v_fine, block_shape, 1, all_full, backend,
+                              deterministic)  # fmt: skip
+    else:
+        chosen = _backend_for(q, k, v, block_shape, 1, all_full, backend, deterministic)
+        clean = _inputs_to_clean(all_full, training, chosen.key_padding_safe)
+        q_pooled, k_pooled, v_pooled, q_fine, k_fine, v_fine = stage.pool_and_clean(
+            q, k, v, valid_sizes, clean, _padding_index(tiling, q.device)
+        )
     # every tile of a VideoTiling holds a real token; user valid sizes may hold 0
     coarse = _coarse_attention(
         q_pooled, k_pooled, v_pooled, valid_sizes, scale, tiling is None, deterministic
@@ -221,12 +224,13 @@ def video_sparse_attn(
         selection = stage.select(q_pooled, k_pooled, valid_sizes, topk)
     layout = layout_from_selection(selection, valid_sizes, tile_tokens, all_full=all_full)
     fine, _ = chosen.forward(q_fine, k_fine, v_fine, layout, scale)
-    gate_padding_as_zero = training and seq_gate and not padding_is_zero
-    out = stage.combine(fine, coarse, gate, valid_sizes, gate_padding_as_zero, padding_index)
-
     if token_order == "raster":
-        assert tiling is not None
-        out = tiling.from_tiles(out)
+        out = stage.combine_to_raster(fine, coarse, gate, tiling)
+    else:
+        gate_padding_as_zero = training and seq_gate and not all_full
+        out = stage.combine(
+            fine, coarse, gate, valid_sizes, gate_padding_as_zero, _padding_index(tiling, q.device)
+        )
     return _from_bshd(out, qkv_format)
 
 
@@ -267,6 +271,10 @@ def _tiles_all_full(tiling, valid_sizes, tile_tokens) -> bool:
     if tiling is not None:
         return not tiling.has_padding
     return not torch.compiler.is_compiling() and _full_on_host(valid_sizes, tile_tokens)
+
+
+def _padding_index(tiling: VideoTiling | None, device: torch.device) -> torch.Tensor | None:
+    return None if tiling is None else tiling.indices(device).padding_index
 
 
 def _requires_grad(*tensors: torch.Tensor) -> bool:

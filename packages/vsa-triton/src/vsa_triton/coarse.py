@@ -98,6 +98,21 @@ def _pooled_like(x: torch.Tensor, num_tiles: int) -> torch.Tensor:
     return x.new_empty((batch, num_tiles, heads, dim))
 
 
+def _tiled_len(x: torch.Tensor, raster_rows: torch.Tensor | None) -> int:
+    """Length of the tile-order sequence: x's own, or the tiling's padded length when x is in
+    raster order (``raster_rows``, its tile_to_raster map, has one entry per tile-order slot)."""
+    return x.shape[1] if raster_rows is None else raster_rows.shape[0]
+
+
+def _copies(tensors, flags, raster_rows):
+    """The contiguous tile-order copies `_pool_clean` writes (an empty tensor where not asked)."""
+    return [
+        t.new_empty((t.shape[0], _tiled_len(t, raster_rows), *t.shape[2:])) if c
+        else t.new_empty(0)
+        for t, c in zip(tensors, flags, strict=True)
+    ]  # fmt: skip
+
+
 def _pool_clean(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -106,27 +121,29 @@ def _pool_clean(
     clean_q: bool,
     clean_k: bool,
     clean_v: bool,
+    raster_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Means of q, k and v ([B, N * T, H, D], tile order) over each tile's real tokens (three
     [B, N, H, D] tensors in the inputs' dtype, accumulated in float32), then where ``clean_*``
     a copy of that input with its padding slots zeroed, written from the same loads (an empty
-    tensor where not asked for)."""
+    tensor where not asked for). With ``raster_rows`` (a tiling's ``tile_to_raster``), q, k
+    and v are in raster order ([B, T*H*W, H, D]) and the copies are their tile-order forms."""
     q, k, v = (_head_dim_contiguous(t) for t in (q, k, v))
     num_tiles = valid_sizes.shape[0]
-    batch, seq, heads, dim = q.shape
-    tile_tokens = seq // num_tiles
+    batch, _, heads, dim = q.shape
+    tiled = _tiled_len(q, raster_rows)
     flags = (clean_q, clean_k, clean_v)
     pooled = [_pooled_like(t, num_tiles) for t in (q, k, v)]
-    cleans = [torch.empty_like(t, memory_format=torch.contiguous_format) if c else t.new_empty(0)
-              for t, c in zip((q, k, v), flags, strict=True)]  # fmt: skip
+    cleans = _copies((q, k, v), flags, raster_rows)
     if pooled[0].numel():
-        strides = (seq * heads * dim, heads * dim, dim)  # the clean copies' (contiguous BSHD)
+        strides = (tiled * heads * dim, heads * dim, dim)  # the clean copies' (contiguous BSHD)
         targets = [c if flag else t for c, t, flag in zip(cleans, (q, k, v), flags, strict=True)]
         _kernels().pool_fwd_kernel[(num_tiles, batch * heads)](
             q, k, v, *pooled, *targets, valid_sizes,  # targets: never written where not clean
+            valid_sizes if raster_rows is None else raster_rows,  # the map: read if RASTER
             *_bshd_strides(q), *_bshd_strides(k), *_bshd_strides(v), *_bshd_strides(pooled[0]),
             *strides, heads, CLEAN_Q=clean_q, CLEAN_K=clean_k, CLEAN_V=clean_v,
-            **_tile_constants(tile_tokens, dim),
+            RASTER=raster_rows is not None, **_tile_constants(tiled // num_tiles, dim),
         )  # fmt: skip
     return (*pooled, *cleans)
 
@@ -135,14 +152,13 @@ pool_clean_op = torch.library.custom_op("vsa_triton::pool_clean", _pool_clean, m
 
 
 @pool_clean_op.register_fake
-def _(q, k, v, valid_sizes, clean_q, clean_k, clean_v):
+def _(q, k, v, valid_sizes, clean_q, clean_k, clean_v, raster_rows=None):
     num_tiles = valid_sizes.shape[0]
     flags = (clean_q, clean_k, clean_v)
     return (
         *(_pooled_like(t, num_tiles) for t in (q, k, v)),
-        *(torch.empty_like(t, memory_format=torch.contiguous_format) if c else t.new_empty(0)
-          for t, c in zip((q, k, v), flags, strict=True)),
-    )  # fmt: skip
+        *_copies((q, k, v), flags, raster_rows),
+    )
 
 
 def _unpool_add(
@@ -154,24 +170,26 @@ def _unpool_add(
     fv: torch.Tensor | None,
     valid_sizes: torch.Tensor,
     seq_len: int,
+    raster_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients w.r.t. q, k and v ([B, seq_len, H, D] each) from those of the pooled tensors
-    (gq, gk, gv) and of the fine attention's inputs (fq, fk, fv; None where it had none): on
-    real tokens the pooled gradient over the tile's size plus the fine one, 0 on padding."""
+    (gq, gk, gv) and of the fine attention's inputs (fq, fk, fv, tile order; None where it had
+    none): on real tokens the pooled gradient over the tile's size plus the fine one, 0 on
+    padding. With ``raster_rows`` the gradients are in raster order (no padding rows)."""
     gq, gk, gv = (g.contiguous() for g in (gq, gk, gv))
     fine = [None if f is None else _head_dim_contiguous(f) for f in (fq, fk, fv)]
     num_tiles = valid_sizes.shape[0]
     batch, _, heads, dim = gq.shape
-    tile_tokens = seq_len // num_tiles
+    tile_tokens = (seq_len if raster_rows is None else raster_rows.shape[0]) // num_tiles
     grads = [g.new_empty((batch, seq_len, heads, dim)) for g in (gq, gk, gv)]
     if grads[0].numel():
         fine_strides = [s for f in fine for s in (_bshd_strides(f) if f is not None else (0,) * 3)]
         _kernels().pool_bwd_kernel[(num_tiles, batch * heads)](
             gq, gk, gv, *(g if f is None else f for f, g in zip(fine, grads, strict=True)),
-            *grads, valid_sizes,
+            *grads, valid_sizes, valid_sizes if raster_rows is None else raster_rows,
             *_bshd_strides(gq), *_bshd_strides(grads[0]), *fine_strides,
             heads, HAS_FQ=fq is not None, HAS_FK=fk is not None, HAS_FV=fv is not None,
-            **_tile_constants(tile_tokens, dim),
+            RASTER=raster_rows is not None, **_tile_constants(tile_tokens, dim),
         )  # fmt: skip
     return tuple(grads)
 
@@ -180,14 +198,15 @@ unpool_add_op = torch.library.custom_op("vsa_triton::unpool_add", _unpool_add, m
 
 
 @unpool_add_op.register_fake
-def _(gq, gk, gv, fq, fk, fv, valid_sizes, seq_len):
+def _(gq, gk, gv, fq, fk, fv, valid_sizes, seq_len, raster_rows=None):
     batch, _, heads, dim = gq.shape
     return tuple(g.new_empty((batch, seq_len, heads, dim)) for g in (gq, gk, gv))
 
 
 def _pool_setup(ctx, inputs, output):
     q, _, _, valid_sizes, *flags = inputs
-    ctx.save_for_backward(valid_sizes)
+    raster_rows = flags.pop() if len(flags) == 4 else None
+    ctx.save_for_backward(valid_sizes, raster_rows)
     ctx.seq_len = q.shape[1]
     pooled = output[0]  # its description only: an output kept on ctx would be a cycle
     ctx.pooled = (pooled.shape, pooled.dtype, pooled.device)
@@ -198,12 +217,15 @@ def _pool_grads(ctx, grads, unpool, passthrough):
     """The inputs' gradients from those of `_pool_clean`'s six outputs. ``passthrough``: the
     outputs of inputs not cleaned are the inputs themselves (eager), so their gradients count
     too; under the custom op they are empty placeholders, unused."""
-    (valid_sizes,) = ctx.saved_tensors
-    pooled = [torch.zeros_like(ctx.pooled_like) if g is None else g for g in grads[:3]]
+    valid_sizes, raster_rows = ctx.saved_tensors
+    shape, dtype, device = ctx.pooled
+    pooled = [torch.zeros(shape, dtype=dtype, device=device) if g is None else g
+              for g in grads[:3]]  # fmt: skip
     fine = [
         f if passthrough or flag else None for f, flag in zip(grads[3:], ctx.flags, strict=True)
     ]
-    return (*unpool(*pooled, *fine, valid_sizes, ctx.seq_len), None, None, None, None)
+    grads_qkv = unpool(*pooled, *fine, valid_sizes, ctx.seq_len, raster_rows)
+    return (*grads_qkv, None, None, None, None, None)
 
 
 pool_clean_op.register_autograd(
@@ -218,10 +240,10 @@ class _PoolCleanFunction(torch.autograd.Function):
     added in the same pass as the pooled one (no separate accumulation)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, valid_sizes, clean_q, clean_k, clean_v):
+    def forward(ctx, q, k, v, valid_sizes, clean_q, clean_k, clean_v, raster_rows):
         flags = (clean_q, clean_k, clean_v)
-        output = _pool_clean(q, k, v, valid_sizes, *flags)
-        _pool_setup(ctx, (q, k, v, valid_sizes, *flags), output)
+        output = _pool_clean(q, k, v, valid_sizes, *flags, raster_rows)
+        _pool_setup(ctx, (q, k, v, valid_sizes, *flags, raster_rows), output)
         return (*output[:3], *_fine_inputs(output[3:], (q, k, v), flags))
 
     @staticmethod
@@ -239,19 +261,26 @@ def pool_and_clean(
     v: torch.Tensor,
     valid_sizes: torch.Tensor,
     clean: tuple[bool, bool, bool],
+    raster_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """(q_pooled, k_pooled, v_pooled, q_fine, k_fine, v_fine): the tile means of q, k and v
     and the tensors the fine attention reads (where ``clean``, a copy with padding zeroed,
     else the input): one launch, and one for the backward, which adds the fine attention's
     gradients and the pooled ones and zeroes padding. ``torch.ops.vsa_triton.pool_clean``
-    under torch.compile, the plain functions in eager mode (see `EagerOrOp`)."""
+    under torch.compile, the plain functions in eager mode (see `EagerOrOp`).
+
+    With ``raster_rows`` (a tiling's ``tile_to_raster``) q, k and v are in raster order and
+    ``clean`` must be all True: the fine inputs are their zero-padded tile-order forms, written
+    from the pooling's loads, and the backward writes the gradients in raster order."""
     flags = tuple(bool(c) for c in clean)
+    if raster_rows is not None and not all(flags):
+        raise ValueError("raster-order inputs are always copied to tile order: clean all three")
     if torch.compiler.is_compiling():
-        output = pool_clean_op(q, k, v, valid_sizes, *flags)
+        output = pool_clean_op(q, k, v, valid_sizes, *flags, raster_rows)
     elif torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        return _PoolCleanFunction.apply(q, k, v, valid_sizes, *flags)
+        return _PoolCleanFunction.apply(q, k, v, valid_sizes, *flags, raster_rows)
     else:
-        output = _pool_clean(q, k, v, valid_sizes, *flags)
+        output = _pool_clean(q, k, v, valid_sizes, *flags, raster_rows)
     return (*output[:3], *_fine_inputs(output[3:], (q, k, v), flags))
 
 
@@ -320,16 +349,25 @@ def _gate_strides(gate: torch.Tensor | None) -> tuple[int, int, int, int]:
     return (0, 0, 0, 0) if gate is None else gate.stride()
 
 
-def _combine_launch(fine, coarse, gate, valid_sizes, gate_padding_as_zero, out):
+def _combine_launch(fine, coarse, gate, valid_sizes, gate_padding_as_zero, out, raster_rows):
     batch, seq, heads, dim = fine.shape
     num_tiles = valid_sizes.shape[0]
     _kernels().combine_fwd_kernel[(num_tiles, batch * heads)](
         fine, coarse, fine if gate is None else gate, out, valid_sizes,  # fine: never read as gate
+        valid_sizes if raster_rows is None else raster_rows,  # the map: read if RASTER
         *_bshd_strides(fine), *_bshd_strides(coarse), *_gate_strides(gate),
         *_bshd_strides(out), heads, HAS_GATE=gate is not None,
-        GATE_PADDING_AS_ZERO=gate_padding_as_zero, **_tile_constants(seq // num_tiles, dim),
+        GATE_PADDING_AS_ZERO=gate_padding_as_zero, RASTER=raster_rows is not None,
+        **_tile_constants(seq // num_tiles, dim),
     )  # fmt: skip
     return out
+
+
+def _combined_like(fine: torch.Tensor, raster_len: int) -> torch.Tensor:
+    """The combine's output: like ``fine`` (contiguous), or ``raster_len`` tokens long."""
+    if not raster_len:
+        return torch.empty_like(fine, memory_format=torch.contiguous_format)
+    return fine.new_empty((fine.shape[0], raster_len, *fine.shape[2:]))
 
 
 def _combine(
@@ -338,31 +376,39 @@ def _combine(
     gate: torch.Tensor | None,
     valid_sizes: torch.Tensor,
     gate_padding_as_zero: bool,
+    raster_rows: torch.Tensor | None = None,
+    raster_len: int = 0,
 ) -> torch.Tensor:
     """fine + gate * coarse[tile] ([B, N * T, H, D]; coarse [B, N, H, D]) in a new tensor;
-    with ``gate_padding_as_zero`` the gate's padding slots are never read (0)."""
+    with ``gate_padding_as_zero`` the gate's padding slots are never read (0). With
+    ``raster_rows`` (a tiling's ``tile_to_raster``) the output and the gate are in raster order,
+    ``raster_len`` (T*H*W) tokens: padding slots are neither read from the gate nor written."""
     fine, coarse = _head_dim_contiguous(fine), _head_dim_contiguous(coarse)
-    out = torch.empty_like(fine, memory_format=torch.contiguous_format)
+    out = _combined_like(fine, raster_len if raster_rows is not None else 0)
     if not out.numel():
         return out
-    return _combine_launch(fine, coarse, gate, valid_sizes, gate_padding_as_zero, out)
+    return _combine_launch(fine, coarse, gate, valid_sizes, gate_padding_as_zero, out, raster_rows)
 
 
-def _combine_in_place(fine, coarse, gate, valid_sizes, gate_padding_as_zero):
-    """`_combine` written over ``fine`` (no gradient flows: the op owns ``fine``)."""
-    if fine.stride(-1) != 1 or coarse.stride(-1) != 1:
-        return _combine(fine, coarse, gate, valid_sizes, gate_padding_as_zero)
+def _combine_in_place(
+    fine, coarse, gate, valid_sizes, gate_padding_as_zero, raster_rows=None, raster_len=0
+):
+    """`_combine` written over ``fine`` (no gradient flows: the op owns ``fine``) where the
+    output is in tile order."""
+    if raster_rows is not None or fine.stride(-1) != 1 or coarse.stride(-1) != 1:
+        return _combine(fine, coarse, gate, valid_sizes, gate_padding_as_zero, raster_rows,
+                        raster_len)  # fmt: skip
     if not fine.numel():
         return fine
-    return _combine_launch(fine, coarse, gate, valid_sizes, gate_padding_as_zero, fine)
+    return _combine_launch(fine, coarse, gate, valid_sizes, gate_padding_as_zero, fine, None)
 
 
 combine_op = torch.library.custom_op("vsa_triton::combine", _combine, mutates_args=())
 
 
 @combine_op.register_fake
-def _(fine, coarse, gate, valid_sizes, gate_padding_as_zero):
-    return torch.empty_like(fine, memory_format=torch.contiguous_format)
+def _(fine, coarse, gate, valid_sizes, gate_padding_as_zero, raster_rows=None, raster_len=0):
+    return _combined_like(fine, raster_len if raster_rows is not None else 0)
 
 
 def _combine_backward(
@@ -372,29 +418,39 @@ def _combine_backward(
     valid_sizes: torch.Tensor,
     gate_padding_as_zero: bool,
     want_dgate: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dgate, dcoarse) of `_combine` from dout: dgate = dout * coarse[tile] (0 where the gate
-    acts as 0; an empty tensor when not wanted or without a gate), dcoarse = sum over each
-    tile's slots of dout * gate."""
+    raster_rows: torch.Tensor | None = None,
+    tiled_len: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dgate, dcoarse, dfine) of `_combine` from dout: dgate = dout * coarse[tile] (0 where the
+    gate acts as 0; an empty tensor when not wanted or without a gate), dcoarse = sum over each
+    tile's slots of dout * gate. dfine: dout itself in tile order (an empty tensor: the caller
+    passes dout on); with ``raster_rows`` (dout, the gate and dgate in raster order) dout's
+    tile-order form, ``tiled_len`` tokens, zero on padding, written from the same loads."""
     dout, coarse = _head_dim_contiguous(dout), _head_dim_contiguous(coarse)
     batch, seq, heads, dim = dout.shape
+    raster = raster_rows is not None
     write_dgate = want_dgate and gate is not None
     dgate = torch.empty_like(dout) if write_dgate else dout.new_empty(0)
     dcoarse = torch.empty_like(coarse, memory_format=torch.contiguous_format)
+    dfine = dout.new_empty((batch, tiled_len, heads, dim)) if raster else dout.new_empty(0)
     num_tiles = valid_sizes.shape[0]
-    if dcoarse.numel() and seq:
+    tiled = tiled_len if raster else seq
+    if dcoarse.numel() and tiled:
         gate_ref = dout if gate is None else gate
         dgate_ref = dgate if write_dgate else dout
+        dfine_ref = dfine if raster else dout
         _kernels().combine_bwd_kernel[(num_tiles, batch * heads)](
-            dout, coarse, gate_ref, dgate_ref, dcoarse, valid_sizes,
+            dout, coarse, gate_ref, dgate_ref, dcoarse, dfine_ref, valid_sizes,
+            valid_sizes if raster_rows is None else raster_rows,
             *_bshd_strides(dout), *_bshd_strides(coarse), *_gate_strides(gate),
-            *_bshd_strides(dgate_ref), *_bshd_strides(dcoarse),
+            *_bshd_strides(dgate_ref), *_bshd_strides(dcoarse), *_bshd_strides(dfine_ref),
             heads, HAS_GATE=gate is not None, WRITE_DGATE=write_dgate,
-            GATE_PADDING_AS_ZERO=gate_padding_as_zero, **_tile_constants(seq // num_tiles, dim),
+            GATE_PADDING_AS_ZERO=gate_padding_as_zero, RASTER=raster,
+            **_tile_constants(tiled // num_tiles, dim),
         )  # fmt: skip
     elif dcoarse.numel():
         dcoarse.zero_()
-    return dgate, dcoarse
+    return dgate, dcoarse, dfine
 
 
 combine_backward_op = torch.library.custom_op(
@@ -403,22 +459,31 @@ combine_backward_op = torch.library.custom_op(
 
 
 @combine_backward_op.register_fake
-def _(dout, coarse, gate, valid_sizes, gate_padding_as_zero, want_dgate):
+def _(dout, coarse, gate, valid_sizes, gate_padding_as_zero, want_dgate, raster_rows=None,
+      tiled_len=0):  # fmt: skip
     dgate = torch.empty_like(dout) if want_dgate and gate is not None else dout.new_empty(0)
-    return dgate, torch.empty_like(coarse, memory_format=torch.contiguous_format)
+    batch, _, heads, dim = dout.shape
+    dfine = dout.new_empty(0 if raster_rows is None else (batch, tiled_len, heads, dim))
+    return dgate, torch.empty_like(coarse, memory_format=torch.contiguous_format), dfine
 
 
 def _combine_setup(ctx, inputs, output):
-    _, coarse, gate, valid_sizes, gate_padding_as_zero = inputs
-    ctx.save_for_backward(coarse, gate, valid_sizes)
+    fine, coarse, gate, valid_sizes, gate_padding_as_zero, *raster = inputs
+    raster_rows = raster[0] if raster else None
+    ctx.save_for_backward(coarse, gate, valid_sizes, raster_rows)
     ctx.gate_padding_as_zero = gate_padding_as_zero
+    ctx.tiled_len = fine.shape[1]
 
 
 def _combine_grads(ctx, dout, backward):
-    coarse, gate, valid_sizes = ctx.saved_tensors
+    coarse, gate, valid_sizes, raster_rows = ctx.saved_tensors
     want_dgate = gate is not None and ctx.needs_input_grad[2]
-    dgate, dcoarse = backward(dout, coarse, gate, valid_sizes, ctx.gate_padding_as_zero, want_dgate)
-    return dout, dcoarse, dgate if want_dgate else None, None, None
+    dgate, dcoarse, dfine = backward(
+        dout, coarse, gate, valid_sizes, ctx.gate_padding_as_zero, want_dgate, raster_rows,
+        ctx.tiled_len,
+    )  # fmt: skip
+    dfine = dout if raster_rows is None else dfine
+    return dfine, dcoarse, dgate if want_dgate else None, None, None, None, None
 
 
 combine_op.register_autograd(
@@ -431,8 +496,9 @@ class _CombineFunction(torch.autograd.Function):
     """`combine_op`'s autograd in eager mode, on the plain functions."""
 
     @staticmethod
-    def forward(ctx, fine, coarse, gate, valid_sizes, gate_padding_as_zero):
-        inputs = (fine, coarse, gate, valid_sizes, gate_padding_as_zero)
+    def forward(ctx, fine, coarse, gate, valid_sizes, gate_padding_as_zero, raster_rows=None,
+                raster_len=0):  # fmt: skip
+        inputs = (fine, coarse, gate, valid_sizes, gate_padding_as_zero, raster_rows, raster_len)
         output = _combine(*inputs)
         _combine_setup(ctx, inputs, output)
         return output
@@ -472,6 +538,10 @@ class TritonCoarse(CoarseStage):
     def pool_and_clean(self, q, k, v, valid_sizes, clean, padding_index=None):
         return pool_and_clean(q, k, v, valid_sizes, clean)
 
+    def pool_from_raster(self, q, k, v, tiling):
+        indices = tiling.indices(q.device)
+        return pool_and_clean(q, k, v, indices.valid_sizes, (True,) * 3, indices.tile_to_raster)
+
     def select(self, q_pooled, k_pooled, valid_sizes, topk):
         return select_topk(q_pooled, k_pooled, valid_sizes, topk)
 
@@ -479,3 +549,9 @@ class TritonCoarse(CoarseStage):
         self, fine, coarse, gate, valid_sizes, gate_padding_as_zero=False, padding_index=None
     ):
         return combine_tiles(fine, coarse, gate, valid_sizes, bool(gate_padding_as_zero))
+
+    def combine_to_raster(self, fine, coarse, gate, tiling):
+        indices = tiling.indices(fine.device)
+        return combine_tiles(
+            fine, coarse, gate, indices.valid_sizes, False, indices.tile_to_raster, tiling.seq_len
+        )

@@ -9,6 +9,11 @@ Conventions:
   inf there cannot reach a pooled value (nor, in backward, receive anything but 0). The same
   loads can write the clean copies (padding zeroed) that the fine attention reads, and the
   backward adds the fine attention's gradients of those copies to the pooled ones in one pass.
+- Raster order (``RASTER``): the tensors a user holds (q, k, v going in, the output and the
+  gate coming out, and their gradients) may instead be in the latent's raster order, read and
+  written through the tiling's ``tile_to_raster`` map (each real slot's raster row): pooling then
+  writes the tiled, zero-padded copies the fine attention reads from the same loads, and the
+  combine writes the output in raster order, so tiling and untiling cost no pass of their own.
 - Selection writes each (batch, head, query tile)'s ``TOPK`` chosen key tiles as an ascending
   int32 list, straight into the layout's ``kv_indices``; no sort and no boolean map. The k-th
   largest score is found exactly by a search over the bits of an order-preserving integer
@@ -47,65 +52,83 @@ def _tile_program(valid_ptr, heads, SLOTS: tl.constexpr, HEAD_DIM: tl.constexpr,
 
 
 @triton.jit
+def _slot_rows(raster_rows, tile, slots, size, TILE_TOKENS: tl.constexpr, RASTER: tl.constexpr):
+    """[SLOTS, 1] rows of the tile's slots in a tensor that may be in raster order: with RASTER
+    each real slot's raster row from the tiling's map (padding slots: row 0, which the callers
+    mask), else the slots' own tile-order rows."""
+    tiled = tile.to(tl.int64) * TILE_TOKENS + slots
+    if RASTER:
+        return tl.load(raster_rows + tiled, mask=slots < size, other=0)[:, None]
+    return tiled[:, None]
+
+
+@triton.jit
 def pool_fwd_kernel(
-    q, k, v, qp, kp, vp, qc, kc, vc, valid_ptr,
+    q, k, v, qp, kp, vp, qc, kc, vc, valid_ptr, raster_rows,
     s_qb, s_qs, s_qh, s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, s_pb, s_pn, s_ph, s_cb, s_cs, s_ch,
     heads,
     TILE_TOKENS: tl.constexpr, SLOTS: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr,
-    CLEAN_Q: tl.constexpr, CLEAN_K: tl.constexpr, CLEAN_V: tl.constexpr,
+    CLEAN_Q: tl.constexpr, CLEAN_K: tl.constexpr, CLEAN_V: tl.constexpr, RASTER: tl.constexpr,
 ):
     """One (tile, batch x head): the means of q, k and v over the tile's real tokens (pooled
     strides s_p* shared by qp, kp and vp) and, where CLEAN_*, the tile copied to qc / kc / vc
-    with its padding slots zeroed (strides s_c* shared), from the same loads."""
+    in tile order with its padding slots zeroed (strides s_c* shared), from the same loads.
+    With RASTER, q, k and v are read in raster order (``raster_rows``: the tiling's
+    tile_to_raster)."""
     tile, b, h, size, slots, dims, keep = _tile_program(valid_ptr, heads, SLOTS, HEAD_DIM, DIM_P2)
     mask = (slots < size)[:, None] & keep[None, :]
     in_tile = (slots < TILE_TOKENS)[:, None] & keep[None, :]
     rows = (tile.to(tl.int64) * TILE_TOKENS + slots)[:, None]
+    src = _slot_rows(raster_rows, tile, slots, size, TILE_TOKENS, RASTER)
     inv = 1.0 / tl.maximum(size, 1).to(tl.float32)
     out = b * s_pb + tile * s_pn + h * s_ph + dims
     c_offs = b * s_cb + h * s_ch + rows * s_cs + dims[None, :]
-    _pool_one(q, qp, b * s_qb + h * s_qh + rows * s_qs + dims[None, :], mask, out, keep, inv,
+    _pool_one(q, qp, b * s_qb + h * s_qh + src * s_qs + dims[None, :], mask, out, keep, inv,
               qc, c_offs, in_tile, CLEAN_Q)
-    _pool_one(k, kp, b * s_kb + h * s_kh + rows * s_ks + dims[None, :], mask, out, keep, inv,
+    _pool_one(k, kp, b * s_kb + h * s_kh + src * s_ks + dims[None, :], mask, out, keep, inv,
               kc, c_offs, in_tile, CLEAN_K)
-    _pool_one(v, vp, b * s_vb + h * s_vh + rows * s_vs + dims[None, :], mask, out, keep, inv,
+    _pool_one(v, vp, b * s_vb + h * s_vh + src * s_vs + dims[None, :], mask, out, keep, inv,
               vc, c_offs, in_tile, CLEAN_V)
 
 
 @triton.jit
-def _unpool_one(g, d, src, offs, keep, in_tile, real, inv, f, f_offs, HAS_F: tl.constexpr):
+def _unpool_one(g, d, src, offs, keep, in_tile, real, inv, f, f_offs, written,
+                HAS_F: tl.constexpr):
     grad = tl.load(g + src, mask=keep, other=0.0).to(tl.float32) * inv
     tile_grad = tl.where(real, grad[None, :], 0.0)
     if HAS_F:  # the fine attention's gradient of the same tokens, on real slots only
         tile_grad += tl.load(f + f_offs, mask=real & in_tile, other=0.0).to(tl.float32)
-    tl.store(d + offs, tile_grad.to(d.dtype.element_ty), mask=in_tile)
+    tl.store(d + offs, tile_grad.to(d.dtype.element_ty), mask=written)
 
 
 @triton.jit
 def pool_bwd_kernel(
-    gq, gk, gv, fq, fk, fv, dq, dk, dv, valid_ptr,
+    gq, gk, gv, fq, fk, fv, dq, dk, dv, valid_ptr, raster_rows,
     s_gb, s_gn, s_gh, s_xb, s_xs, s_xh, s_fqb, s_fqs, s_fqh, s_fkb, s_fks, s_fkh, s_fvb, s_fvs,
     s_fvh,
     heads,
     TILE_TOKENS: tl.constexpr, SLOTS: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr,
-    HAS_FQ: tl.constexpr, HAS_FK: tl.constexpr, HAS_FV: tl.constexpr,
+    HAS_FQ: tl.constexpr, HAS_FK: tl.constexpr, HAS_FV: tl.constexpr, RASTER: tl.constexpr,
 ):
     """One (tile, batch x head): each real token's gradient is its tile's pooled gradient over
     the tile's size, plus (where HAS_F*) the fine attention's gradient fq / fk / fv of that
-    token; padding slots get 0 (every slot is written)."""
+    token (tile order); padding slots get 0 (every slot is written). With RASTER the
+    gradients dq / dk / dv are in raster order: each real token's row is written, once."""
     tile, b, h, size, slots, dims, keep = _tile_program(valid_ptr, heads, SLOTS, HEAD_DIM, DIM_P2)
     inv = 1.0 / tl.maximum(size, 1).to(tl.float32)
     src = b * s_gb + tile * s_gn + h * s_gh + dims
     rows = (tile.to(tl.int64) * TILE_TOKENS + slots)[:, None]
-    offs = b * s_xb + h * s_xh + rows * s_xs + dims[None, :]
+    dst = _slot_rows(raster_rows, tile, slots, size, TILE_TOKENS, RASTER)
+    offs = b * s_xb + h * s_xh + dst * s_xs + dims[None, :]
     in_tile = (slots < TILE_TOKENS)[:, None] & keep[None, :]
     real = (slots < size)[:, None]
+    written = (real & in_tile) if RASTER else in_tile
     _unpool_one(gq, dq, src, offs, keep, in_tile, real, inv,
-                fq, b * s_fqb + h * s_fqh + rows * s_fqs + dims[None, :], HAS_FQ)
+                fq, b * s_fqb + h * s_fqh + rows * s_fqs + dims[None, :], written, HAS_FQ)
     _unpool_one(gk, dk, src, offs, keep, in_tile, real, inv,
-                fk, b * s_fkb + h * s_fkh + rows * s_fks + dims[None, :], HAS_FK)
+                fk, b * s_fkb + h * s_fkh + rows * s_fks + dims[None, :], written, HAS_FK)
     _unpool_one(gv, dv, src, offs, keep, in_tile, real, inv,
-                fv, b * s_fvb + h * s_fvh + rows * s_fvs + dims[None, :], HAS_FV)
+                fv, b * s_fvb + h * s_fvh + rows * s_fvs + dims[None, :], written, HAS_FV)
 
 
 @triton.jit
@@ -225,82 +248,88 @@ def select_topk_kernel(
 
 
 @triton.jit
-def _combine_program(heads, TILE_TOKENS: tl.constexpr, SLOTS: tl.constexpr,
-                     HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr):
-    """This program's tile, batch (int64), head, token rows, dims, which dims are real and
-    which (row, dim) elements exist (every slot of a tile, padding included)."""
+def _combine_program(valid_ptr, raster_rows, heads, TILE_TOKENS: tl.constexpr,
+                     SLOTS: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr,
+                     RASTER: tl.constexpr):
+    """This program's tile, batch (int64), head, its slots' tile-order rows and their rows in
+    the raster-side tensors (the same rows without RASTER), dims, which dims are real, which
+    (row, dim) elements exist (every slot of a tile, padding included) and which are real."""
     tile = tl.program_id(0)
     bh = tl.program_id(1)
     slots = tl.arange(0, SLOTS)
     dims = tl.arange(0, DIM_P2)
     keep = dims < HEAD_DIM
+    size = tl.load(valid_ptr + tile)
     rows = (tile.to(tl.int64) * TILE_TOKENS + slots)[:, None]
-    return (tile, (bh // heads).to(tl.int64), bh % heads, rows, dims, keep,
-            (slots < TILE_TOKENS)[:, None] & keep[None, :])
-
-
-@triton.jit
-def _gate_slots(valid_ptr, tile, inside, SLOTS: tl.constexpr, GATE_PADDING_AS_ZERO: tl.constexpr):
-    """The (slot, dim) elements whose gate is read: all, or only real slots (padding as 0)."""
-    if GATE_PADDING_AS_ZERO:
-        return inside & (tl.arange(0, SLOTS) < tl.load(valid_ptr + tile))[:, None]
-    return inside
+    user_rows = _slot_rows(raster_rows, tile, slots, size, TILE_TOKENS, RASTER)
+    inside = (slots < TILE_TOKENS)[:, None] & keep[None, :]
+    return (tile, (bh // heads).to(tl.int64), bh % heads, rows, user_rows, dims, keep, inside,
+            inside & (slots < size)[:, None])
 
 
 @triton.jit
 def combine_fwd_kernel(
-    fine, coarse, gate, out, valid_ptr,
+    fine, coarse, gate, out, valid_ptr, raster_rows,
     s_fb, s_fs, s_fh, s_cb, s_cn, s_ch, s_gb, s_gs, s_gh, s_gd, s_ob, s_os, s_oh,
     heads,
     TILE_TOKENS: tl.constexpr, SLOTS: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr,
-    HAS_GATE: tl.constexpr, GATE_PADDING_AS_ZERO: tl.constexpr,
+    HAS_GATE: tl.constexpr, GATE_PADDING_AS_ZERO: tl.constexpr, RASTER: tl.constexpr,
 ):
     """One (tile, batch x head): out = fine + gate * coarse[tile] on every slot of the tile, in
     float32, rounded once (``out`` may be ``fine`` itself: each element is read before it is
     written, by the same thread). The gate may broadcast: any of its strides may be 0; with
-    GATE_PADDING_AS_ZERO its padding slots are never read (0)."""
-    tile, b, h, rows, dims, keep, inside = _combine_program(heads, TILE_TOKENS, SLOTS, HEAD_DIM,
-                                                             DIM_P2)
+    GATE_PADDING_AS_ZERO its padding slots are never read (0). With RASTER, ``out`` and the
+    gate are in raster order: only real slots are read from the gate and written to ``out``."""
+    tile, b, h, rows, user_rows, dims, keep, inside, real = _combine_program(
+        valid_ptr, raster_rows, heads, TILE_TOKENS, SLOTS, HEAD_DIM, DIM_P2, RASTER)
     c = tl.load(coarse + b * s_cb + tile * s_cn + h * s_ch + dims, mask=keep, other=0.0)
-    x = tl.load(fine + b * s_fb + h * s_fh + rows * s_fs + dims[None, :], mask=inside, other=0.0)
+    written = real if RASTER else inside
+    x = tl.load(fine + b * s_fb + h * s_fh + rows * s_fs + dims[None, :], mask=written, other=0.0)
     c = c.to(tl.float32)[None, :]
     if HAS_GATE:
-        read = _gate_slots(valid_ptr, tile, inside, SLOTS, GATE_PADDING_AS_ZERO)
-        g = tl.load(gate + b * s_gb + h * s_gh + rows * s_gs + dims[None, :] * s_gd, mask=read,
-                    other=0.0)
+        read = real if (GATE_PADDING_AS_ZERO or RASTER) else inside
+        g = tl.load(gate + b * s_gb + h * s_gh + user_rows * s_gs + dims[None, :] * s_gd,
+                    mask=read, other=0.0)
         y = x.to(tl.float32) + g.to(tl.float32) * c
     else:
         y = x.to(tl.float32) + c
-    tl.store(out + b * s_ob + h * s_oh + rows * s_os + dims[None, :], y.to(out.dtype.element_ty),
-             mask=inside)
+    tl.store(out + b * s_ob + h * s_oh + user_rows * s_os + dims[None, :],
+             y.to(out.dtype.element_ty), mask=written)
 
 
 @triton.jit
 def combine_bwd_kernel(
-    dout, coarse, gate, dgate, dcoarse, valid_ptr,
+    dout, coarse, gate, dgate, dcoarse, dfine, valid_ptr, raster_rows,
     s_db, s_ds, s_dh, s_cb, s_cn, s_ch, s_gb, s_gs, s_gh, s_gd, s_xb, s_xs, s_xh, s_eb, s_en,
-    s_eh,
+    s_eh, s_fb, s_fs, s_fh,
     heads,
     TILE_TOKENS: tl.constexpr, SLOTS: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr,
     HAS_GATE: tl.constexpr, WRITE_DGATE: tl.constexpr, GATE_PADDING_AS_ZERO: tl.constexpr,
+    RASTER: tl.constexpr,
 ):
     """One (tile, batch x head) of the combine's backward: dcoarse[tile] = sum over the tile's
     slots of dout * gate (of dout without a gate), in float32; dgate = dout * coarse[tile]
-    (strides s_x* of dgate, s_e* of dcoarse)."""
-    tile, b, h, rows, dims, keep, inside = _combine_program(heads, TILE_TOKENS, SLOTS, HEAD_DIM,
-                                                             DIM_P2)
+    (strides s_x* of dgate, s_e* of dcoarse). With RASTER, dout, the gate and dgate are in
+    raster order (real slots only) and the fine output's gradient, dout in tile order with
+    zeros on padding, is written to ``dfine`` (strides s_f*) from the same loads."""
+    tile, b, h, rows, user_rows, dims, keep, inside, real = _combine_program(
+        valid_ptr, raster_rows, heads, TILE_TOKENS, SLOTS, HEAD_DIM, DIM_P2, RASTER)
     at_tile = b * s_cb + tile * s_cn + h * s_ch + dims
-    d = tl.load(dout + b * s_db + h * s_dh + rows * s_ds + dims[None, :], mask=inside, other=0.0)
+    d = tl.load(dout + b * s_db + h * s_dh + user_rows * s_ds + dims[None, :],
+                mask=real if RASTER else inside, other=0.0)
+    if RASTER:
+        tl.store(dfine + b * s_fb + h * s_fh + rows * s_fs + dims[None, :], d, mask=inside)
     d = d.to(tl.float32)
     if HAS_GATE:
-        read = _gate_slots(valid_ptr, tile, inside, SLOTS, GATE_PADDING_AS_ZERO)
-        g = tl.load(gate + b * s_gb + h * s_gh + rows * s_gs + dims[None, :] * s_gd, mask=read,
-                    other=0.0)
+        read = real if (GATE_PADDING_AS_ZERO or RASTER) else inside
+        g = tl.load(gate + b * s_gb + h * s_gh + user_rows * s_gs + dims[None, :] * s_gd,
+                    mask=read, other=0.0)
         dc = tl.sum(d * g.to(tl.float32), axis=0)
         if WRITE_DGATE:  # 0 on slots whose gate acts as 0
             c = tl.load(coarse + at_tile, mask=keep, other=0.0).to(tl.float32)
-            tl.store(dgate + b * s_xb + h * s_xh + rows * s_xs + dims[None, :],
-                     tl.where(read, d * c[None, :], 0.0).to(dgate.dtype.element_ty), mask=inside)
+            tl.store(dgate + b * s_xb + h * s_xh + user_rows * s_xs + dims[None, :],
+                     tl.where(read, d * c[None, :], 0.0).to(dgate.dtype.element_ty),
+                     mask=real if RASTER else inside)
     else:
         dc = tl.sum(d, axis=0)
     tl.store(dcoarse + b * s_eb + tile * s_en + h * s_eh + dims, dc.to(dcoarse.dtype.element_ty),

@@ -11,8 +11,9 @@ of a ``WanTransformer3DModel`` (Wan 2.1 / 2.2) and a forward pre-hook on the tra
 records the latent's token grid (frames, height, width after patching) for the processors.
 Each processor computes q, k, v exactly as diffusers' own (projections, RMS norms, rotary
 embedding on raster-order tokens) and calls `vsa_core.video_sparse_attn` with
-``token_order="raster"``: the tokens are tiled and untiled inside each call (copies per
-layer; keeping the whole stack in tile order is the faster layout this module does not do yet).
+``token_order="raster"``: the coarse stage tiles the tokens as it pools them and the combine
+writes the output back in raster order, so no linear layer pays for padding tokens and (with
+the Triton coarse stage) no separate permutation copies are made per layer.
 
 The coarse branch: VSA adds ``gate * coarse`` to the fine output. ``coarse="gate"`` (the
 default) adds a per-layer gate projection ``attn1.to_gate_compress`` (a ``Linear(dim, dim)``,
