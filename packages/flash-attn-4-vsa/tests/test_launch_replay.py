@@ -189,15 +189,24 @@ def test_a_new_description_records_again():
     assert launcher.calls == 5
 
 
-def test_coinciding_caller_tensors_are_not_recorded_until_they_differ():
+def test_coinciding_caller_tensors_replay_only_calls_where_they_coincide_alike():
+    """The KV64 backward passes one tensor as both the full and the partial lists: such a call
+    is recorded and replays on later calls whose tensors coincide the same way; a call whose
+    tensors do not coincide is another description (its own first call, its own record)."""
+
+    def aliased(seed):  # k is q
+        q, _, out, lse, lists, valid = tensors(seed)
+        return (q, q, out, lse, lists, valid)
+
     replay, launcher = replay_cpu(), Launcher()
-    run(replay, launcher, tensors(0))
-    q, _, out, lse, lists, valid = tensors(1)
-    aliased = (q, q, out, lse, lists, valid)  # k is q: the record could not tell them apart
-    run(replay, launcher, aliased)
-    assert replay.recorded("call", aliased) is None
-    run(replay, launcher, tensors(2))
-    ts = tensors(3)
+    for seed in range(4):
+        ts = aliased(seed)
+        check(run(replay, launcher, ts), ts)
+    assert launcher.calls == 2 and isinstance(
+        replay.recorded("call", aliased(0)), launch_replay.RecordedLaunch
+    )
+    assert replay.recorded("call", tensors(0)) is None, "k is not q here: another description"
+    ts = tensors(4)
     check(run(replay, launcher, ts), ts)
     assert launcher.calls == 3
 

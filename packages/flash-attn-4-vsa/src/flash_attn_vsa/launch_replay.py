@@ -103,17 +103,15 @@ def _describe(t: torch.Tensor | None) -> Hashable:
     return (t.dtype, t.shape, t.stride(), t.device)
 
 
-def _owners(tensors: Sequence[torch.Tensor | None]) -> dict[tuple, int] | None:
-    """Caller tensors by (pointer, description); None when two non-empty ones coincide (the
-    record could not tell which goes where)."""
+def _owners(tensors: Sequence[torch.Tensor | None]) -> dict[tuple, int]:
+    """Caller tensors by (pointer, description): where several coincide (the backward's full
+    and partial lists are one tensor), the first. Which ones coincide is part of a call's
+    description (`_full_key`), so a record only replays calls whose tensors coincide alike,
+    where the first stands for the others."""
     owners: dict[tuple, int] = {}
     for i, t in enumerate(tensors):
-        if t is None:
-            continue
-        key = (t.data_ptr(), *_describe(t))
-        if key in owners and t.numel():
-            return None
-        owners.setdefault(key, i)
+        if t is not None:
+            owners.setdefault((t.data_ptr(), *_describe(t)), i)
     return owners
 
 
@@ -335,10 +333,18 @@ kernels may assume: a misaligned tensor is another description)."""
 
 
 def _full_key(key: Hashable, tensors: Sequence[torch.Tensor | None]) -> Hashable:
-    described = tuple(
-        None if t is None else (*_describe(t), t.data_ptr() % ALIGNMENT) for t in tensors
-    )
-    return (key, described)
+    """``key`` and, per tensor, its description, its address's alignment and the earlier
+    tensor it coincides with (pointer and description; None if none)."""
+    first: dict[tuple, int] = {}
+    described = []
+    for i, t in enumerate(tensors):
+        if t is None:
+            described.append(None)
+            continue
+        pointer, description = t.data_ptr(), _describe(t)
+        same_as = first.setdefault((pointer, description), i)
+        described.append((description, pointer % ALIGNMENT, None if same_as == i else same_as))
+    return (key, tuple(described))
 
 
 def _replayable(tensors: Sequence[torch.Tensor | None], devices: frozenset[str]) -> bool:
@@ -386,10 +392,9 @@ class LaunchReplay:
             result, made = upstream(), False
         else:
             result, made = self._record(upstream, tensors)
-        if made is not None:
-            if len(self._records) >= self.capacity and full_key not in self._records:
-                self._records.pop(next(iter(self._records)))
-            self._records[full_key] = made if made else calls + 1
+        if len(self._records) >= self.capacity and full_key not in self._records:
+            self._records.pop(next(iter(self._records)))
+        self._records[full_key] = made if made else calls + 1
         return result
 
     def recorded(self, key: Hashable, tensors: Sequence[torch.Tensor | None]) -> Any:
@@ -408,12 +413,10 @@ class LaunchReplay:
         self._records.clear()
 
     @staticmethod
-    def _record(upstream, tensors) -> tuple[Any, RecordedLaunch | bool | None]:
-        """Run ``upstream()`` recorded: its result and a `RecordedLaunch`, False (not
-        replayable) or None (not decidable from this call: two caller tensors coincide)."""
+    def _record(upstream, tensors) -> tuple[Any, RecordedLaunch | bool]:
+        """Run ``upstream()`` recorded: its result and a `RecordedLaunch`, or False (not
+        replayable)."""
         owners = _owners(tensors)
-        if owners is None:
-            return upstream(), None
         _watch_upstream_caches()
         trace = _Trace(tensors, owners)
         ops = _RecordOps(trace)
