@@ -100,3 +100,18 @@ def test_fa4_overhead_raw_tensors_follow_the_adapters_physical_plan():
     # every selected (64-row query block, 64-token key block) pair once, in both directions
     pairs = int(layout.kv_counts.sum())
     assert int(bwd.full_block_cnt.sum()) == pairs == 2 * int(fwd.full_block_cnt.sum())
+
+
+def test_dit_ideal_bound_replaces_the_ops_time_by_the_ideal():
+    _root_on_path()
+    from research.dit_ideal_bound import bound
+
+    step = {"dense_fa4_b2b_ms": 100.0, "vsa_b2b_ms": 60.0}
+    # 10 layers: the op 2 ms a layer (rest of the step 40 ms), dense 8 ms at an ideal of 4x
+    op = {"auto": {"b2b": 2.0}, "dense": {"b2b": 8.0, "ideal": 4.0}}
+    row = bound(step, op, layers=10, view="b2b")
+    assert row["rest_ms"] == 40.0
+    assert row["ideal_step_ms"] == 60.0  # 40 + 10 x 8 / 4: the op already at its ideal here
+    assert row["speedup"] == row["speedup_at_ideal"] == 100.0 / 60.0
+    op["auto"]["b2b"] = 3.0  # a slower op: the same step leaves less for the rest
+    assert bound(step, op, layers=10, view="b2b")["speedup_at_ideal"] == 100.0 / 50.0
