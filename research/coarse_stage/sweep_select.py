@@ -58,7 +58,7 @@ def main() -> None:
         topk = max(1, round(n * 0.125))
         want = select_with(qp, kp, valid, topk, SELECT)
         configs = [SELECT, dataclasses.replace(SELECT, early_exit=not SELECT.early_exit)] + [
-            dataclasses.replace(SELECT, block_m=block_m) for block_m in (4, 16)
+            dataclasses.replace(SELECT, block_m=block_m) for block_m in (4, 8)
         ]
         for config in configs:
             got = select_with(qp, kp, valid, topk, config)

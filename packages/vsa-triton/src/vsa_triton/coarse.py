@@ -38,22 +38,22 @@ class SelectConfig:
 
     ``block_m`` query tiles per program; ``elements_per_step`` scores one program ranks at once
     in the second phase (rows x padded tiles); ``block_n`` key tiles scored per dot product.
-    Measured on an H200 (2026-12-01 profiles and `research/coarse_stage/sweep_select.py`,
-    `benchmarks/results/2026-12-01-h200-sweep_select-bisect.json`): at Wan 480p (12 heads, 624
-    tiles) 64 query tiles a program took 0.42 ms, 16 with 4096-element steps 0.21 ms, 8 with
-    2048-element steps 0.167 ms (the fastest of 12 configs; 1.89 ms at Wan 720p, within 4% of
-    that shape's best, and 3.35 ms at HunyuanVideo, within 1%): each program's rows bisect one
-    after the other, so more, smaller programs run faster until the pooled keys each program
-    reads from L2 dominate; 8 warps were slower everywhere. A radix search (four 8-bit histogram
-    passes, row by row) picked the same lists but ran 1.4-2.6x slower at every latent
-    (`benchmarks/results/2026-12-01-h200-sweep_select-radix.json`) and was removed. Bisection
-    with early exit (`early_exit`) ran 0.176 / 1.71 / 2.63 ms at Wan 480p / 720p / Hunyuan in the
-    sweep of `benchmarks/results/2026-12-01-h200-sweep_select-early-exit.json`, where the same
-    kernel's 32 full passes took 0.266 / 3.35 / 5.38 ms (its int64 keys cost 1.4-1.8x over the
-    int32 bisection measured before, 0.186 / 1.91 / 3.34 ms in an earlier sitting, which early
-    exit more than wins back); three thresholds a pass (packed counts) were slower still."""
+    Measured on an H200 (`research/coarse_stage/sweep_select.py`, every config picking the same
+    lists): with int32 keys (session 15,
+    `benchmarks/results/2026-12-01-h200-sweep_select-int32.json`) 16 query tiles a program ran
+    0.136 / 1.20 / 2.07 ms at Wan 480p (12 heads, 624 tiles) / Wan 720p (40, 1440) /
+    HunyuanVideo (24, 2160), the fastest of the configs swept at all three (8: 0.168 / 1.24 /
+    2.20; 4: 0.141 / 1.40 / 2.55; 8 without early exit 0.182 / 2.01 / 3.51). Before, with the
+    whole [rows, tiles] block compared in int64 and 8 tiles a program, the same sweep measured
+    0.176 / 1.71 / 2.63 ms (`2026-12-01-h200-sweep_select-early-exit.json`, 32 full passes
+    0.266 / 3.35 / 5.38); int32 keys without early exit, earlier still, 0.186 / 1.91 / 3.34.
+    Each program's rows bisect one after the other, so the program size trades rows in flight
+    against the pooled keys each program reads from L2; 8 warps were slower everywhere. A radix
+    search (four 8-bit histogram passes, row by row) picked the same lists but ran 1.4-2.6x
+    slower at every latent (`2026-12-01-h200-sweep_select-radix.json`) and was removed; three
+    thresholds a pass (packed counts) were slower still."""
 
-    block_m: int = 8
+    block_m: int = 16
     block_n: int = 64
     elements_per_step: int = 2048
     num_warps: int = 4
