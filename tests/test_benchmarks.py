@@ -935,7 +935,9 @@ def test_bench_dit_smoke_run_on_a_tiny_wan_checks_vsa_against_dense(tmp_path):
         capture_output=True, text=True, timeout=300, check=False, cwd=BENCHMARKS,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    rows = json.loads(out.read_text())["rows"]
+    doc = json.loads(out.read_text())
+    assert doc["complete"] is True  # rewritten after every row, complete at the end
+    rows = doc["rows"]
     assert rows[0]["check"].startswith("all tiles") and rows[0]["rel_err"] < 1e-5
     assert [(r["mode"], r["way"]) for r in rows[1:]] == [("fwd", "eager"), ("train", "eager")]
     assert not any("error" in key for r in rows for key in r)
