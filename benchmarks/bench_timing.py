@@ -6,7 +6,7 @@
   the CPU; an optional per-repetition ``setup`` runs outside the timed region. `time_runner`:
   the same with a benchmark's warm-up, repetitions and budget (`reps_within_budget`).
 - `time_interleaved` / `time_paced` / `time_views`: arms timed call by call in alternation
-  (`interleaved_turns`, the order rotated per round); `time_views` gives each arm's
+  (`interleaved_turns`, rounds in the orders of `balanced_orders`); `time_views` gives each arm's
   back-to-back (device throughput) and one-call-then-synchronize (latency) times and the host
   time to issue one call. `call_views`, `events_ms`, `cuda_graph`: one arm on its own.
 - `peak_extra_mib`: peak GPU memory of one call beyond what was allocated before.
@@ -126,10 +126,10 @@ def time_interleaved(
 ) -> dict[str, list[float]]:
     """Per arm, the time (ms) of each of ``reps`` calls ``fn(setup())``, arms interleaved.
 
-    ``arms`` maps a name to ``(fn, setup)``. Every repetition calls each arm once, the order
-    rotated by one per repetition, so that clock and thermal drift and the position in the
-    sequence hit all arms alike; repetition ``i`` of two arms is a paired sample. Nothing
-    synchronizes between calls (``warmup`` rounds first fill the device's queue), so on CUDA
+    ``arms`` maps a name to ``(fn, setup)``. Every repetition calls each arm once, in the orders
+    of `balanced_orders`, so that clock and thermal drift, the position in the sequence and the
+    arm called just before hit all arms alike; repetition ``i`` of two arms is a paired sample.
+    Nothing synchronizes between calls (``warmup`` rounds first fill the device's queue), so on CUDA
     each call's time (events around ``fn``, the setup's work enqueued before the start event)
     is its device time, its host cost hidden as long as the host keeps ahead of the device.
     """
@@ -148,6 +148,24 @@ class Turn:
     host_ms: float
 
 
+def balanced_orders(n: int) -> list[list[int]]:
+    """Orders of ``n`` arms for successive rounds: a Williams design, a Latin square whose rows
+    also give every arm each other arm as its predecessor equally often (``n`` rows for even
+    ``n``, ``2 n`` for odd: the square and its rows reversed).
+
+    Why not rotation: rotating one order keeps every arm behind the same neighbour in almost
+    every round, and what the arm before leaves behind (the host's caches after another
+    launcher's Python, the device's clocks after a long kernel) then biases one arm's time.
+    Seen on an H200 (session 15, ``bench_video.py`` at Wan 480p, arms dense, auto, fa4, ...):
+    ``auto``, behind dense FA4 in 4 of 5 rounds, issued the same fa4 call in 1.02 ms of host
+    time where the ``fa4`` arm, behind ``auto``, took 0.77 ms (session 14: 1.04 / 0.93)."""
+    if n <= 0:
+        return [[]]
+    first = [(j + 1) // 2 if j % 2 else (n - j // 2) % n for j in range(n)]
+    rows = [[(a + r) % n for a in first] for r in range(n)]
+    return rows + [row[::-1] for row in rows] if n % 2 and n > 1 else rows
+
+
 def interleaved_turns(
     arms: dict[str, tuple[Callable[[Any], Any], Callable[[], Any] | None]],
     device: torch.device,
@@ -157,7 +175,9 @@ def interleaved_turns(
     synchronized: bool = False,
     record: bool = True,
 ) -> dict[str, list[Turn]]:
-    """``rounds`` rounds in which every arm takes one turn, the order rotated by one per round.
+    """``rounds`` rounds in which every arm takes one turn, round ``i`` in the order
+    ``balanced_orders(len(arms))[i % len]`` (each arm as often in each place, and after each
+    other arm, over a full cycle of orders).
 
     ``arms`` maps a name to ``(fn, setup)``. A turn makes ``calls`` calls ``fn(setup())`` of its
     arm (an int, or per arm name) between two CUDA events (perf_counter marks on the CPU), the
@@ -169,9 +189,10 @@ def interleaved_turns(
     (empty lists with ``record=False``: warm-up rounds).
     """
     names = list(arms)
+    orders = balanced_orders(len(names))
     done: list[tuple[str, int, Any, Any, float]] = []
     for i in range(max(0, rounds)):
-        for name in names[i % len(names) :] + names[: i % len(names)]:
+        for name in (names[j] for j in orders[i % len(orders)]):
             fn, setup = arms[name]
             n = max(1, calls[name] if isinstance(calls, dict) else calls)
             states = [setup() if setup is not None else None for _ in range(n)]

@@ -11,11 +11,12 @@ Arms (--arms): our op with each fine backend named (auto, fa4, triton, reference
 FastVideo's published op (`fastvideo_arm.py`: ``fastvideo``, its Triton composition, and
 ``fastvideo_tk``, its ThunderKittens sm_90 kernels where its compiled extension loads), all on
 the same inputs; dense is always there. All arms of one cell are timed call by call in
-alternation (round robin, the order rotated per round: `bench_timing.time_views`), in two
-views: back to back (N calls of an arm between two CUDA events, nothing synchronized, the host
-runs ahead: device throughput) and once (CUDA events around one call, then a synchronize, the
-median over calls: latency, with the host time before the first kernel launch in full), plus
-the host time to issue one call (wall clock from the call to its return, no synchronization).
+alternation (round robin, each round in an order of `bench_timing.balanced_orders`:
+`bench_timing.time_views`), in two views: back to back (N calls of an arm between two CUDA
+events, nothing synchronized, the host runs ahead: device throughput) and once (CUDA events
+around one call, then a synchronize, the median over calls: latency, with the host time before
+the first kernel launch in full), plus the host time to issue one call (wall clock from the call
+to its return, no synchronization).
 
 Reported per cell and arm: both times, the host time, the speedup over dense in both views,
 the padding-limited ideal speedup ((real tokens / padded tokens)^2 / kept fraction) and the
@@ -1591,7 +1592,8 @@ def render_markdown(doc: dict[str, Any]) -> str:
         f"- command: `{meta['command']}`",
         f"- tile {tuple(cfg['tile'])}, D={cfg['head_dim']}, B={cfg['batch']}, {cfg['dtype']}, "
         f"coarse gate: {cfg['coarse_gate']}; arms: dense, {', '.join(arms)}" + _variant_note(cfg),
-        "- all arms of a cell timed call by call in alternation (order rotated per round), "
+        "- all arms of a cell timed call by call in alternation (round orders balanced: each arm "
+        "as often after each other arm), "
         "medians over the rounds. **once** = CUDA events around one call, then a synchronize "
         "(latency; host time before the first kernel launch included); **b2b** = back to back, "
         f"N calls of an arm (enough for ~{cfg.get('b2b_turn_ms')} ms, at most "

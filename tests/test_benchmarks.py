@@ -774,7 +774,26 @@ def test_time_interleaved_rotates_arms_and_keeps_setup_untimed():
     # the 50 ms setup is not timed (a margin a loaded machine's scheduling stays far below)
     assert min(times["b"]) >= 4.0 and max(times["a"]) < 25.0
     order = [c for c in calls if "-" not in c]
-    assert order == ["a", "b", "c", "a", "b", "c", "b", "c", "a", "c", "a", "b"]  # rotated
+    # bc.balanced_orders(3): its first three rows are rotations
+    assert order == ["a", "b", "c", "a", "b", "c", "b", "c", "a", "c", "a", "b"]
+
+
+@pytest.mark.parametrize("n", range(1, 9))
+def test_balanced_orders_balance_places_and_predecessors(n):
+    from collections import Counter
+
+    orders = bc.balanced_orders(n)
+    assert len(orders) == (2 * n if n % 2 and n > 1 else n)
+    assert all(sorted(order) == list(range(n)) for order in orders)
+    # each arm in each place equally often, and behind each other arm equally often
+    places = Counter((place, arm) for order in orders for place, arm in enumerate(order))
+    assert set(places.values()) == {len(orders) // n}
+    pairs = Counter(pair for order in orders for pair in itertools.pairwise(order))
+    assert len(pairs) == n * (n - 1) and len(set(pairs.values())) <= 1
+    if n >= 4:  # what rotation got wrong: within n rounds an arm follows more than one other
+        behind = {b: {a for o in orders[:n] for a, x in itertools.pairwise(o) if x == b}
+                  for b in range(n)}  # fmt: skip
+        assert all(len(arms) > 1 for arms in behind.values())
 
 
 def test_time_paced_alternates_the_arm_with_its_pacer_and_caps_reps_by_the_budget():
@@ -822,9 +841,10 @@ def test_time_views_alternates_arms_in_both_views_and_keeps_setup_untimed():
     assert min(b.back_to_back.times_ms) >= 120.0 and max(a.back_to_back.times_ms) < 120.0
     runs = [c for c in calls if c != "setup"]
     n = a.calls_per_turn
-    # warm-up round, estimate round, then the once rounds alternate, the order rotated
+    # warm-up round, estimate round, then the once rounds alternate (two arms: the orders of
+    # bc.balanced_orders(2) are the two rotations)
     assert runs[:12] == ["a", "b", "a", "b", "a", "b", "b", "a", "a", "b", "b", "a"]
-    # then back-to-back turns: n calls of a, one of b (a refill round, then 4 rotated rounds)
+    # then back-to-back turns: n calls of a, one of b (a refill round, then 4 alternating rounds)
     b2b = runs[12:]
     assert (
         b2b == (["a"] * n + ["b"]) * 2 + ["b"] + ["a"] * n + ["a"] * n + ["b"] + ["b"] + ["a"] * n

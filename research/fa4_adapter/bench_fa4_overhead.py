@@ -16,7 +16,7 @@ refined to the block shape), these arms of the same kernel work:
 
 In ``bwd`` every arm's untimed setup runs the adapter's forward (building the autograd graph;
 ``raw`` discards it), so all arms time a backward that follows a forward. The arms are
-interleaved call by call (`bench_common.time_interleaved`: order rotated per repetition, no
+interleaved call by call (`bench_common.time_interleaved`: round orders balanced, no
 synchronization, the device's queue kept full), so each call's CUDA-event time is device
 time: the metadata kernels and whatever else the adapter adds on the device. Reported per
 arm: median ms; ``overhead`` = median over repetitions of (arm / raw) - 1, from paired
