@@ -115,3 +115,33 @@ def test_dit_ideal_bound_replaces_the_ops_time_by_the_ideal():
     assert row["speedup"] == row["speedup_at_ideal"] == 100.0 / 60.0
     op["auto"]["b2b"] = 3.0  # a slower op: the same step leaves less for the rest
     assert bound(step, op, layers=10, view="b2b")["speedup_at_ideal"] == 100.0 / 50.0
+
+
+@pytest.mark.parametrize("mode", ["fwd", "bwd"])
+def test_break_backends_makes_a_backend_wrong(mode):
+    """The break plugin's copies are wrong in the way they say (on the reference backend, CPU)."""
+    _root_on_path()
+    import torch
+
+    from research.break_backends import broken_copy
+    from vsa_core.backends.registry import get_backend
+    from vsa_core.layout import BlockSparseLayout
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 128, 2, 16, generator=gen, requires_grad=True) for _ in range(3))
+    lists = torch.tensor([[[0, 1], [1, 0]]] * 2).unsqueeze(0)  # [1, 2 heads, 2 blocks, 2]
+    layout = BlockSparseLayout.from_indices(
+        lists, kv_valid_sizes=torch.full((2,), 64), block_shape=(64, 64)
+    )
+    real = get_backend("reference")
+    broken = broken_copy(real, mode)
+    want, _ = real.forward(q, k, v, layout, 0.25)
+    got, _ = broken.forward(q, k, v, layout, 0.25)
+    (dv_want,) = torch.autograd.grad(want.sum(), v)
+    (dv_got,) = torch.autograd.grad(got.sum(), v)
+    if mode == "fwd":
+        torch.testing.assert_close(got, want * 1.05)
+        torch.testing.assert_close(dv_got, dv_want * 1.05)
+    else:
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(dv_got, dv_want * 1.3)
