@@ -247,8 +247,7 @@ def write_result(path: str, name: str, config: dict[str, Any], rows: list, compl
         "complete": complete,
         "rows": rows,
     }
-    with open(path, "w") as f:
-        json.dump(brep.jsonable(result), f, indent=1)
+    brep.write_json(path, result)  # atomic: a run killed mid-write keeps the previous rows
 
 
 def _compiled_graphs() -> int:
