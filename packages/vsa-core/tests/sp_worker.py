@@ -60,6 +60,7 @@ class Case:
     tile: tuple[int, int, int] = (4, 4, 4)
     head_chunk: int | None = None  # heads per pipeline step (None: the op's default)
     recompute: bool = False
+    token_order: str = "tiled"  # "raster": raster-order shards of T*H*W tokens
 
 
 F64 = torch.float64
@@ -97,6 +98,35 @@ CPU_CASES = [
         head_chunk=1,
         recompute=True,
     ),
+    # raster order: (5, 9, 10) is 450 tokens; (4, 9, 10) has 9 tiles, which tile order cannot
+    # split over 2 ranks, and 360 tokens, which raster order can
+    Case("f64 raster, full gate, B=2", (5, 9, 10), 4, 16, 2, 5, F64, token_order="raster"),
+    Case(
+        "f64 raster bhsd, gate [B,S,1,1], one head a step, recompute",
+        (5, 9, 10),
+        4,
+        16,
+        2,
+        3,
+        F64,
+        "seq",
+        "bhsd",
+        head_chunk=1,
+        recompute=True,
+        token_order="raster",
+    ),
+    Case(
+        "f64 raster, replicated gate, no_grad, 9 tiles",
+        (4, 9, 10),
+        4,
+        16,
+        1,
+        4,
+        F64,
+        "replicated",
+        grad=False,
+        token_order="raster",
+    ),
 ]
 BF16 = torch.bfloat16
 GPU_CASES = [
@@ -119,6 +149,7 @@ GPU_CASES = [
     Case(
         "bf16 one head a step, no_grad", (13, 24, 40), 8, 128, 1, 30, BF16, grad=False, head_chunk=1
     ),
+    Case("bf16 raster, partial tiles", (13, 22, 38), 8, 128, 1, 30, BF16, token_order="raster"),
 ]
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 2e-5}
 BF16_REL_TOLERANCE = {"out": 1e-2, "grad": 2e-2}
@@ -179,7 +210,8 @@ class Checker:
 def make_inputs(case: Case, tiling: VideoTiling, device: torch.device) -> dict[str, torch.Tensor]:
     """Full BSHD inputs (the same on every rank), in the case's dtype."""
     gen = torch.Generator().manual_seed(1234 + case.heads * 7 + case.batch)
-    shape = (case.batch, tiling.padded_len, case.heads, case.dim)
+    seq = tiling.seq_len if case.token_order == "raster" else tiling.padded_len
+    shape = (case.batch, seq, case.heads, case.dim)
 
     def rand(*s: int) -> torch.Tensor:
         return torch.randn(s, generator=gen, dtype=torch.float64).to(device, case.dtype)
@@ -208,6 +240,7 @@ def run_case(case: Case, check: Checker, device: torch.device, backend: str) -> 
     names = ["q", "k", "v"] + (["gate"] if "gate" in full else [])
     kwargs = dict(topk=case.topk, tiling=tiling, backend=backend, scale=case.scale)
     kwargs["qkv_format"] = case.qkv_format
+    kwargs["token_order"] = case.token_order
 
     # The reference: the single-process op on the full inputs.
     ref_in = {n: fmt(full[n]).detach().clone().requires_grad_(case.grad) for n in names}
@@ -395,8 +428,11 @@ def main(argv: list[str] | None = None) -> int:
             run_step_checks(check, device, backend)
         world = dist.get_world_size()
         for case in cases:
-            if case.heads % world or VideoTiling(case.latent, case.tile).num_tiles % world:
-                check.log(f"{case.name}: skipped (heads or tiles not divisible by {world})")
+            tiling = VideoTiling(case.latent, case.tile)
+            split = tiling.seq_len if case.token_order == "raster" else tiling.num_tiles
+            if case.heads % world or split % world:
+                what = "tokens" if case.token_order == "raster" else "tiles"
+                check.log(f"{case.name}: skipped (heads or {what} not divisible by {world})")
                 continue
             if backend == "auto":
                 check.log(f"{case.name}: auto picks {auto_backend(case, device)}")

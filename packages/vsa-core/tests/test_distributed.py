@@ -195,6 +195,36 @@ def test_shard_sequence_takes_this_ranks_slice(world2):
         vd.shard_sequence(x, dim=4)
 
 
+def test_raster_shards_are_slices_of_the_raster_sequence(world2):
+    op = vd.sequence_parallel_video_sparse_attn
+    half = TILING.seq_len // 2  # 225 of 450
+    q, k, v = _qkv(half - 1)
+    with pytest.raises(ValueError, match=r"raster sequence.*450 / 2 = 225 tokens, got 224"):
+        op(q, k, v, topk=2, tiling=TILING, token_order="raster")
+    odd = VideoTiling((5, 9, 9))  # 405 tokens
+    q, k, v = _qkv(202)
+    with pytest.raises(ValueError, match=r"seq_len = 405 \(T\*H\*W\) must be divisible"):
+        op(q, k, v, topk=2, tiling=odd, token_order="raster")
+    with pytest.raises(ValueError, match="token_order must be 'tiled' or 'raster'"):
+        op(*_qkv(half), topk=2, tiling=TILING, token_order="raster_order")
+    x = torch.arange(TILING.seq_len, dtype=torch.float64).view(1, -1, 1, 1)
+    assert torch.equal(vd.shard_sequence(x, tiling=TILING, token_order="raster"), x[:, half:])
+    with pytest.raises(ValueError, match=r"tiling\.seq_len = 450 tokens"):
+        vd.shard_sequence(x[:, :-2], tiling=TILING, token_order="raster")
+    with pytest.raises(ValueError, match=r"tiling\.padded_len = 1152"):
+        vd.shard_sequence(x, tiling=TILING)  # raster tokens taken for tile order
+
+
+def test_world_of_one_is_the_plain_op_in_raster_order(world1):
+    q, k, v = _qkv(TILING.seq_len, batch=2)
+    got = vd.sequence_parallel_video_sparse_attn(
+        q, k, v, topk=3, tiling=TILING, backend="reference", token_order="raster"
+    )
+    want = video_sparse_attn(q, k, v, topk=3, tiling=TILING, backend="reference",
+                             token_order="raster")  # fmt: skip
+    assert torch.equal(got, want)
+
+
 def test_world_of_one_is_the_plain_op(world1):
     q, k, v = _qkv(TILING.padded_len, batch=2)
     gate = torch.rand_like(q)

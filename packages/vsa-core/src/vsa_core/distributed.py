@@ -92,6 +92,13 @@ needed: Ulysses inside a node and ring attention (key/value blocks passed around
 selection computed once on the gathered pooled tiles) or head replication across nodes; this
 module does not implement it.
 
+Raster order (``token_order="raster"``): a model that keeps its tokens in T-H-W raster order
+(as `vsa_core.integrations.diffusers` does) shards them as they lie: rank r holds raster tokens
+r * S/W ... with S = ``tiling.seq_len`` (divisible by W; the tile count need not be). The
+exchanges are the same; each step's `video_sparse_attn` gets the whole raster sequence of its
+heads and tiles it while pooling (`video_sparse_attn`'s ``token_order="raster"``), so no padding
+crosses the exchanges and the output shard comes back in raster order.
+
 Every rank of the group must make the same calls with the same shapes (as for any collective).
 Input checks are local and run before any communication: inputs that are wrong on every rank
 raise everywhere, but a rank whose inputs alone are wrong raises while the others wait in the
@@ -106,7 +113,7 @@ import torch
 import torch.distributed as dist
 
 from vsa_core.backends import AttentionCall, select_backend
-from vsa_core.ops import QKVFormat, video_sparse_attn
+from vsa_core.ops import QKVFormat, TokenOrder, video_sparse_attn
 from vsa_core.tiling import VideoTiling
 from vsa_core.validation import (
     as_flag,
@@ -144,6 +151,7 @@ def sequence_parallel_video_sparse_attn(
     head_chunk: int | None = None,
     recompute: bool = False,
     deterministic: bool = False,
+    token_order: TokenOrder = "tiled",
 ) -> torch.Tensor:
     """`video_sparse_attn` on a sequence sharded over the ranks of ``group`` (Ulysses).
 
@@ -183,6 +191,12 @@ def sequence_parallel_video_sparse_attn(
             gradient shards run to run (each step's op runs with it; ``auto`` is decided with
             it; the exchanges move data without arithmetic, and a replicated gate's gradient
             sums the steps in a fixed order).
+        token_order: ``"tiled"`` (default): the shards are slices of the padded tile-order
+            sequence, as above; ``"raster"``: they are slices of the T-H-W raster sequence
+            (S = ``tiling.seq_len``, divisible by W; the tile count need not be), as a model
+            that keeps raster tokens holds them, and the output shard is raster too: each
+            step's op tiles while it pools (`video_sparse_attn`'s ``token_order``), so no
+            padding crosses the exchanges.
 
     Returns:
         this rank's shard of the output, in q's format and dtype. An empty batch (B = 0, on
@@ -191,17 +205,21 @@ def sequence_parallel_video_sparse_attn(
     Raises:
         ValueError: mismatched q/k/v, no heads, a zero head dim, H or ``tiling.num_tiles`` not
             divisible by W, a local sequence length other than ``tiling.padded_len / W`` (the
-            split is not at tile boundaries), a coarse_gate that is not sharded like q, a
-            head_chunk outside [1, H / W], or a bad topk / scale.
+            split is not at tile boundaries; raster order: other than ``tiling.seq_len / W``),
+            a coarse_gate that is not sharded like q, a head_chunk outside [1, H / W], a
+            token_order other than "tiled" / "raster", or a bad topk / scale.
         RuntimeError: torch.distributed is not initialized.
     """
     rank, world = _rank_and_world(group)
-    batch, seq_local, heads, dim = _check_inputs(q, k, v, tiling, topk, world, qkv_format)
+    token_order = _check_token_order(token_order)
+    batch, seq_local, heads, dim = _check_inputs(
+        q, k, v, tiling, topk, world, qkv_format, token_order
+    )
     topk = check_topk(topk, tiling.num_tiles)
     scale = check_scale(scale, dim)
     gate = _check_gate(coarse_gate, q, qkv_format, seq_local)
     heads_local = heads // world
-    chunk = _check_head_chunk(head_chunk, heads_local, tiling.padded_len, dim, q.element_size())
+    chunk = _check_head_chunk(head_chunk, heads_local, seq_local * world, dim, q.element_size())
     deterministic = as_flag("deterministic", deterministic)
     if batch == 0:  # the same on every rank: no exchange, nothing to wait for
         return empty_batch_result(q, k, v, coarse_gate)
@@ -217,6 +235,7 @@ def sequence_parallel_video_sparse_attn(
             scale=scale,
             qkv_format=qkv_format,
             deterministic=deterministic,
+            token_order=token_order,
         )
 
     q, k, v = (_as_bshd(t, qkv_format) for t in (q, k, v))
@@ -237,7 +256,7 @@ def sequence_parallel_video_sparse_attn(
         )
     plan = _Plan(
         group, world, rank, heads_local, units, gate_seq, tiling, topk, backend, scale,
-        bool(recompute), deterministic,
+        bool(recompute), deterministic, token_order,
     )  # fmt: skip
     out = _UlyssesAttention.apply(plan, *inputs) if training else _forward(plan, *inputs)
     return _as_bshd(out, qkv_format)
@@ -281,6 +300,7 @@ def shard_sequence(
     *,
     tiling: VideoTiling | None = None,
     dim: int = 1,
+    token_order: TokenOrder = "tiled",
 ) -> torch.Tensor:
     """This rank's contiguous slice of a full sequence: the input layout of
     `sequence_parallel_video_sparse_attn`.
@@ -289,8 +309,12 @@ def shard_sequence(
         x: the full tensor (the same on every rank), e.g. [B, S, H, D] in tile order.
         group: the process group (default: the default group).
         tiling: if given, ``x`` must hold ``tiling.padded_len`` tokens along ``dim`` and the
-            number of tiles must be divisible by the world size (a tile-aligned split).
+            number of tiles must be divisible by the world size (a tile-aligned split); with
+            ``token_order="raster"``, ``tiling.seq_len`` tokens (raster order), divisible by
+            the world size.
         dim: the sequence dimension (1 for BSHD, 2 for BHSD).
+        token_order: ``"tiled"`` or ``"raster"``: which sequence ``x`` holds (checked against
+            ``tiling``; without a tiling it changes nothing).
 
     Returns:
         ``x.narrow(dim, r * S/W, S/W)`` for rank r of W: a view, differentiable.
@@ -299,16 +323,26 @@ def shard_sequence(
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"x must be a torch.Tensor, got {type(x).__name__}")
     dim = _check_dim(dim, x)
+    token_order = _check_token_order(token_order)
     length = x.shape[dim]
     if tiling is not None:
         if not isinstance(tiling, VideoTiling):
             raise ValueError(f"tiling must be a VideoTiling or None, got {type(tiling).__name__}")
-        if length != tiling.padded_len:
+        raster = token_order == "raster"
+        expected, what = (
+            (tiling.seq_len, "tiling.seq_len")
+            if raster
+            else (tiling.padded_len, "tiling.padded_len")
+        )
+        if length != expected:
             raise ValueError(
-                f"x must hold tiling.padded_len = {tiling.padded_len} tokens along dim {dim}, "
-                f"got shape {tuple(x.shape)}"
+                f"x must hold {what} = {expected} tokens along dim {dim} "
+                f"(token_order={token_order!r}), got shape {tuple(x.shape)}"
             )
-        _check_tiles_divisible(tiling, world)
+        if raster:
+            _check_raster_divisible(tiling, world)
+        else:
+            _check_tiles_divisible(tiling, world)
     if length % world:
         raise ValueError(
             f"x's length {length} along dim {dim} must be divisible by the world size {world}"
@@ -359,6 +393,7 @@ class _Plan:
     scale: float
     recompute: bool  # training: backward exchanges and runs each step again
     deterministic: bool = False  # each step's op runs with deterministic=True
+    token_order: TokenOrder = "tiled"  # the sequence the shards slice (and each step's op's)
 
 
 class _Pending:
@@ -448,6 +483,7 @@ def _step(
             backend=plan.backend,
             scale=plan.scale,
             deterministic=plan.deterministic,
+            token_order=plan.token_order,
         )
     return parts, y
 
@@ -696,6 +732,7 @@ def _check_inputs(
     topk: int,
     world: int,
     qkv_format: str,
+    token_order: str = "tiled",
 ) -> tuple[int, int, int, int]:
     """Check a rank's shards; return (batch, local sequence length, heads, head_dim)."""
     batch, seq, kv_seq, heads, dim = check_qkv(q, k, v, qkv_format)
@@ -710,6 +747,16 @@ def _check_inputs(
             f"the number of heads {heads} must be divisible by the world size {world} "
             "(each rank attends over heads / world heads of the whole sequence)"
         )
+    if token_order == "raster":
+        _check_raster_divisible(tiling, world)
+        if seq != tiling.seq_len // world:
+            raise ValueError(
+                f"q must hold this rank's contiguous slice of the raster sequence "
+                f"(token_order='raster'): tiling.seq_len / world = {tiling.seq_len} / {world} = "
+                f"{tiling.seq_len // world} tokens, got {seq}"
+            )
+        check_topk(topk, tiling.num_tiles)
+        return batch, seq, heads, dim
     _check_tiles_divisible(tiling, world)
     expected = tiling.padded_len // world
     if seq != expected:
@@ -733,6 +780,21 @@ def _check_dim(dim: object, x: torch.Tensor) -> int:
     if not -x.dim() <= number < x.dim():
         raise ValueError(message)
     return number
+
+
+def _check_token_order(token_order: object) -> TokenOrder:
+    if token_order not in ("tiled", "raster"):
+        raise ValueError(f"token_order must be 'tiled' or 'raster', got {token_order!r}")
+    return token_order  # type: ignore[return-value]
+
+
+def _check_raster_divisible(tiling: VideoTiling, world: int) -> None:
+    if tiling.seq_len % world:
+        raise ValueError(
+            f"tiling.seq_len = {tiling.seq_len} (T*H*W) must be divisible by the world size "
+            f"{world}: with token_order='raster' each rank holds a contiguous slice of the "
+            "raster sequence"
+        )
 
 
 def _check_tiles_divisible(tiling: VideoTiling, world: int) -> None:
