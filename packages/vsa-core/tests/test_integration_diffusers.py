@@ -4,6 +4,8 @@ reference backend; skipped where diffusers is not installed: it is the workspace
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -199,3 +201,39 @@ def test_deterministic_reaches_every_attention_call(monkeypatch):
         disable_vsa(model)
         assert seen == [flag, flag]
         seen.clear()
+
+
+@pytest.mark.skipif(
+    not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+    reason="needs torch.distributed with gloo",
+)
+def test_ulysses_context_parallelism_matches_one_process(tmp_path):
+    """Two gloo processes run a tiny Wan model under diffusers' ``enable_parallelism`` (Ulysses)
+    with VSA, enabled before and after it (`diffusers_cp_worker.py`): each rank's blocks see
+    half the raster tokens, the processors run the sequence-parallel op, and the output equals
+    one process's to 1e-10."""
+    from test_distributed import run_ranks
+
+    worker = Path(__file__).resolve().parent / "diffusers_cp_worker.py"
+    text = run_ranks(worker, ["--init-file", str(tmp_path / "rendezvous")], 2)
+    for rank in range(2):
+        assert f"rank {rank}: OK" in text, text
+        for order in ("parallel first", "vsa first"):
+            assert f"rank {rank}: {order}: max abs err" in text, text
+
+
+def test_ring_context_parallelism_is_refused():
+    """Ring attention (or uneven splits) under diffusers' context parallelism is not what VSA's
+    processor runs: a ValueError names what is supported."""
+    from types import SimpleNamespace
+
+    from vsa_core.integrations.diffusers import _ulysses
+
+    assert _ulysses(None) is None
+    assert _ulysses(SimpleNamespace(context_parallel_config=None)) is None
+    ring = SimpleNamespace(ring_degree=2, ulysses_degree=1, ulysses_anything=False)
+    with pytest.raises(ValueError, match="Ulysses context parallelism only"):
+        _ulysses(SimpleNamespace(context_parallel_config=ring))
+    uneven = SimpleNamespace(ring_degree=1, ulysses_degree=2, ulysses_anything=True)
+    with pytest.raises(ValueError, match="ulysses_anything=True"):
+        _ulysses(SimpleNamespace(context_parallel_config=uneven))

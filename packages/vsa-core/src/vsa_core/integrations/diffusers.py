@@ -24,6 +24,15 @@ fine attention alone; its weights live in the transformer's state dict as
 With every tile selected and ``coarse="drop"`` the model computes dense attention, which is how
 the tests check the processor against diffusers' own.
 
+Context parallelism: under diffusers' Ulysses context parallelism (``transformer.
+enable_parallelism(config=ContextParallelConfig(ulysses_degree=W))``, before or after
+`enable_vsa`), each rank's blocks hold a contiguous slice of the raster tokens, and the
+processors run `vsa_core.distributed.sequence_parallel_video_sparse_attn` over the Ulysses
+group with ``token_order="raster"``: the result is the single-process model's (heads and the
+token count T*H*W divisible by W). Ring attention and diffusers' uneven ("anything") splits are
+refused with a ValueError. Checked on CPU processes over gloo (diffusers 0.42.1, which needs a
+per-token timestep there: its context-parallel hook fails on a 1-D one); not yet on GPUs.
+
 diffusers is an optional dependency (the workspace's ``diffusers`` group); this module does
 not import it: it works with the transformer object it is given.
 """
@@ -37,6 +46,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from vsa_core.distributed import sequence_parallel_video_sparse_attn
 from vsa_core.ops import video_sparse_attn
 from vsa_core.tiling import VideoTiling
 from vsa_core.validation import as_flag, as_float, as_int, check_positive_triple
@@ -99,8 +109,30 @@ def _qkv(attn: nn.Module, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ..
     return attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
 
 
+def _ulysses(parallel_config: Any):
+    """diffusers' context-parallel config from a processor's ``_parallel_config`` (set by
+    ``transformer.enable_parallelism``), or None without one; ValueError for the kinds VSA does
+    not run (ring attention, uneven "anything" splits)."""
+    cp = getattr(parallel_config, "context_parallel_config", None)
+    if cp is None:
+        return None
+    if cp.ring_degree != 1 or getattr(cp, "ulysses_anything", False):
+        raise ValueError(
+            "VSA runs under diffusers' Ulysses context parallelism only (a ContextParallelConfig "
+            f"with ring_degree=1 and ulysses_anything=False), got ring_degree={cp.ring_degree}, "
+            f"ulysses_anything={getattr(cp, 'ulysses_anything', False)}"
+        )
+    return cp
+
+
 class VSAWanAttnProcessor:
     """Self-attention of a diffusers Wan block through `video_sparse_attn` (see module doc)."""
+
+    _parallel_config = None
+    """diffusers' parallel config: ``transformer.enable_parallelism`` sets it on processors that
+    have the attribute (and `enable_vsa` copies the model's, when that came first). With Ulysses
+    context parallelism each rank's blocks see a contiguous slice of the raster tokens, and the
+    processor runs `sequence_parallel_video_sparse_attn` over the Ulysses group."""
 
     def __init__(self, settings: VSASettings) -> None:
         self.settings = settings
@@ -122,9 +154,12 @@ class VSAWanAttnProcessor:
         if settings.grid is None:
             raise RuntimeError("the latent grid is unknown: call the transformer, not the block")
         tiling = VideoTiling(settings.grid, settings.tile)
-        if hidden_states.shape[1] != tiling.seq_len:
+        cp = _ulysses(self._parallel_config)
+        ranks = 1 if cp is None else cp.ulysses_degree
+        if hidden_states.shape[1] * ranks != tiling.seq_len:
+            shard = "" if cp is None else f" on each of {ranks} context-parallel ranks"
             raise ValueError(
-                f"hidden_states has {hidden_states.shape[1]} tokens, the latent grid "
+                f"hidden_states has {hidden_states.shape[1]} tokens{shard}, the latent grid "
                 f"{settings.grid} has {tiling.seq_len}"
             )
         query, key, value = _qkv(attn, hidden_states)
@@ -143,11 +178,15 @@ class VSAWanAttnProcessor:
         step-time benchmark's dense arms do): everything around it stays identical.
         """
         settings = self.settings
-        return video_sparse_attn(
-            query, key, value, topk=settings.topk_for(tiling), tiling=tiling,
-            coarse_gate=gate(), backend=settings.backend, token_order="raster",
-            deterministic=settings.deterministic,
+        kwargs = dict(
+            topk=settings.topk_for(tiling), tiling=tiling, coarse_gate=gate(),
+            backend=settings.backend, token_order="raster", deterministic=settings.deterministic,
         )  # fmt: skip
+        cp = _ulysses(self._parallel_config)
+        if cp is None:
+            return video_sparse_attn(query, key, value, **kwargs)
+        group = cp._ulysses_mesh.get_group()  # the ranks that hold this latent's other slices
+        return sequence_parallel_video_sparse_attn(query, key, value, group=group, **kwargs)
 
     def _gate(self, attn: nn.Module, hidden_states: torch.Tensor, query: torch.Tensor):
         coarse = self.settings.coarse
@@ -219,7 +258,9 @@ def enable_vsa(
             nn.init.zeros_(gate.bias)
             setattr(attn, GATE_NAME, gate.to(attn.to_out[0].weight.dtype))
         settings.originals[index] = attn.processor
-        attn.set_processor(VSAWanAttnProcessor(settings))
+        processor = VSAWanAttnProcessor(settings)
+        processor._parallel_config = getattr(transformer, "_parallel_config", None)
+        attn.set_processor(processor)
     settings.hook = transformer.register_forward_pre_hook(record_grid, with_kwargs=True)
     setattr(transformer, _STATE, settings)
     return settings
