@@ -3,8 +3,9 @@
 Every rank builds the same tiny random-weight diffusers WanTransformer3DModel twice: one plain
 (the reference: `enable_vsa` on one process) and one with ``enable_parallelism`` (Ulysses over
 the ranks) and `enable_vsa`, in both orders of the two calls, and compares their outputs in
-float64. Prints ``rank R: OK`` or exits 1. CPU, gloo (what test_integration_diffusers.py
-launches, one process per rank)::
+float64; after `disable_vsa`, the parallel model's output with the plain dense model's. Prints
+``rank R: OK`` or exits 1. CPU, gloo (what test_integration_diffusers.py launches, one process
+per rank)::
 
     python diffusers_cp_worker.py --init-file /tmp/store --rank 0 --world-size 2 &
     python diffusers_cp_worker.py --init-file /tmp/store --rank 1 --world-size 2
@@ -62,12 +63,13 @@ def main() -> int:
     torch.accelerator.device_count = lambda: 1
     from diffusers import ContextParallelConfig
 
-    from vsa_core.integrations.diffusers import enable_vsa
+    from vsa_core.integrations.diffusers import disable_vsa, enable_vsa
 
     failures = []
     vsa = dict(sparsity=0.5, tile=(2, 2, 2), backend="reference", coarse="add")
     try:
         reference = tiny_wan()
+        dense = run(reference)
         enable_vsa(reference, **vsa)
         want = run(reference)
         for order in ("parallel first", "vsa first"):
@@ -84,6 +86,12 @@ def main() -> int:
             print(f"rank {args.rank}: {order}: max abs err {err:.3e}", flush=True)
             if not err < 1e-10:
                 failures.append(f"{order}: max abs err {err:.3e}")
+            # diffusers' own processors again, still context-parallel: the dense model's output
+            disable_vsa(model)
+            err = (run(model) - dense).abs().max().item()
+            print(f"rank {args.rank}: {order}, disabled: max abs err {err:.3e}", flush=True)
+            if not err < 1e-10:
+                failures.append(f"{order}, disabled: max abs err {err:.3e}")
     except Exception:
         failures.append(traceback.format_exc())
     finally:

@@ -272,7 +272,10 @@ def disable_vsa(transformer: nn.Module, *, keep_gates: bool = False) -> None:
     if settings is None:
         raise ValueError("transformer does not run VSA (enable_vsa was not called on it)")
     for index, block in enumerate(transformer.blocks):
-        block.attn1.set_processor(settings.originals[index])
+        original = settings.originals[index]
+        if hasattr(original, "_parallel_config"):  # enable_parallelism may have come since
+            original._parallel_config = getattr(block.attn1.processor, "_parallel_config", None)
+        block.attn1.set_processor(original)
         if not keep_gates and hasattr(block.attn1, GATE_NAME):
             delattr(block.attn1, GATE_NAME)
     settings.hook.remove()
