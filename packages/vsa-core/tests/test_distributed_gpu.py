@@ -37,22 +37,29 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("backend", ["auto", "reference"])
-def test_two_gpus_match_the_single_gpu_op(backend):
+def run_torchrun(worker: Path, args: list[str], world: int = WORLD) -> str:
+    """``torchrun --standalone`` of ``worker`` on ``world`` local GPUs (NVLink multicast off);
+    its output, after checking the exit status."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     # No NVLink multicast (NVLS): this test needs plain NCCL all-to-all only.
     env.setdefault("NCCL_NVLS_ENABLE", "0")
     env.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    cmd += [f"--nproc-per-node={WORLD}", str(WORKER), "--suite", "gpu", "--backend", backend]
+    cmd += [f"--nproc-per-node={world}", str(worker), *args]
     result = subprocess.run(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, timeout=TIMEOUT_S
     )
     print(result.stdout)
     assert result.returncode == 0, result.stdout
+    return result.stdout
+
+
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+def test_two_gpus_match_the_single_gpu_op(backend):
+    text = run_torchrun(WORKER, ["--suite", "gpu", "--backend", backend])
     for rank in range(WORLD):
-        assert f"rank {rank}: OK" in result.stdout, result.stdout
+        assert f"rank {rank}: OK" in text, text
         # Issue 21, row 10: this test once ran gloo on the CPU; NCCL on rank r's own GPU now.
-        first = next(ln for ln in result.stdout.splitlines() if ln.startswith(f"rank {rank}: "))
+        first = next(ln for ln in text.splitlines() if ln.startswith(f"rank {rank}: "))
         assert first == f"rank {rank}: nccl, world {WORLD}, cuda:{rank}, backend {backend}", first
-    assert "FAIL" not in result.stdout
+    assert "FAIL" not in text

@@ -5,6 +5,8 @@ float64; these check that the fast backends give the same model, forward and bac
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -119,3 +121,18 @@ def test_sparse_training_step_matches_the_reference_backend(backend):
         assert name in grads
         assert torch.isfinite(grads[name]).all(), name
         assert rel(grads[name], ref_grads[name]) < 5e-2, name
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_two_gpus_under_ulysses_context_parallelism_match_one_gpu():
+    """diffusers' ``enable_parallelism`` (Ulysses over 2 GPUs, NCCL) with VSA (``auto``) in both
+    orders, bf16: each rank's output against the same model on one GPU (relative L2 < 2e-2),
+    and the dense model after `disable_vsa` (`diffusers_cp_worker.py --suite gpu`)."""
+    from test_distributed_gpu import run_torchrun
+
+    text = run_torchrun(
+        Path(__file__).resolve().parent / "diffusers_cp_worker.py", ["--suite", "gpu"]
+    )
+    for rank in range(2):
+        assert f"rank {rank}: nccl, world 2, cuda:{rank}, auto" in text, text
+        assert f"rank {rank}: OK" in text, text
