@@ -239,3 +239,17 @@ def test_ring_context_parallelism_is_refused():
     uneven = SimpleNamespace(ring_degree=1, ulysses_degree=2, ulysses_anything=True)
     with pytest.raises(ValueError, match="ulysses_anything=True"):
         _ulysses(SimpleNamespace(context_parallel_config=uneven))
+
+
+def test_a_context_parallel_config_without_its_mesh_is_refused_clearly():
+    """A config diffusers never set up (or a diffusers that moved its private mesh) raises a
+    RuntimeError that says what is missing, not an AttributeError from inside the call."""
+    from types import SimpleNamespace
+
+    model = tiny_wan()
+    enable_vsa(model, topk=4, tile=TILE, backend="reference")
+    cp = SimpleNamespace(ring_degree=1, ulysses_degree=1, ulysses_anything=False)
+    for block in model.blocks:
+        block.attn1.processor._parallel_config = SimpleNamespace(context_parallel_config=cp)
+    with pytest.raises(RuntimeError, match="no Ulysses mesh"):
+        run(model, *inputs())

@@ -185,7 +185,14 @@ class VSAWanAttnProcessor:
         cp = _ulysses(self._parallel_config)
         if cp is None:
             return video_sparse_attn(query, key, value, **kwargs)
-        group = cp._ulysses_mesh.get_group()  # the ranks that hold this latent's other slices
+        mesh = getattr(cp, "_ulysses_mesh", None)  # diffusers' (private) Ulysses device mesh
+        if mesh is None:
+            raise RuntimeError(
+                "diffusers' ContextParallelConfig has no Ulysses mesh (_ulysses_mesh, as in "
+                "diffusers 0.42): call transformer.enable_parallelism first, or this diffusers "
+                "version keeps it elsewhere"
+            )
+        group = mesh.get_group()  # the ranks that hold this latent's other slices
         return sequence_parallel_video_sparse_attn(query, key, value, group=group, **kwargs)
 
     def _gate(self, attn: nn.Module, hidden_states: torch.Tensor, query: torch.Tensor):
