@@ -328,21 +328,12 @@ def shard_sequence(
     if tiling is not None:
         if not isinstance(tiling, VideoTiling):
             raise ValueError(f"tiling must be a VideoTiling or None, got {type(tiling).__name__}")
-        raster = token_order == "raster"
-        expected, what = (
-            (tiling.seq_len, "tiling.seq_len")
-            if raster
-            else (tiling.padded_len, "tiling.padded_len")
-        )
+        expected, what = _sharded_sequence(tiling, world, token_order)
         if length != expected:
             raise ValueError(
                 f"x must hold {what} = {expected} tokens along dim {dim} "
                 f"(token_order={token_order!r}), got shape {tuple(x.shape)}"
             )
-        if raster:
-            _check_raster_divisible(tiling, world)
-        else:
-            _check_tiles_divisible(tiling, world)
     if length % world:
         raise ValueError(
             f"x's length {length} along dim {dim} must be divisible by the world size {world}"
@@ -747,18 +738,14 @@ def _check_inputs(
             f"the number of heads {heads} must be divisible by the world size {world} "
             "(each rank attends over heads / world heads of the whole sequence)"
         )
-    if token_order == "raster":
-        _check_raster_divisible(tiling, world)
-        if seq != tiling.seq_len // world:
-            raise ValueError(
-                f"q must hold this rank's contiguous slice of the raster sequence "
-                f"(token_order='raster'): tiling.seq_len / world = {tiling.seq_len} / {world} = "
-                f"{tiling.seq_len // world} tokens, got {seq}"
-            )
-        check_topk(topk, tiling.num_tiles)
-        return batch, seq, heads, dim
-    _check_tiles_divisible(tiling, world)
-    expected = tiling.padded_len // world
+    total, _ = _sharded_sequence(tiling, world, token_order)
+    expected = total // world
+    if token_order == "raster" and seq != expected:
+        raise ValueError(
+            f"q must hold this rank's contiguous slice of the raster sequence "
+            f"(token_order='raster'): tiling.seq_len / world = {total} / {world} = "
+            f"{expected} tokens, got {seq}"
+        )
     if seq != expected:
         raise ValueError(
             f"q must hold this rank's contiguous, tile-aligned slice of the tile-order sequence: "
@@ -788,22 +775,25 @@ def _check_token_order(token_order: object) -> TokenOrder:
     return token_order  # type: ignore[return-value]
 
 
-def _check_raster_divisible(tiling: VideoTiling, world: int) -> None:
-    if tiling.seq_len % world:
-        raise ValueError(
-            f"tiling.seq_len = {tiling.seq_len} (T*H*W) must be divisible by the world size "
-            f"{world}: with token_order='raster' each rank holds a contiguous slice of the "
-            "raster sequence"
-        )
-
-
-def _check_tiles_divisible(tiling: VideoTiling, world: int) -> None:
+def _sharded_sequence(tiling: VideoTiling, world: int, token_order: str) -> tuple[int, str]:
+    """The sequence the shards slice, as (its length, its name in messages): the T*H*W raster
+    tokens, or the padded tile order in whole tiles; ValueError where ``world`` does not split
+    it so."""
+    if token_order == "raster":
+        if tiling.seq_len % world:
+            raise ValueError(
+                f"tiling.seq_len = {tiling.seq_len} (T*H*W) must be divisible by the world size "
+                f"{world}: with token_order='raster' each rank holds a contiguous slice of the "
+                "raster sequence"
+            )
+        return tiling.seq_len, "tiling.seq_len"
     if tiling.num_tiles % world:
         raise ValueError(
             f"tiling.num_tiles = {tiling.num_tiles} must be divisible by the world size {world}: "
             f"each rank holds a contiguous slice of whole tiles ({tiling.tile_tokens} tokens "
             "each) of the tile-order sequence"
         )
+    return tiling.padded_len, "tiling.padded_len"
 
 
 def _check_gate(
