@@ -168,14 +168,17 @@ def step_fn(model, inputs, mode: str):
     return train_step
 
 
-def measure(fn, device: torch.device, reps: int) -> dict[str, Any]:
-    """Both views and peak extra memory on CUDA; on a CPU one call, untimed (a smoke run)."""
+def measure(fn, device: torch.device, args) -> dict[str, Any]:
+    """Both views and peak extra memory on CUDA; on a CPU one call, untimed (a smoke run).
+    The memory call comes first and compiles; ``args.warmup`` calls follow it."""
     if device.type != "cuda":
         fn()
         return {}
     retries = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
     peak = bt.peak_extra_mib(fn, device)
-    views = bt.call_views(fn, reps, b2b_calls=2)
+    views = bt.call_views(
+        fn, args.reps, b2b_calls=2, warmup=args.warmup, b2b_rounds=args.b2b_rounds
+    )
     # cudaMalloc retries after freeing the cache (each synchronizes): memory pressure
     retries = torch.cuda.memory_stats(device).get("num_alloc_retries", 0) - retries
     return {**views, "peak_extra_mib": peak, "alloc_retries": retries}
@@ -202,6 +205,16 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
+def check_all_tiles(model, inputs, tile, backend: str) -> dict[str, Any]:
+    """The gate before timing: VSA over every tile without the coarse term is dense attention."""
+    with torch.no_grad():
+        dense_out = model(*inputs, return_dict=False)[0]
+        enable_vsa(model, topk=10**9, tile=tile, coarse="drop", backend=backend)
+        all_tiles = model(*inputs, return_dict=False)[0]
+        disable_vsa(model)
+    return {"check": "all tiles, no coarse term vs dense", "rel_err": rel(all_tiles, dense_out)}
+
+
 def run_cells(args, model, runner, inputs, mode: str, way: str, tile, device, log) -> None:
     """Time every arm at every sparsity for one mode and way; ``log`` each row."""
     graphs_before = _compiled_graphs()
@@ -211,7 +224,7 @@ def run_cells(args, model, runner, inputs, mode: str, way: str, tile, device, lo
             installed = install(model, arm, sparsity, tile, args.backend)
             try:
                 fn = step_fn(runner, inputs, mode)
-                arms[arm] = measure(fn, device, args.reps)
+                arms[arm] = measure(fn, device, args)
                 if args.profile:
                     profile_step(fn, f"{args.profile}/{mode}-{way}-{arm}.txt")
             except Exception as exc:  # a failure is a finding: record it, go on
@@ -292,6 +305,22 @@ def main() -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument(
+        "--warmup", type=int, default=3, help="calls after the first (memory) call, untimed"
+    )
+    ap.add_argument(
+        "--b2b-rounds",
+        type=int,
+        default=3,
+        help="rounds of two back-to-back calls (their median is b2b_ms); with --reps and "
+        "--warmup, 1 + warmup + 2 * reps + 2 * rounds calls an arm (Wan 14B: ~10 s each)",
+    )
+    ap.add_argument(
+        "--no-check",
+        action="store_true",
+        help="skip the all-tiles-vs-dense check before timing (two model calls; a run that "
+        "repeats an earlier run's check on the same config)",
+    )
+    ap.add_argument(
         "--profile",
         default=None,
         metavar="DIR",
@@ -315,12 +344,8 @@ def main() -> int:
         if args.out:  # rewritten after every row: a run cut short keeps what it measured
             write_result(args.out, args.config, config, rows, complete=False)
 
-    with torch.no_grad():  # the gate: VSA over every tile without the coarse term is dense
-        dense_out = model(*inputs, return_dict=False)[0]
-        enable_vsa(model, topk=10**9, tile=tile, coarse="drop", backend=args.backend)
-        all_tiles = model(*inputs, return_dict=False)[0]
-        disable_vsa(model)
-    log({"check": "all tiles, no coarse term vs dense", "rel_err": rel(all_tiles, dense_out)})
+    if not args.no_check:
+        log(check_all_tiles(model, inputs, tile, args.backend))
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     if args.no_mix_order_reduction:
         import torch._inductor.config as inductor_config

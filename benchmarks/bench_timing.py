@@ -301,11 +301,20 @@ def events_ms(fn: Callable[[], Any], calls: int) -> float:
     return start.elapsed_time(stop) / calls
 
 
-def call_views(fn: Callable[[], Any], reps: int, b2b_calls: int = 10) -> dict[str, float]:
+def call_views(
+    fn: Callable[[], Any], reps: int, b2b_calls: int = 10, warmup: int = 3, b2b_rounds: int = 3
+) -> dict[str, float]:
     """One arm on its own, both views (medians): ``host_ms`` to issue one call with the queue
     drained, ``once_ms`` one call between events then a synchronize (latency), ``b2b_ms``
-    calls back to back (device throughput). Three warm-up calls first."""
-    for _ in range(3):
+    calls back to back (device throughput; median of ``b2b_rounds`` rounds of ``b2b_calls``).
+    ``warmup`` calls first. In all ``warmup + 2 * reps + b2b_rounds * b2b_calls`` calls: a step
+    of seconds (Wan 14B) wants the fewest."""
+    if reps < 1 or b2b_calls < 1 or b2b_rounds < 1 or warmup < 0:
+        raise ValueError(
+            f"call_views needs reps, b2b_calls, b2b_rounds >= 1 and warmup >= 0, got "
+            f"{reps}, {b2b_calls}, {b2b_rounds}, {warmup}"
+        )
+    for _ in range(warmup):
         fn()
     host, once = [], []
     for _ in range(reps):
@@ -314,7 +323,7 @@ def call_views(fn: Callable[[], Any], reps: int, b2b_calls: int = 10) -> dict[st
         fn()
         host.append((time.perf_counter() - t0) * 1e3)
         once.append(events_ms(fn, 1))
-    b2b = statistics.median(events_ms(fn, b2b_calls) for _ in range(3))
+    b2b = statistics.median(events_ms(fn, b2b_calls) for _ in range(b2b_rounds))
     return {"host_ms": statistics.median(host), "once_ms": statistics.median(once), "b2b_ms": b2b}
 
 
