@@ -34,7 +34,7 @@ import torch
 
 from research import harness
 
-from .bench_fa4_overhead import exact256_layout, host_ms, raw_tensors
+from .bench_fa4_overhead import exact256_layout, host_and_once_ms, raw_tensors
 
 bc = harness.bench_common()
 
@@ -139,7 +139,7 @@ def main(argv=None) -> int:
                         "autograd_bwd": sync_calls(autograd_bwd)}  # fmt: skip
         cell = {"block_shape": label, "physical": list(plan.block_size)}
         cell.update(
-            {name: host_ms(lambda _, f=fn: f(), None, dev, reps=20) for name, fn in pieces.items()}
+            {name: host_and_once_ms(lambda _, f=fn: f(), None, dev, reps=20)[0] for name, fn in pieces.items()}
         )
         cell["autograd_bwd"] = statistics.median(autograd_bwd() for _ in range(20))
         hosts["cells"].append(cell)
