@@ -139,7 +139,10 @@ def main(argv=None) -> int:
                         "autograd_bwd": sync_calls(autograd_bwd)}  # fmt: skip
         cell = {"block_shape": label, "physical": list(plan.block_size)}
         cell.update(
-            {name: host_and_once_ms(lambda _, f=fn: f(), None, dev, reps=20)[0] for name, fn in pieces.items()}
+            {
+                name: host_and_once_ms(lambda _, f=fn: f(), None, dev, reps=20)[0]
+                for name, fn in pieces.items()
+            }
         )
         cell["autograd_bwd"] = statistics.median(autograd_bwd() for _ in range(20))
         hosts["cells"].append(cell)
