@@ -145,3 +145,25 @@ def test_break_backends_makes_a_backend_wrong(mode):
     else:
         torch.testing.assert_close(got, want)
         torch.testing.assert_close(dv_got, dv_want * 1.3)
+
+
+def test_union_walk_model_counts_bytes_and_ring_stalls_by_hand():
+    """Experiment 15's model on lists small enough to count by hand."""
+    _root_on_path()
+    import torch
+
+    from research.fa4_fork.experiments import union_lists_forward as ul
+
+    # disjoint interleaved lists: the union is both lists, walked without stalls by a deep ring
+    assert ul.ring_time([[0, 2], [1, 3]], stages=8) == (2, 0)
+    # one stage: a warpgroup cannot start past the other's pending block -> lockstep
+    assert ul.ring_time([[0, 1], [2, 3]], stages=1) == (0, 4)
+    # identical lists: both use every stage together, even with one stage
+    assert ul.ring_time([[4, 7], [4, 7]], stages=1) == (2, 0)
+    selects = torch.zeros(1, 2, 4, dtype=torch.bool)
+    selects[0, 0, [0, 1]] = True
+    selects[0, 1, [1, 2]] = True  # one shared block of two: |U| = 3 of 4 fetches
+    ratios = ul.union_ratios(selects, torch.tensor([[0, 1]]))
+    assert ratios == {"bytes_ratio": 0.75, "lockstep_steps": 1.5}
+    members = ul.group_members((1, 2, 4), "hw4")
+    assert members.tolist() == [[0, 1, 4, 5], [2, 3, 6, 7]]
