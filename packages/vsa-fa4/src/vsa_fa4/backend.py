@@ -90,18 +90,19 @@ with 64-token query blocks that cannot pair onto 128-row tiles (the coarse stage
 layouts), partial key blocks (a latent whose sides are not multiples of the tile), on sm_90,
 from `TRITON_FIRST_FROM_QUERY_ROWS` query rows (batch x heads x tokens). Everywhere else fa4.
 
-Measured on an H200 (2026-12-01, session 15: whole op `video_sparse_attn`, 87.5%, coarse
+Measured on an H200 (2026-12-02, session 16: whole op `video_sparse_attn`, 87.5%, coarse
 gate, every arm called once and waited for, in alternation with dense FA4; `bench_video.py
 --arms auto fa4 triton fastvideo`,
-benchmarks/results/2026-12-01-h200-bench_video-four-latents-session15.json), speedup over
-dense, forward+backward, fa4 / triton (back to back within 3% of these):
+benchmarks/results/2026-12-02-h200-bench_video-four-latents-balanced.json), speedup over
+dense, forward+backward, fa4 / triton (back to back within 3% of these but Wan 480p, where
+fa4 leads by more: 3.45x / 2.77x):
 
 | latent, heads | query rows | partial tiles | fa4 | triton |
 |---|---|---|---|---|
-| Wan 480p 21x30x52, 12 | 0.48 M | yes | **3.11x** | 2.55x |
-| HunyuanVideo 33x45x80, 24 | 3.3 M | yes | 3.28x | **3.64x** |
-| Wan 720p 21x45x80, 40 | 3.7 M | yes | 3.44x | **3.49x** (within run-to-run noise) |
-| aligned 20x44x80, 40 | 3.5 M | no | **5.44x** | 4.55x |
+| Wan 480p 21x30x52, 12 | 0.48 M | yes | **2.99x** | 2.69x |
+| HunyuanVideo 33x45x80, 24 | 3.3 M | yes | 3.15x | **3.60x** |
+| Wan 720p 21x45x80, 40 | 3.7 M | yes | 3.38x | **3.39x** (within run-to-run noise) |
+| aligned 20x44x80, 40 | 3.5 M | no | **5.52x** | 4.55x |
 
 The threshold lies between the measured 0.48 M and 3.3 M rows. Inference (forward) runs
 faster on fa4 in every measured cell. Regenerate with the command in benchmarks/README.md
