@@ -301,14 +301,38 @@ def events_ms(fn: Callable[[], Any], calls: int) -> float:
     return start.elapsed_time(stop) / calls
 
 
+WARM_SPIN_S = 0.005
+"""Seconds the host spins before a ``host_warm_ms`` call (see `call_views`)."""
+
+
+def spin(seconds: float) -> None:
+    """Keep this thread busy for ``seconds`` (no sleep: the core stays awake)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
 def call_views(
-    fn: Callable[[], Any], reps: int, b2b_calls: int = 10, warmup: int = 3, b2b_rounds: int = 3
+    fn: Callable[[], Any],
+    reps: int,
+    b2b_calls: int = 10,
+    warmup: int = 3,
+    b2b_rounds: int = 3,
+    warm_host: bool = False,
 ) -> dict[str, float]:
     """One arm on its own, both views (medians): ``host_ms`` to issue one call with the queue
     drained, ``once_ms`` one call between events then a synchronize (latency), ``b2b_ms``
     calls back to back (device throughput; median of ``b2b_rounds`` rounds of ``b2b_calls``).
     ``warmup`` calls first. In all ``warmup + 2 * reps + b2b_rounds * b2b_calls`` calls: a step
-    of seconds (Wan 14B) wants the fewest."""
+    of seconds (Wan 14B) wants the fewest.
+
+    ``warm_host`` adds ``host_warm_ms`` (``reps`` more calls): the same host time, but the host
+    spins `WARM_SPIN_S` after the synchronize before the call. Why: the host time of a call
+    made right after a long wait grows with the wait, whatever the call runs. On an H200
+    (session 16, bench_video) dense FA4's own call, the same Python at every shape, took 0.24 ms
+    at Wan 480p (9 ms calls) and 0.50-0.67 ms at the 720p latents (150-264 ms calls), and the
+    op's profile at Wan 720p had every function 1.5-2x its 480p time: the waiting core cools
+    (its clock, its caches). ``host_warm_ms`` is the call's own cost."""
     if reps < 1 or b2b_calls < 1 or b2b_rounds < 1 or warmup < 0:
         raise ValueError(
             f"call_views needs reps, b2b_calls, b2b_rounds >= 1 and warmup >= 0, got "
@@ -324,7 +348,18 @@ def call_views(
         host.append((time.perf_counter() - t0) * 1e3)
         once.append(events_ms(fn, 1))
     b2b = statistics.median(events_ms(fn, b2b_calls) for _ in range(b2b_rounds))
-    return {"host_ms": statistics.median(host), "once_ms": statistics.median(once), "b2b_ms": b2b}
+    views = {"host_ms": statistics.median(host), "once_ms": statistics.median(once), "b2b_ms": b2b}
+    if warm_host:
+        warm = []
+        for _ in range(reps):
+            torch.cuda.synchronize()
+            spin(WARM_SPIN_S)
+            t0 = time.perf_counter()
+            fn()
+            warm.append((time.perf_counter() - t0) * 1e3)
+        torch.cuda.synchronize()
+        views["host_warm_ms"] = statistics.median(warm)
+    return views
 
 
 def cuda_graph(fn: Callable[[], Any]) -> tuple[Callable[[], None], Any]:

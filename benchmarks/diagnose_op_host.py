@@ -2,10 +2,13 @@
 back, one call waited for, CUDA-graph replay; per (shape, fine backend, coarse backend, mode).
 
 A diagnostic for issue 19 (the comparison users read is `bench_video.py`'s). Prints one JSON
-line per cell and, with ``--profile``, a cProfile table of one forward call. ::
+line per cell and, with ``--profile``, a cProfile table of one forward call. Host time comes
+twice: ``host_ms`` right after a synchronize, and ``host_warm_ms`` after the host spun 5 ms
+(`bench_timing.call_views`: a core that waited long for the device issues any call slower);
+``--backends dense_fa4`` adds FA4's dense call on the same tokens as the yardstick. ::
 
-    python3 benchmarks/diagnose_op_host.py --shapes wan480p wan720p --backends fa4 triton \
-        --coarse torch triton --out $OUT/host.jsonl --profile $OUT/host_profile.txt
+    python3 benchmarks/diagnose_op_host.py --shapes wan480p wan720p \
+        --backends dense_fa4 fa4 triton --coarse triton --out $OUT/host.jsonl
 """
 
 from __future__ import annotations
@@ -29,6 +32,17 @@ SHAPES = {
     "hunyuan720p": ((33, 45, 80), 24),
     "aligned": ((20, 44, 80), 40),
 }
+
+
+DENSE = "dense_fa4"
+"""``--backends`` name of the reference row: FA4's dense ``flash_attn_func`` on the same tokens
+(its host time is what a raw upstream call costs in the same conditions)."""
+
+
+def _dense_fa4(q, k, v):
+    from flash_attn.cute import flash_attn_func
+
+    return flash_attn_func(q, k, v)[0]
 
 
 def _inputs(tiling: VideoTiling, heads: int, grad: bool):
@@ -70,14 +84,17 @@ def main() -> None:
             grad = mode != "fwd"
             (q, k, v), gate = _inputs(tiling, heads, grad)
             for backend in args.backends:
-                for coarse in args.coarse:
+                for coarse in args.coarse if backend != DENSE else ["-"]:
 
                     def call(backend=backend, coarse=coarse, grad=grad, args=(q, k, v, gate)):
                         q_, k_, v_, gate_ = args
-                        out = video_sparse_attn(
-                            q_, k_, v_, tiling=tiling, topk=topk, coarse_gate=gate_,  # noqa: B023
-                            backend=backend, coarse_backend=coarse,
-                        )  # fmt: skip
+                        if backend == DENSE:
+                            out = _dense_fa4(q_, k_, v_)
+                        else:
+                            out = video_sparse_attn(
+                                q_, k_, v_, tiling=tiling, topk=topk,  # noqa: B023
+                                coarse_gate=gate_, backend=backend, coarse_backend=coarse,
+                            )  # fmt: skip
                         if grad:
                             out.backward(out)
                         return out
@@ -85,7 +102,7 @@ def main() -> None:
                     row = {"shape": name, "mode": mode, "backend": backend, "coarse": coarse}
                     try:
                         with torch.no_grad() if not grad else torch.enable_grad():
-                            row.update(bt.call_views(call, args.reps))
+                            row.update(bt.call_views(call, args.reps, warm_host=True))
                             if not grad:
                                 row["graph_ms"] = graph_ms(call)
                     except Exception as exc:
