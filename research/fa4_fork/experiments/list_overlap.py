@@ -78,25 +78,35 @@ def pair_savings(layout) -> tuple[float, float]:
     return saved, shared
 
 
-def main() -> int:
+def smooth_selection(grid: tuple[int, int, int], heads: int, dim: int, sigma: float, topk: int):
+    """vsa-core's top-k layout (64-token tiles, all full) of q and k drawn independently as
+    `smooth_field`s of ``sigma`` tiles over ``grid``."""
     from vsa_core.coarse import select_topk
 
+    tiles = grid[0] * grid[1] * grid[2]
+    q = smooth_field(grid, heads, dim, sigma, seed=1)
+    k = smooth_field(grid, heads, dim, sigma, seed=2)
+    return select_topk(q, k, torch.full((tiles,), 64, dtype=torch.int32), topk, 64, all_full=True)
+
+
+def feature_arguments() -> argparse.ArgumentParser:
+    """The options of the experiments on synthetic selections (this one and experiment 17)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--sigmas", type=float, nargs="+", default=[0.0, 0.5, 1.0, 2.0, 4.0])
     ap.add_argument("--keep", type=float, default=0.125)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--dim", type=int, default=128)
-    args = ap.parse_args()
+    return ap
 
+
+def main() -> int:
+    args = feature_arguments().parse_args()
     n = GRID[0] * GRID[1] * GRID[2]
     topk = max(1, round(args.keep * n))
-    valid = torch.full((n,), 64, dtype=torch.int32)
     rows = []
     for sigma in args.sigmas:
-        q = smooth_field(GRID, args.heads, args.dim, sigma, seed=1)
-        k = smooth_field(GRID, args.heads, args.dim, sigma, seed=2)
-        layout = select_topk(q, k, valid, topk, 64, all_full=True)
+        layout = smooth_selection(GRID, args.heads, args.dim, sigma, topk)
         saved, shared = pair_savings(layout)
         rows.append({"sigma_tiles": sigma, "keep": args.keep, "saved": saved, "shared": shared})
         print(f"sigma {sigma:4.1f}: pair shares {shared:.3f} of a list, saves {saved:.3f} of dQ")

@@ -35,16 +35,14 @@ between two kernels already measured, by the share of stages both warpgroups use
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
 import torch
 
 from research import harness
-from research.fa4_fork.experiments.list_overlap import smooth_field
+from research.fa4_fork.experiments.list_overlap import feature_arguments, smooth_selection
 
 GRIDS = {"wan480p": (6, 8, 13), "720p-like": (8, 12, 20)}
 """Tile grids (T, H, W) of 4x4x4 tiles: Wan 2.1 480p's 21x30x52 latent, and experiment 14's."""
@@ -169,14 +167,7 @@ def predicted(bytes_ratio: float) -> float:
 
 
 def main() -> int:
-    from vsa_core.coarse import select_topk
-
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--sigmas", type=float, nargs="+", default=[0.0, 0.5, 1.0, 2.0, 4.0])
-    ap.add_argument("--keep", type=float, default=0.125)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--dim", type=int, default=128)
+    ap = feature_arguments()
     ap.add_argument("--grids", nargs="+", choices=sorted(GRIDS), default=sorted(GRIDS))
     args = ap.parse_args()
 
@@ -185,12 +176,9 @@ def main() -> int:
         grid = GRIDS[grid_name]
         tiles = grid[0] * grid[1] * grid[2]
         topk = max(1, round(args.keep * tiles))
-        valid = torch.full((tiles,), 64, dtype=torch.int32)
         sources = {"random lists": random_selection(args.heads, tiles, topk, seed=3)}
         for sigma in args.sigmas:
-            q = smooth_field(grid, args.heads, args.dim, sigma, seed=1)
-            k = smooth_field(grid, args.heads, args.dim, sigma, seed=2)
-            layout = select_topk(q, k, valid, topk, 64, all_full=True)
+            layout = smooth_selection(grid, args.heads, args.dim, sigma, topk)
             lists = (layout.kv_indices[0], layout.kv_counts[0])
             sources[f"top-k, sigma {sigma:g}"] = selection_matrix(*lists, tiles)
         for source, selects in sources.items():
