@@ -110,12 +110,17 @@ def main() -> int:
         saved, shared = pair_savings(layout)
         rows.append({"sigma_tiles": sigma, "keep": args.keep, "saved": saved, "shared": shared})
         print(f"sigma {sigma:4.1f}: pair shares {shared:.3f} of a list, saves {saved:.3f} of dQ")
-    record = {"experiment": "list_overlap", "grid_tiles": GRID, "tiles": n, "topk": topk,
-              "heads": args.heads, "dim": args.dim, "command": harness.command_line(),
-              "torch": torch.__version__, "device": "cpu", "rows": rows}  # fmt: skip
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "list_overlap.json").write_text(json.dumps(record, indent=1))
+    write_record(args.out, "list_overlap", grid_tiles=GRID, tiles=n, topk=topk,
+                 heads=args.heads, dim=args.dim, rows=rows)  # fmt: skip
     return 0
+
+
+def write_record(out: str, experiment: str, **fields) -> None:
+    """``out``/``experiment``.json: the fields, the command line, torch's version, the device."""
+    record = {"experiment": experiment, **fields, "command": harness.command_line(),
+              "torch": torch.__version__, "device": "cpu"}  # fmt: skip
+    Path(out).mkdir(parents=True, exist_ok=True)
+    (Path(out) / f"{experiment}.json").write_text(json.dumps(record, indent=1))
 
 
 if __name__ == "__main__":

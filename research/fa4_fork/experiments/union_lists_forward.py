@@ -35,14 +35,15 @@ between two kernels already measured, by the share of stages both warpgroups use
 
 from __future__ import annotations
 
-import json
 import sys
-from pathlib import Path
 
 import torch
 
-from research import harness
-from research.fa4_fork.experiments.list_overlap import feature_arguments, smooth_selection
+from research.fa4_fork.experiments.list_overlap import (
+    feature_arguments,
+    smooth_selection,
+    write_record,
+)
 
 GRIDS = {"wan480p": (6, 8, 13), "720p-like": (8, 12, 20)}
 """Tile grids (T, H, W) of 4x4x4 tiles: Wan 2.1 480p's 21x30x52 latent, and experiment 14's."""
@@ -206,13 +207,9 @@ def main() -> int:
                       + ("; independent walks, 2/4/6 stages x lone step 0.5/1: "
                          + "/".join(f"{v:.2f}x" for v in row["ring_slowdown"].values())
                          if "ring_slowdown" in row else ""))  # fmt: skip
-    record = {"experiment": "union_lists_forward", "keep": args.keep, "heads": args.heads,
-              "dim": args.dim, "separate_fwd": SEPARATE_FWD,
-              "consumer_ceiling": CONSUMER_CEILING, "streams_fwd": STREAMS_FWD,
-              "paired_fwd": PAIRED_FWD, "command": harness.command_line(),
-              "torch": torch.__version__, "device": "cpu", "rows": rows}  # fmt: skip
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "union_lists_forward.json").write_text(json.dumps(record, indent=1))
+    write_record(args.out, "union_lists_forward", keep=args.keep, heads=args.heads,
+                 dim=args.dim, separate_fwd=SEPARATE_FWD, consumer_ceiling=CONSUMER_CEILING,
+                 streams_fwd=STREAMS_FWD, paired_fwd=PAIRED_FWD, rows=rows)  # fmt: skip
     return 0
 
 
