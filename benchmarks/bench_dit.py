@@ -315,6 +315,12 @@ def main() -> int:
         "--warmup, 1 + warmup + 2 * reps + 2 * rounds calls an arm (Wan 14B: ~10 s each)",
     )
     ap.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="diffusers' gradient checkpointing (each block's forward recomputed in the "
+        "backward): what a 14B training step needs to fit one GPU",
+    )
+    ap.add_argument(
         "--no-check",
         action="store_true",
         help="skip the all-tiles-vs-dense check before timing (two model calls; a run that "
@@ -335,6 +341,8 @@ def main() -> int:
     if args.layers is not None:
         config = {**config, "model": {**config["model"], "num_layers": args.layers}}
     model, inputs = build(config, device, dtype)
+    if args.gradient_checkpointing:
+        model.enable_gradient_checkpointing()
     tile = tuple(args.tile)
     rows: list[dict[str, Any]] = []
 

@@ -964,19 +964,21 @@ def test_bench_dit_smoke_run_on_a_tiny_wan_checks_vsa_against_dense(tmp_path):
 
 
 def test_bench_dit_no_check_goes_straight_to_the_cells(tmp_path):
-    """``--no-check`` (a rerun of a config whose check an earlier run logged): no check row."""
+    """``--no-check`` (a rerun of a config whose check an earlier run logged): no check row;
+    a training cell with ``--gradient-checkpointing`` runs."""
     pytest.importorskip("diffusers")
     out = tmp_path / "dit.json"
     done = subprocess.run(
         [sys.executable, str(BENCHMARKS / "bench_dit.py"), "--config", "tiny", "--device", "cpu",
-         "--ways", "eager", "--modes", "fwd", "--sparsities", "0.5", "--backend", "reference",
+         "--ways", "eager", "--modes", "train", "--sparsities", "0.5", "--backend", "reference",
          "--tile", "1", "2", "2", "--no-check", "--warmup", "1", "--b2b-rounds", "1",
-         "--out", str(out)],
+         "--gradient-checkpointing", "--out", str(out)],
         capture_output=True, text=True, timeout=300, check=False, cwd=BENCHMARKS,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
-    assert [(r.get("check"), r["mode"], r["way"]) for r in rows] == [(None, "fwd", "eager")]
+    assert [(r.get("check"), r["mode"], r["way"]) for r in rows] == [(None, "train", "eager")]
+    assert not any("error" in key for r in rows for key in r)
 
 
 def test_bench_common_is_a_facade_over_the_modules_that_own_the_harness():

@@ -253,3 +253,30 @@ def test_a_context_parallel_config_without_its_mesh_is_refused_clearly():
         block.attn1.processor._parallel_config = SimpleNamespace(context_parallel_config=cp)
     with pytest.raises(RuntimeError, match="no Ulysses mesh"):
         run(model, *inputs())
+
+
+def test_gradient_checkpointing_recomputes_the_same_selection_and_gradients():
+    """diffusers' gradient checkpointing (how large Wan models train within one GPU's memory)
+    runs each block's forward again in the backward: VSA's top-k must pick the same tiles the
+    second time, so the parameter gradients equal the run without checkpointing (float64)."""
+    model = tiny_wan().train()
+    enable_vsa(model, sparsity=0.75, tile=TILE, backend="reference")
+    for block in model.blocks:  # a trained gate: the coarse term reaches the output
+        torch.nn.init.normal_(block.attn1.to_gate_compress.weight, std=0.1)
+
+    def grads():
+        model.zero_grad(set_to_none=True)
+        run(model, *inputs()).square().mean().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    plain = grads()
+    model.enable_gradient_checkpointing()
+    assert model.gradient_checkpointing
+    calls = []
+    real = model.blocks[0].attn1.processor.attend
+    model.blocks[0].attn1.processor.attend = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
+    checkpointed = grads()
+    assert len(calls) == 2  # the forward, then its recomputation in the backward
+    assert checkpointed.keys() == plain.keys()
+    for name, grad in checkpointed.items():
+        torch.testing.assert_close(grad, plain[name], rtol=1e-10, atol=1e-12, msg=name)
