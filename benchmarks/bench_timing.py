@@ -151,7 +151,9 @@ class Turn:
 def balanced_orders(n: int) -> list[list[int]]:
     """Orders of ``n`` arms for successive rounds: a Williams design, a Latin square whose rows
     also give every arm each other arm as its predecessor equally often (``n`` rows for even
-    ``n``, ``2 n`` for odd: the square and its rows reversed).
+    ``n``, ``2 n`` for odd: the square's rows each followed by its reverse, so that any two
+    rounds from an even place on give every adjacent pair both directions: a cell capped
+    at a few rounds, short of the 2 n of a full cycle, is still balanced that far).
 
     Why not rotation: rotating one order keeps every arm behind the same neighbour in almost
     every round, and what the arm before leaves behind (the host's caches after another
@@ -163,7 +165,9 @@ def balanced_orders(n: int) -> list[list[int]]:
         return [[]]
     first = [(j + 1) // 2 if j % 2 else (n - j // 2) % n for j in range(n)]
     rows = [[(a + r) % n for a in first] for r in range(n)]
-    return rows + [row[::-1] for row in rows] if n % 2 and n > 1 else rows
+    if n % 2 and n > 1:
+        return [order for row in rows for order in (row, row[::-1])]
+    return rows
 
 
 def interleaved_turns(

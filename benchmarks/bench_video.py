@@ -1593,9 +1593,10 @@ def render_markdown(doc: dict[str, Any]) -> str:
         f"- tile {tuple(cfg['tile'])}, D={cfg['head_dim']}, B={cfg['batch']}, {cfg['dtype']}, "
         f"coarse gate: {cfg['coarse_gate']}; arms: dense, {', '.join(arms)}" + _variant_note(cfg),
         "- all arms of a cell timed call by call in alternation (round orders from a Williams "
-        "design, `bench_timing.balanced_orders`: over n rounds each of n arms takes each place "
-        "once; each arm follows each other arm equally often only over a full cycle, n rounds "
-        "for even n, 2n for odd n, which a cell capped at fewer rounds does not complete), "
+        "design, `bench_timing.balanced_orders`: each arm follows each other arm equally "
+        "often over a full cycle, n rounds for n arms if n is even, 2n if odd, where rows come "
+        "in pairs, an order then its reverse; a cell capped at fewer rounds is balanced only "
+        "as far as it got), "
         "medians over the rounds. **once** = CUDA events around one call, then a synchronize "
         "(latency; host time before the first kernel launch included); **b2b** = back to back, "
         f"N calls of an arm (enough for ~{cfg.get('b2b_turn_ms')} ms, at most "

@@ -774,8 +774,8 @@ def test_time_interleaved_rotates_arms_and_keeps_setup_untimed():
     # the 50 ms setup is not timed (a margin a loaded machine's scheduling stays far below)
     assert min(times["b"]) >= 4.0 and max(times["a"]) < 25.0
     order = [c for c in calls if "-" not in c]
-    # bc.balanced_orders(3): its first three rows are rotations
-    assert order == ["a", "b", "c", "a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    # bc.balanced_orders(3): a rotation, its reverse, the next rotation
+    assert order == ["a", "b", "c", "a", "b", "c", "c", "b", "a", "b", "c", "a"]
 
 
 @pytest.mark.parametrize("n", range(1, 9))
@@ -790,6 +790,10 @@ def test_balanced_orders_balance_places_and_predecessors(n):
     assert set(places.values()) == {len(orders) // n}
     pairs = Counter(pair for order in orders for pair in itertools.pairwise(order))
     assert len(pairs) == n * (n - 1) and len(set(pairs.values())) <= 1
+    if n % 2:  # odd n: every two rounds from an even place on, each adjacent pair both ways
+        for start in range(0, len(orders), 2):
+            two = Counter(p for o in orders[start : start + 2] for p in itertools.pairwise(o))
+            assert all(two[(a, b)] == two[(b, a)] for a, b in two)
     if n >= 4:  # what rotation got wrong: within n rounds an arm follows more than one other
         behind = {b: {a for o in orders[:n] for a, x in itertools.pairwise(o) if x == b}
                   for b in range(n)}  # fmt: skip
