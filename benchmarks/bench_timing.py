@@ -346,24 +346,24 @@ def call_views(
         fn()
     host, once = [], []
     for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        host.append((time.perf_counter() - t0) * 1e3)
+        host.append(_issue_ms(fn))
         once.append(events_ms(fn, 1))
     b2b = statistics.median(events_ms(fn, b2b_calls) for _ in range(b2b_rounds))
     views = {"host_ms": statistics.median(host), "once_ms": statistics.median(once), "b2b_ms": b2b}
     if warm_host:
-        warm = []
-        for _ in range(reps):
-            torch.cuda.synchronize()
-            spin(WARM_SPIN_S)
-            t0 = time.perf_counter()
-            fn()
-            warm.append((time.perf_counter() - t0) * 1e3)
+        views["host_warm_ms"] = statistics.median(_issue_ms(fn, WARM_SPIN_S) for _ in range(reps))
         torch.cuda.synchronize()
-        views["host_warm_ms"] = statistics.median(warm)
     return views
+
+
+def _issue_ms(fn: Callable[[], Any], spin_s: float = 0.0) -> float:
+    """Wall-clock ms to issue one call of ``fn`` with the device drained before it (after
+    spinning ``spin_s`` seconds on the host)."""
+    torch.cuda.synchronize()
+    spin(spin_s)
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
 
 
 def cuda_graph(fn: Callable[[], Any]) -> tuple[Callable[[], None], Any]:
