@@ -165,5 +165,8 @@ def test_union_walk_model_counts_bytes_and_ring_stalls_by_hand():
     selects[0, 1, [1, 2]] = True  # one shared block of two: |U| = 3 of 4 fetches
     ratios = ul.union_ratios(selects, torch.tensor([[0, 1]]))
     assert ratios == {"bytes_ratio": 0.75, "lockstep_steps": 1.5}
+    # a slot past the count (index 0 here) must not unset the selected tile 0
+    selected = ul.selection_matrix(torch.tensor([[[0, 0]]]), torch.tensor([[1]]), tiles=2)
+    assert selected.tolist() == [[[True, False]]]
     members = ul.group_members((1, 2, 4), "hw4")
     assert members.tolist() == [[0, 1, 4, 5], [2, 3, 6, 7]]

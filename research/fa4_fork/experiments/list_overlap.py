@@ -60,15 +60,22 @@ def smooth_field(grid: tuple[int, int, int], heads: int, dim: int, sigma: float,
     return x.reshape(heads, dim, n).permute(2, 0, 1).unsqueeze(0).contiguous()
 
 
+def selection_matrix(indices: torch.Tensor, counts: torch.Tensor, tiles: int) -> torch.Tensor:
+    """[H, NQ, NK] bool: query tile i selects key tile j, from one layout's lists of batch 0
+    ([H, NQ, k] indices, [H, NQ] counts). Summed, not scattered: a slot past a list's count
+    (index 0, say) must not unset a selected tile 0."""
+    heads, nq, width = indices.shape
+    used = (torch.arange(width) < counts.unsqueeze(-1)).to(torch.int32)
+    hits = torch.zeros(heads, nq, tiles, dtype=torch.int32)
+    return hits.scatter_add_(-1, indices.long().clamp(min=0), used) > 0
+
+
 def pair_savings(layout) -> tuple[float, float]:
     """(mean fraction of dQ reduce-adds saved by merging key tiles 2i and 2i+1, mean fraction
     of a key tile's query list its pair also holds) over heads and pairs."""
     idx, cnt = layout.kv_indices[0], layout.kv_counts[0]  # [H, NQ, k]
-    heads, nq, _ = idx.shape
-    nk = nq  # square tilings: as many key tiles as query tiles
-    selects = torch.zeros(heads, nq, nk, dtype=torch.bool)
-    used = torch.arange(idx.shape[-1]) < cnt.unsqueeze(-1)
-    selects.scatter_(-1, idx.long().clamp(min=0), used)
+    nk = idx.shape[1]  # square tilings: as many key tiles as query tiles
+    selects = selection_matrix(idx, cnt, nk)
     by_key = selects.transpose(1, 2)  # [H, NK, NQ]: key tile j's query list
     a, b = by_key[:, 0 : nk - 1 : 2], by_key[:, 1:nk:2]
     both = (a & b).sum(-1).float()

@@ -41,6 +41,7 @@ import torch
 
 from research.fa4_fork.experiments.list_overlap import (
     feature_arguments,
+    selection_matrix,
     smooth_selection,
     write_record,
 )
@@ -87,15 +88,6 @@ def group_members(grid: tuple[int, int, int], kind: str) -> torch.Tensor:
         blocks = cut.reshape(t_n, h_n // 2, 2, w_n // 2, 2).permute(0, 1, 3, 2, 4)
         return blocks.reshape(-1, 4)
     raise ValueError(f"kind must be 'w2', 'w4' or 'hw4', got {kind!r}")
-
-
-def selection_matrix(indices: torch.Tensor, counts: torch.Tensor, tiles: int) -> torch.Tensor:
-    """[H, NQ, NK] bool: query tile i selects key tile j (one layout's lists, batch 0)."""
-    heads, nq, width = indices.shape
-    selects = torch.zeros(heads, nq, tiles, dtype=torch.bool)
-    used = torch.arange(width) < counts.unsqueeze(-1)
-    selects.scatter_(-1, indices.long().clamp(min=0), used)
-    return selects
 
 
 def union_ratios(selects: torch.Tensor, members: torch.Tensor) -> dict[str, float]:
