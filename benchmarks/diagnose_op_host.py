@@ -5,7 +5,12 @@ A diagnostic for issue 19 (the comparison users read is `bench_video.py`'s). Pri
 line per cell and, with ``--profile``, a cProfile table of one forward call. Host time comes
 twice: ``host_ms`` right after a synchronize, and ``host_warm_ms`` after the host spun 5 ms
 (`bench_timing.call_views`: a core that waited long for the device issues any call slower);
-``--backends dense_fa4`` adds FA4's dense call on the same tokens as the yardstick. ::
+``--backends dense_fa4`` adds FA4's dense call on the same tokens as the yardstick, and
+``triton_copies`` the triton backend on the op's path without raster reading and fused combine
+(`bench_variants`). ``--token-order raster`` gives the op raster-order tokens (T*H*W of them,
+as a diffusers model holds them; dense FA4 then runs on the real tokens only) and adds the peak
+extra memory of one forward call (``peak_extra_mib``: allocated during it beyond its inputs,
+its output included; `memory_vsa_op.py` measures training too). ::
 
     python3 benchmarks/diagnose_op_host.py --shapes wan480p wan720p \
         --backends dense_fa4 fa4 triton --coarse triton --out $OUT/host.jsonl
@@ -23,6 +28,7 @@ import sys
 
 import bench_timing as bt
 import torch
+from bench_variants import register_variant
 
 from vsa_core import VideoTiling, video_sparse_attn
 
@@ -45,9 +51,10 @@ def _dense_fa4(q, k, v):
     return flash_attn_func(q, k, v)[0]
 
 
-def _inputs(tiling: VideoTiling, heads: int, grad: bool):
+def _inputs(tiling: VideoTiling, heads: int, grad: bool, token_order: str = "tiled"):
     gen = torch.Generator(device="cuda").manual_seed(0)
-    shape = (1, tiling.padded_len, heads, 128)
+    seq = tiling.padded_len if token_order == "tiled" else tiling.seq_len
+    shape = (1, seq, heads, 128)
     qkv = [torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in "qkv"]
     gate = torch.rand(shape, device="cuda", dtype=torch.bfloat16, generator=gen)
     return [t.requires_grad_(grad) for t in qkv], gate
@@ -73,7 +80,10 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile", default=None, help="cProfile table of one forward call")
+    ap.add_argument("--token-order", choices=("tiled", "raster"), default="tiled")
     args = ap.parse_args()
+    for backend in args.backends:
+        register_variant(backend)
     out = open(args.out, "a") if args.out else None  # noqa: SIM115
     profiles = []
     for name in args.shapes:
@@ -82,29 +92,36 @@ def main() -> None:
         topk = max(1, round((1 - args.sparsity) * tiling.num_tiles))
         for mode in args.modes:
             grad = mode != "fwd"
-            (q, k, v), gate = _inputs(tiling, heads, grad)
+            (q, k, v), gate = _inputs(tiling, heads, grad, args.token_order)
             for backend in args.backends:
                 for coarse in args.coarse if backend != DENSE else ["-"]:
 
-                    def call(backend=backend, coarse=coarse, grad=grad, args=(q, k, v, gate)):
-                        q_, k_, v_, gate_ = args
+                    def call(backend=backend, coarse=coarse, grad=grad, tensors=(q, k, v, gate),
+                             order=args.token_order):  # fmt: skip
+                        q_, k_, v_, gate_ = tensors
                         if backend == DENSE:
                             out = _dense_fa4(q_, k_, v_)
                         else:
                             out = video_sparse_attn(
                                 q_, k_, v_, tiling=tiling, topk=topk,  # noqa: B023
                                 coarse_gate=gate_, backend=backend, coarse_backend=coarse,
+                                token_order=order,
                             )  # fmt: skip
                         if grad:
                             out.backward(out)
                         return out
 
-                    row = {"shape": name, "mode": mode, "backend": backend, "coarse": coarse}
+                    row = {"shape": name, "mode": mode, "backend": backend, "coarse": coarse,
+                           "token_order": args.token_order}  # fmt: skip
                     try:
                         with torch.no_grad() if not grad else torch.enable_grad():
                             row.update(bt.call_views(call, args.reps, warm_host=True))
                             if not grad:
                                 row["graph_ms"] = graph_ms(call)
+                            if args.token_order == "raster" and not grad:
+                                row["peak_extra_mib"] = bt.peak_extra_mib(
+                                    call, torch.device("cuda")
+                                )
                     except Exception as exc:
                         row["error"] = f"{type(exc).__name__}: {exc}"
                     line = json.dumps(row)

@@ -8,6 +8,9 @@ tile-order sequence that VSA runs on. VSA runs once per fine backend: the reques
 and computes nothing, so that its row is the memory of the op's own composition (pooling,
 coarse stage, selection, combine) plus a kernel's outputs. Also checks that the op makes no
 host synchronization (``torch.cuda.set_sync_debug_mode("error")``) when given a tiling.
+``--token-order raster`` hands the op raster-order tokens (a diffusers model's), and
+``--backends`` may name several backends, ``triton_copies`` among them (`bench_variants`: the
+triton backend on the op's path before raster reading and the fused combine).
 
     python benchmarks/memory_vsa_op.py --out results.json   # Wan 2.1 720p latent, 40 heads
 """
@@ -28,6 +31,7 @@ if __package__ in (None, ""):
 
 import bench_report as brep
 import bench_timing as bt
+from bench_variants import register_variant
 
 from vsa_core import VideoTiling, video_sparse_attn
 from vsa_core.backends import AttentionCall, Backend, register_backend, select_backend
@@ -94,7 +98,8 @@ def main() -> int:
     p.add_argument("--heads", type=int, default=40)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--sparsity", type=float, default=0.875)
-    p.add_argument("--backend", default="auto")
+    p.add_argument("--backends", nargs="+", default=["auto"])
+    p.add_argument("--token-order", choices=("tiled", "raster"), default="tiled")
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -102,11 +107,14 @@ def main() -> int:
         return 2
 
     register_backend(AllocOnlyBackend())
+    for name in args.backends:
+        register_variant(name)
     dev, dtype = torch.device("cuda"), torch.bfloat16
     tiling = VideoTiling(tuple(args.latent))
     topk = max(1, round((1 - args.sparsity) * tiling.num_tiles))
     call = AttentionCall(dev, dtype, args.head_dim, (tiling.tile_tokens,) * 2, True)
-    backend = select_backend(call, args.backend).name
+    backends = [select_backend(call, name).name for name in args.backends]
+    op_len = tiling.padded_len if args.token_order == "tiled" else tiling.seq_len
 
     def tensors(seq, layout):
         shape = (1, seq, args.heads, args.head_dim)
@@ -114,32 +122,33 @@ def main() -> int:
             shape = (1, args.heads, seq, args.head_dim)
         return [torch.randn(shape, device=dev, dtype=dtype, requires_grad=True) for _ in range(4)]
 
-    q, k, v, gate = tensors(tiling.padded_len, "bshd")
+    q, k, v, gate = tensors(op_len, "bshd")
     dense_real = tensors(tiling.seq_len, "bhsd")[:3]
     dense_padded = tensors(tiling.padded_len, "bhsd")[:3]
 
     def vsa(name):
         return lambda: video_sparse_attn(
-            q, k, v, tiling=tiling, topk=topk, coarse_gate=gate, backend=name
-        )
+            q, k, v, tiling=tiling, topk=topk, coarse_gate=gate, backend=name,
+            token_order=args.token_order,
+        )  # fmt: skip
 
     def dense(qkv):
         return lambda: F.scaled_dot_product_attention(*qkv)
 
     rows = {}
     with torch.no_grad():
-        vsa(backend)()
+        vsa(backends[0])()
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            vsa(backend)()
+            vsa(backends[0])()
             rows["host_sync_free"] = True
         except RuntimeError as exc:
             rows["host_sync_free"] = f"no: {exc}"
         finally:
             torch.cuda.set_sync_debug_mode("default")
     arms = {
-        f"vsa[{backend}]": (vsa(backend), [q, k, v, gate]),
+        **{f"vsa[{name}]": (vsa(name), [q, k, v, gate]) for name in backends},
         "vsa[alloc-only]": (vsa("alloc-only"), [q, k, v, gate]),
         "dense_real_tokens": (dense(dense_real), dense_real),
         "dense_padded_tokens": (dense(dense_padded), dense_padded),
@@ -169,6 +178,7 @@ def main() -> int:
         "tokens_padded": tiling.padded_len,
         "num_tiles": tiling.num_tiles,
         "topk": topk,
+        "token_order": args.token_order,
         "coarse_gate": True,
         "results": rows,
     }

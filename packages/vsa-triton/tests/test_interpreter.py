@@ -22,7 +22,12 @@ def test_kernel_suite_under_the_triton_interpreter():
     here = Path(__file__).parent
     tests = [
         str(here / name)
-        for name in ("test_kernels_cpu.py", "test_coarse.py", "test_deterministic.py")
+        for name in (
+            "test_kernels_cpu.py",
+            "test_coarse.py",
+            "test_deterministic.py",
+            "test_raster_native.py",
+        )
     ]
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],

@@ -117,6 +117,28 @@ class CoarseStage:
         tiles = tuple(tiling.to_tiles(t) for t in (q, k, v))
         return (*self.pool(*tiles, tiling.valid_sizes(q.device)), *tiles)
 
+    def pool_raster(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiling: VideoTiling
+    ) -> tuple[torch.Tensor, ...]:
+        """(q_pooled, k_pooled, v_pooled, q, k, v): `pool_from_raster` for a fine attention
+        that reads raster order itself (`Backend.reads_raster`), so no tile-order copies are
+        kept: the last three are the inputs (a plug-in may return them through its own
+        autograd node, to add both gradients in one pass). Default: the tiles made only to pool
+        them, then dropped."""
+        tiles = tuple(tiling.to_tiles(t) for t in (q, k, v))
+        return (*self.pool(*tiles, tiling.valid_sizes(q.device)), q, k, v)
+
+    def combine_raster(
+        self,
+        fine: torch.Tensor,
+        coarse: torch.Tensor,
+        gate: torch.Tensor | None,
+        tiling: VideoTiling,
+    ) -> torch.Tensor:
+        """`combine_to_raster` for a fine output already in raster order ([B, T*H*W, H, D],
+        from `Backend.forward_rows`). Default: ``fine`` tiled, then `combine_to_raster`."""
+        return self.combine_to_raster(tiling.to_tiles(fine), coarse, gate, tiling)
+
     def combine_to_raster(
         self,
         fine: torch.Tensor,

@@ -202,16 +202,22 @@ def video_sparse_attn(
             f"coarse_backend={coarse_backend!r} runs the coarse stage {stage.name!r}, which is "
             f"not known to be deterministic; with deterministic=True use one of {known}"
         )
-    if token_order == "raster":
-        # the stage tiles q, k, v as it pools them: zero padding, so nothing to clean
+    raster = token_order == "raster"
+    # chosen before pooling: whether the fine backend reads raster order decides the copies;
+    # described with the tile-order length whatever the order (the ranking's problem size)
+    chosen = _backend_for(q, k, v, block_shape, 1, all_full, backend, deterministic,
+                          valid_sizes.shape[0] * tile_tokens)  # fmt: skip
+    slot_rows = None
+    if raster and chosen.reads_raster:  # no tile-order copies: the kernels read raster rows
+        assert tiling is not None
+        slot_rows = tiling.indices(q.device).slot_rows
+        q_pooled, k_pooled, v_pooled, q_fine, k_fine, v_fine = stage.pool_raster(q, k, v, tiling)
+    elif raster:  # the stage tiles q, k, v as it pools them: zero padding, nothing to clean
         assert tiling is not None
         q_pooled, k_pooled, v_pooled, q_fine, k_fine, v_fine = stage.pool_from_raster(
             q, k, v, tiling
         )
-        chosen = _backend_for(q_fine, k_fine, v_fine, block_shape, 1, all_full, backend,
-                              deterministic)  # fmt: skip
     else:
-        chosen = _backend_for(q, k, v, block_shape, 1, all_full, backend, deterministic)
         clean = _inputs_to_clean(all_full, training, chosen.key_padding_safe)
         q_pooled, k_pooled, v_pooled, q_fine, k_fine, v_fine = stage.pool_and_clean(
             q, k, v, valid_sizes, clean, _padding_index(tiling, q.device)
@@ -223,10 +229,19 @@ def video_sparse_attn(
     with torch.no_grad():
         selection = stage.select(q_pooled, k_pooled, valid_sizes, topk)
     layout = layout_from_selection(selection, valid_sizes, tile_tokens, all_full=all_full)
-    fine, _ = chosen.forward(q_fine, k_fine, v_fine, layout, scale)
-    if token_order == "raster":
+    del q_pooled, k_pooled, v_pooled, selection  # in inference, memory free for the fine stage
+    if not training and chosen.fuses_combine and (slot_rows is not None or not raster):
+        # inference: the combine runs in the fine kernel's epilogue, no second pass
+        out = chosen.forward_combined(q_fine, k_fine, v_fine, layout, scale, coarse, gate,
+                                      slot_rows)  # fmt: skip
+    elif slot_rows is not None:
+        fine, _ = chosen.forward_rows(q_fine, k_fine, v_fine, layout, scale, slot_rows)
+        out = stage.combine_raster(fine, coarse, gate, tiling)
+    elif raster:
+        fine, _ = chosen.forward(q_fine, k_fine, v_fine, layout, scale)
         out = stage.combine_to_raster(fine, coarse, gate, tiling)
     else:
+        fine, _ = chosen.forward(q_fine, k_fine, v_fine, layout, scale)
         gate_padding_as_zero = training and seq_gate and not all_full
         out = stage.combine(
             fine, coarse, gate, valid_sizes, gate_padding_as_zero, _padding_index(tiling, q.device)
@@ -251,16 +266,19 @@ def _coarse_attention(q_pooled, k_pooled, v_pooled, valid_sizes, scale, may_have
         )
 
 
-def _backend_for(q, k, v, block_shape, q_group_size, kv_blocks_full, backend, deterministic):
+def _backend_for(q, k, v, block_shape, q_group_size, kv_blocks_full, backend, deterministic,
+                 q_len=None):  # fmt: skip
     """The fine backend for these inputs and a layout of this description (its lists do not
-    matter: the op chooses before it selects)."""
+    matter: the op chooses before it selects); ``q_len``: the layout's query length, when q is
+    not in tile order."""
     requires_grad = _requires_grad(q, k, v)
     if not isinstance(backend, str):
         raise ValueError(f"backend must be a backend name or 'auto', got {backend!r}")
+    q_len = q.shape[1] if q_len is None else q_len
     return _fine_backend(
         backend, backend_override(), registry_generation(),
         q.device, q.dtype, q.shape[-1], block_shape, requires_grad,
-        q_group_size, kv_blocks_full, q.shape[0] * q.shape[1] * q.shape[2], deterministic,
+        q_group_size, kv_blocks_full, q.shape[0] * q_len * q.shape[2], deterministic,
     )  # fmt: skip
 
 

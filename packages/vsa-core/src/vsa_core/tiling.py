@@ -38,6 +38,9 @@ class TilingIndices:
     """[padded_len] bool: which tile-order slots hold real tokens (False for padding)."""
     padding_index: torch.Tensor
     """[padded_len - seq_len] int64: the tile-order slots that are padding, ascending."""
+    slot_rows: torch.Tensor
+    """[padded_len] int32: ``tile_to_raster`` for kernels that address raster-order tensors
+    slot by slot (a backend's ``forward_rows``)."""
 
 
 @dataclass(frozen=True)
@@ -198,4 +201,5 @@ def _tiling_indices(
         valid_sizes=valid.to(device),
         real_slots=(tile_to_raster >= 0).to(device),
         padding_index=(tile_to_raster < 0).nonzero().flatten().to(device),
+        slot_rows=tile_to_raster.to(torch.int32).to(device),
     )

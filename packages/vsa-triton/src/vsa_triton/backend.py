@@ -39,6 +39,8 @@ class TritonBackend(Backend):
     key_padding_safe: ClassVar[bool] = True  # masked loads: padding rows are never read
     priority: ClassVar[int] = 10
     handles_deterministic: ClassVar[bool] = True  # always deterministic: see the module doc
+    reads_raster: ClassVar[bool] = True  # every row through an index: a map costs one load
+    fuses_combine: ClassVar[bool] = True
 
     def availability(self) -> str | None:
         if importlib.util.find_spec("triton") is None:
@@ -81,4 +83,20 @@ class TritonBackend(Backend):
         return attention(
             q, k, v, layout.kv_indices, layout.kv_counts, layout.kv_valid_sizes,
             scale, layout.q_block, layout.kv_block,
+        )  # fmt: skip
+
+    def forward_rows(self, q, k, v, layout, scale, slot_rows):
+        from vsa_triton.ops import attention_rows
+
+        return attention_rows(
+            q, k, v, layout.kv_indices, layout.kv_counts, layout.kv_valid_sizes, slot_rows,
+            scale, layout.q_block, layout.kv_block,
+        )  # fmt: skip
+
+    def forward_combined(self, q, k, v, layout, scale, coarse, gate, slot_rows=None):
+        from vsa_triton.ops import attention_combined
+
+        return attention_combined(
+            q, k, v, layout.kv_indices, layout.kv_counts, layout.kv_valid_sizes, slot_rows,
+            coarse, gate, scale, layout.q_block, layout.kv_block,
         )  # fmt: skip

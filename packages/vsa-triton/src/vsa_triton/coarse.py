@@ -171,11 +171,13 @@ def _unpool_add(
     valid_sizes: torch.Tensor,
     seq_len: int,
     raster_rows: torch.Tensor | None = None,
+    fine_raster: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients w.r.t. q, k and v ([B, seq_len, H, D] each) from those of the pooled tensors
     (gq, gk, gv) and of the fine attention's inputs (fq, fk, fv, tile order; None where it had
     none): on real tokens the pooled gradient over the tile's size plus the fine one, 0 on
-    padding. With ``raster_rows`` the gradients are in raster order (no padding rows)."""
+    padding. With ``raster_rows`` the gradients are in raster order (no padding rows), and
+    with ``fine_raster`` the fine ones too (the fine attention read the raster inputs)."""
     gq, gk, gv = (g.contiguous() for g in (gq, gk, gv))
     fine = [None if f is None else _head_dim_contiguous(f) for f in (fq, fk, fv)]
     num_tiles = valid_sizes.shape[0]
@@ -189,7 +191,8 @@ def _unpool_add(
             *grads, valid_sizes, valid_sizes if raster_rows is None else raster_rows,
             *_bshd_strides(gq), *_bshd_strides(grads[0]), *fine_strides,
             heads, HAS_FQ=fq is not None, HAS_FK=fk is not None, HAS_FV=fv is not None,
-            RASTER=raster_rows is not None, **_tile_constants(tile_tokens, dim),
+            RASTER=raster_rows is not None, FINE_RASTER=fine_raster and raster_rows is not None,
+            **_tile_constants(tile_tokens, dim),
         )  # fmt: skip
     return tuple(grads)
 
@@ -198,7 +201,7 @@ unpool_add_op = torch.library.custom_op("vsa_triton::unpool_add", _unpool_add, m
 
 
 @unpool_add_op.register_fake
-def _(gq, gk, gv, fq, fk, fv, valid_sizes, seq_len, raster_rows=None):
+def _(gq, gk, gv, fq, fk, fv, valid_sizes, seq_len, raster_rows=None, fine_raster=False):
     batch, _, heads, dim = gq.shape
     return tuple(g.new_empty((batch, seq_len, heads, dim)) for g in (gq, gk, gv))
 
@@ -224,7 +227,8 @@ def _pool_grads(ctx, grads, unpool, passthrough):
     fine = [
         f if passthrough or flag else None for f, flag in zip(grads[3:], ctx.flags, strict=True)
     ]
-    grads_qkv = unpool(*pooled, *fine, valid_sizes, ctx.seq_len, raster_rows)
+    fine_raster = raster_rows is not None and not any(ctx.flags)  # no copies were made
+    grads_qkv = unpool(*pooled, *fine, valid_sizes, ctx.seq_len, raster_rows, fine_raster)
     return (*grads_qkv, None, None, None, None, None)
 
 
@@ -270,11 +274,13 @@ def pool_and_clean(
     under torch.compile, the plain functions in eager mode (see `EagerOrOp`).
 
     With ``raster_rows`` (a tiling's ``tile_to_raster``) q, k and v are in raster order and
-    ``clean`` must be all True: the fine inputs are their zero-padded tile-order forms, written
-    from the pooling's loads, and the backward writes the gradients in raster order."""
+    ``clean`` must be all True or all False: all True, the fine inputs are their zero-padded
+    tile-order forms, written from the pooling's loads; all False, the inputs themselves (for
+    a fine attention that reads raster order). The backward writes the gradients in raster
+    order."""
     flags = tuple(bool(c) for c in clean)
-    if raster_rows is not None and not all(flags):
-        raise ValueError("raster-order inputs are always copied to tile order: clean all three")
+    if raster_rows is not None and len(set(flags)) > 1:
+        raise ValueError("raster-order inputs are copied to tile order all three or none")
     if torch.compiler.is_compiling():
         output = pool_clean_op(q, k, v, valid_sizes, *flags, raster_rows)
     elif torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
@@ -349,16 +355,18 @@ def _gate_strides(gate: torch.Tensor | None) -> tuple[int, int, int, int]:
     return (0, 0, 0, 0) if gate is None else gate.stride()
 
 
-def _combine_launch(fine, coarse, gate, valid_sizes, gate_padding_as_zero, out, raster_rows):
-    batch, seq, heads, dim = fine.shape
+def _combine_launch(fine, coarse, gate, valid_sizes, gate_padding_as_zero, out, raster_rows,
+                    fine_raster=False):  # fmt: skip
+    batch, _, heads, dim = fine.shape
     num_tiles = valid_sizes.shape[0]
+    tiled = raster_rows.shape[0] if fine_raster else fine.shape[1]
     _kernels().combine_fwd_kernel[(num_tiles, batch * heads)](
         fine, coarse, fine if gate is None else gate, out, valid_sizes,  # fine: never read as gate
         valid_sizes if raster_rows is None else raster_rows,  # the map: read if RASTER
         *_bshd_strides(fine), *_bshd_strides(coarse), *_gate_strides(gate),
         *_bshd_strides(out), heads, HAS_GATE=gate is not None,
         GATE_PADDING_AS_ZERO=gate_padding_as_zero, RASTER=raster_rows is not None,
-        **_tile_constants(seq // num_tiles, dim),
+        FINE_RASTER=fine_raster, **_tile_constants(tiled // num_tiles, dim),
     )  # fmt: skip
     return out
 
@@ -378,36 +386,45 @@ def _combine(
     gate_padding_as_zero: bool,
     raster_rows: torch.Tensor | None = None,
     raster_len: int = 0,
+    fine_raster: bool = False,
 ) -> torch.Tensor:
     """fine + gate * coarse[tile] ([B, N * T, H, D]; coarse [B, N, H, D]) in a new tensor;
     with ``gate_padding_as_zero`` the gate's padding slots are never read (0). With
     ``raster_rows`` (a tiling's ``tile_to_raster``) the output and the gate are in raster order,
-    ``raster_len`` (T*H*W) tokens: padding slots are neither read from the gate nor written."""
+    ``raster_len`` (T*H*W) tokens: padding slots are neither read from the gate nor written;
+    ``fine`` is then in tile order, or with ``fine_raster`` in raster order too."""
     fine, coarse = _head_dim_contiguous(fine), _head_dim_contiguous(coarse)
+    fine_raster = fine_raster and raster_rows is not None
     out = _combined_like(fine, raster_len if raster_rows is not None else 0)
     if not out.numel():
         return out
-    return _combine_launch(fine, coarse, gate, valid_sizes, gate_padding_as_zero, out, raster_rows)
+    return _combine_launch(fine, coarse, gate, valid_sizes, gate_padding_as_zero, out, raster_rows,
+                           fine_raster)  # fmt: skip
 
 
 def _combine_in_place(
-    fine, coarse, gate, valid_sizes, gate_padding_as_zero, raster_rows=None, raster_len=0
-):
+    fine, coarse, gate, valid_sizes, gate_padding_as_zero, raster_rows=None, raster_len=0,
+    fine_raster=False,
+):  # fmt: skip
     """`_combine` written over ``fine`` (no gradient flows: the op owns ``fine``) where the
-    output is in tile order."""
-    if raster_rows is not None or fine.stride(-1) != 1 or coarse.stride(-1) != 1:
+    output is in fine's order (tile order, or raster order for a raster ``fine``)."""
+    fine_raster = fine_raster and raster_rows is not None
+    in_order = raster_rows is None or fine_raster
+    if not in_order or fine.stride(-1) != 1 or coarse.stride(-1) != 1:
         return _combine(fine, coarse, gate, valid_sizes, gate_padding_as_zero, raster_rows,
-                        raster_len)  # fmt: skip
+                        raster_len, fine_raster)  # fmt: skip
     if not fine.numel():
         return fine
-    return _combine_launch(fine, coarse, gate, valid_sizes, gate_padding_as_zero, fine, None)
+    return _combine_launch(fine, coarse, gate, valid_sizes, gate_padding_as_zero, fine,
+                           raster_rows, fine_raster)  # fmt: skip
 
 
 combine_op = torch.library.custom_op("vsa_triton::combine", _combine, mutates_args=())
 
 
 @combine_op.register_fake
-def _(fine, coarse, gate, valid_sizes, gate_padding_as_zero, raster_rows=None, raster_len=0):
+def _(fine, coarse, gate, valid_sizes, gate_padding_as_zero, raster_rows=None, raster_len=0,
+      fine_raster=False):  # fmt: skip
     return _combined_like(fine, raster_len if raster_rows is not None else 0)
 
 
@@ -425,27 +442,30 @@ def _combine_backward(
     gate acts as 0; an empty tensor when not wanted or without a gate), dcoarse = sum over each
     tile's slots of dout * gate. dfine: dout itself in tile order (an empty tensor: the caller
     passes dout on); with ``raster_rows`` (dout, the gate and dgate in raster order) dout's
-    tile-order form, ``tiled_len`` tokens, zero on padding, written from the same loads."""
+    tile-order form, ``tiled_len`` tokens, zero on padding, written from the same loads, or,
+    with ``tiled_len`` 0 (the fine output was in raster order too), an empty tensor again."""
     dout, coarse = _head_dim_contiguous(dout), _head_dim_contiguous(coarse)
     batch, seq, heads, dim = dout.shape
     raster = raster_rows is not None
+    fine_raster = raster and not tiled_len  # the fine output was raster: its gradient is dout
     write_dgate = want_dgate and gate is not None
     dgate = torch.empty_like(dout) if write_dgate else dout.new_empty(0)
     dcoarse = torch.empty_like(coarse, memory_format=torch.contiguous_format)
-    dfine = dout.new_empty((batch, tiled_len, heads, dim)) if raster else dout.new_empty(0)
+    copy_dfine = raster and not fine_raster
+    dfine = dout.new_empty((batch, tiled_len, heads, dim)) if copy_dfine else dout.new_empty(0)
     num_tiles = valid_sizes.shape[0]
-    tiled = tiled_len if raster else seq
+    tiled = raster_rows.shape[0] if raster else seq
     if dcoarse.numel() and tiled:
         gate_ref = dout if gate is None else gate
         dgate_ref = dgate if write_dgate else dout
-        dfine_ref = dfine if raster else dout
+        dfine_ref = dfine if copy_dfine else dout
         _kernels().combine_bwd_kernel[(num_tiles, batch * heads)](
             dout, coarse, gate_ref, dgate_ref, dcoarse, dfine_ref, valid_sizes,
             valid_sizes if raster_rows is None else raster_rows,
             *_bshd_strides(dout), *_bshd_strides(coarse), *_gate_strides(gate),
             *_bshd_strides(dgate_ref), *_bshd_strides(dcoarse), *_bshd_strides(dfine_ref),
             heads, HAS_GATE=gate is not None, WRITE_DGATE=write_dgate,
-            GATE_PADDING_AS_ZERO=gate_padding_as_zero, RASTER=raster,
+            GATE_PADDING_AS_ZERO=gate_padding_as_zero, RASTER=raster, FINE_RASTER=fine_raster,
             **_tile_constants(tiled // num_tiles, dim),
         )  # fmt: skip
     elif dcoarse.numel():
@@ -463,7 +483,8 @@ def _(dout, coarse, gate, valid_sizes, gate_padding_as_zero, want_dgate, raster_
       tiled_len=0):  # fmt: skip
     dgate = torch.empty_like(dout) if want_dgate and gate is not None else dout.new_empty(0)
     batch, _, heads, dim = dout.shape
-    dfine = dout.new_empty(0 if raster_rows is None else (batch, tiled_len, heads, dim))
+    copy_dfine = raster_rows is not None and tiled_len
+    dfine = dout.new_empty((batch, tiled_len, heads, dim) if copy_dfine else 0)
     return dgate, torch.empty_like(coarse, memory_format=torch.contiguous_format), dfine
 
 
@@ -472,7 +493,8 @@ def _combine_setup(ctx, inputs, output):
     raster_rows = raster[0] if raster else None
     ctx.save_for_backward(coarse, gate, valid_sizes, raster_rows)
     ctx.gate_padding_as_zero = gate_padding_as_zero
-    ctx.tiled_len = fine.shape[1]
+    fine_raster = len(raster) > 2 and raster[2] and raster[0] is not None
+    ctx.tiled_len = 0 if fine_raster else fine.shape[1]
 
 
 def _combine_grads(ctx, dout, backward):
@@ -482,8 +504,8 @@ def _combine_grads(ctx, dout, backward):
         dout, coarse, gate, valid_sizes, ctx.gate_padding_as_zero, want_dgate, raster_rows,
         ctx.tiled_len,
     )  # fmt: skip
-    dfine = dout if raster_rows is None else dfine
-    return dfine, dcoarse, dgate if want_dgate else None, None, None, None, None
+    dfine = dout if raster_rows is None or not ctx.tiled_len else dfine
+    return dfine, dcoarse, dgate if want_dgate else None, None, None, None, None, None
 
 
 combine_op.register_autograd(
@@ -497,8 +519,9 @@ class _CombineFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, fine, coarse, gate, valid_sizes, gate_padding_as_zero, raster_rows=None,
-                raster_len=0):  # fmt: skip
-        inputs = (fine, coarse, gate, valid_sizes, gate_padding_as_zero, raster_rows, raster_len)
+                raster_len=0, fine_raster=False):  # fmt: skip
+        inputs = (fine, coarse, gate, valid_sizes, gate_padding_as_zero, raster_rows, raster_len,
+                  fine_raster)  # fmt: skip
         output = _combine(*inputs)
         _combine_setup(ctx, inputs, output)
         return output
@@ -542,6 +565,10 @@ class TritonCoarse(CoarseStage):
         indices = tiling.indices(q.device)
         return pool_and_clean(q, k, v, indices.valid_sizes, (True,) * 3, indices.tile_to_raster)
 
+    def pool_raster(self, q, k, v, tiling):
+        indices = tiling.indices(q.device)
+        return pool_and_clean(q, k, v, indices.valid_sizes, (False,) * 3, indices.tile_to_raster)
+
     def select(self, q_pooled, k_pooled, valid_sizes, topk):
         return select_topk(q_pooled, k_pooled, valid_sizes, topk)
 
@@ -555,3 +582,10 @@ class TritonCoarse(CoarseStage):
         return combine_tiles(
             fine, coarse, gate, indices.valid_sizes, False, indices.tile_to_raster, tiling.seq_len
         )
+
+    def combine_raster(self, fine, coarse, gate, tiling):
+        indices = tiling.indices(fine.device)
+        return combine_tiles(
+            fine, coarse, gate, indices.valid_sizes, False, indices.tile_to_raster, tiling.seq_len,
+            True,
+        )  # fmt: skip

@@ -109,16 +109,18 @@ def pool_bwd_kernel(
     heads,
     TILE_TOKENS: tl.constexpr, SLOTS: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr,
     HAS_FQ: tl.constexpr, HAS_FK: tl.constexpr, HAS_FV: tl.constexpr, RASTER: tl.constexpr,
+    FINE_RASTER: tl.constexpr = False,
 ):
     """One (tile, batch x head): each real token's gradient is its tile's pooled gradient over
     the tile's size, plus (where HAS_F*) the fine attention's gradient fq / fk / fv of that
     token (tile order); padding slots get 0 (every slot is written). With RASTER the
-    gradients dq / dk / dv are in raster order: each real token's row is written, once."""
+    gradients dq / dk / dv are in raster order: each real token's row is written, once; with
+    FINE_RASTER too the fine attention's gradients (it read the raster inputs themselves)."""
     tile, b, h, size, slots, dims, keep = _tile_program(valid_ptr, heads, SLOTS, HEAD_DIM, DIM_P2)
     inv = 1.0 / tl.maximum(size, 1).to(tl.float32)
     src = b * s_gb + tile * s_gn + h * s_gh + dims
-    rows = (tile.to(tl.int64) * TILE_TOKENS + slots)[:, None]
     dst = _slot_rows(raster_rows, tile, slots, size, TILE_TOKENS, RASTER)
+    rows = dst if FINE_RASTER else (tile.to(tl.int64) * TILE_TOKENS + slots)[:, None]
     offs = b * s_xb + h * s_xh + dst * s_xs + dims[None, :]
     in_tile = (slots < TILE_TOKENS)[:, None] & keep[None, :]
     real = (slots < size)[:, None]
@@ -278,17 +280,21 @@ def combine_fwd_kernel(
     heads,
     TILE_TOKENS: tl.constexpr, SLOTS: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr,
     HAS_GATE: tl.constexpr, GATE_PADDING_AS_ZERO: tl.constexpr, RASTER: tl.constexpr,
+    FINE_RASTER: tl.constexpr = False,
 ):
     """One (tile, batch x head): out = fine + gate * coarse[tile] on every slot of the tile, in
     float32, rounded once (``out`` may be ``fine`` itself: each element is read before it is
     written, by the same thread). The gate may broadcast: any of its strides may be 0; with
     GATE_PADDING_AS_ZERO its padding slots are never read (0). With RASTER, ``out`` and the
-    gate are in raster order: only real slots are read from the gate and written to ``out``."""
+    gate are in raster order: only real slots are read from the gate and written to ``out``;
+    with FINE_RASTER ``fine`` too."""
     tile, b, h, rows, user_rows, dims, keep, inside, real = _combine_program(
         valid_ptr, raster_rows, heads, TILE_TOKENS, SLOTS, HEAD_DIM, DIM_P2, RASTER)
     c = tl.load(coarse + b * s_cb + tile * s_cn + h * s_ch + dims, mask=keep, other=0.0)
     written = real if RASTER else inside
-    x = tl.load(fine + b * s_fb + h * s_fh + rows * s_fs + dims[None, :], mask=written, other=0.0)
+    fine_rows = user_rows if FINE_RASTER else rows
+    x = tl.load(fine + b * s_fb + h * s_fh + fine_rows * s_fs + dims[None, :], mask=written,
+                other=0.0)
     c = c.to(tl.float32)[None, :]
     if HAS_GATE:
         read = real if (GATE_PADDING_AS_ZERO or RASTER) else inside
@@ -309,19 +315,20 @@ def combine_bwd_kernel(
     heads,
     TILE_TOKENS: tl.constexpr, SLOTS: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr,
     HAS_GATE: tl.constexpr, WRITE_DGATE: tl.constexpr, GATE_PADDING_AS_ZERO: tl.constexpr,
-    RASTER: tl.constexpr,
+    RASTER: tl.constexpr, FINE_RASTER: tl.constexpr = False,
 ):
     """One (tile, batch x head) of the combine's backward: dcoarse[tile] = sum over the tile's
     slots of dout * gate (of dout without a gate), in float32; dgate = dout * coarse[tile]
     (strides s_x* of dgate, s_e* of dcoarse). With RASTER, dout, the gate and dgate are in
     raster order (real slots only) and the fine output's gradient, dout in tile order with
-    zeros on padding, is written to ``dfine`` (strides s_f*) from the same loads."""
+    zeros on padding, is written to ``dfine`` (strides s_f*) from the same loads, unless
+    FINE_RASTER (the fine output was in raster order too: its gradient is dout itself)."""
     tile, b, h, rows, user_rows, dims, keep, inside, real = _combine_program(
         valid_ptr, raster_rows, heads, TILE_TOKENS, SLOTS, HEAD_DIM, DIM_P2, RASTER)
     at_tile = b * s_cb + tile * s_cn + h * s_ch + dims
     d = tl.load(dout + b * s_db + h * s_dh + user_rows * s_ds + dims[None, :],
                 mask=real if RASTER else inside, other=0.0)
-    if RASTER:
+    if RASTER and not FINE_RASTER:
         tl.store(dfine + b * s_fb + h * s_fh + rows * s_fs + dims[None, :], d, mask=inside)
     d = d.to(tl.float32)
     if HAS_GATE:

@@ -107,6 +107,15 @@ class Backend:
     only where its results are bitwise reproducible (see the module doc). Where False the
     registry refuses every deterministic call for the backend."""
 
+    reads_raster: ClassVar[bool] = False
+    """True when `forward_rows` is implemented: the same attention on q, k, v in a tiling's
+    raster order, each tile-order slot read through a slot-to-row map, so `video_sparse_attn`
+    with ``token_order="raster"`` makes no tile-order copies of them."""
+    fuses_combine: ClassVar[bool] = False
+    """True when `forward_combined` is implemented: VSA's ``fine + gate * coarse`` written by
+    the fine attention's own epilogue, for calls without gradients (in tile order, and in
+    raster order too when ``reads_raster``)."""
+
     def supports(self, call: AttentionCall) -> str | None:
         """Return None when this backend can run ``call``, else the reason it cannot."""
         raise NotImplementedError
@@ -136,6 +145,40 @@ class Backend:
         ``lse`` [B, H, Sq] in float32 (float64 for float64 inputs; natural log; -inf for rows
         that see no valid key).
         """
+        raise NotImplementedError
+
+    def forward_rows(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layout: BlockSparseLayout,
+        scale: float,
+        slot_rows: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` (self-attention) on [B, T*H*W, H, D] tensors in a tiling's raster order:
+        ``slot_rows`` ([layout.q_len] int32, `vsa_core.tiling.TilingIndices.slot_rows`) is the
+        row of each tile-order slot the layout speaks of, -1 for padding slots (none exist in
+        the tensors: never read, never written). Returns out in raster order like q and lse
+        per slot, [B, H, layout.q_len]. Only called when ``reads_raster``."""
+        raise NotImplementedError
+
+    def forward_combined(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layout: BlockSparseLayout,
+        scale: float,
+        coarse: torch.Tensor,
+        gate: torch.Tensor | None,
+        slot_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """VSA's output ``fine + gate * coarse[query block]`` from one pass, no gradients:
+        ``coarse`` [B, NQ, H, D] (one row per query block), ``gate`` like q (any stride may be
+        0; None: 1); q, k, v in tile order, or with ``slot_rows`` in raster order as in
+        `forward_rows`. Only called when ``fuses_combine`` (and, with ``slot_rows``,
+        ``reads_raster``)."""
         raise NotImplementedError
 
     def availability(self) -> str | None:

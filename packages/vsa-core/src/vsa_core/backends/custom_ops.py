@@ -4,7 +4,10 @@ A backend's forward op takes ``(q, k, v, kv_indices, kv_counts, kv_valid_sizes, 
 q_block, kv_block, *extra)`` and returns ``(out, lse)``; its backward op takes ``(dout, q, k,
 v, out, lse, kv_indices, kv_counts, kv_valid_sizes, scale, q_block, kv_block, *extra)`` and
 returns ``(dq, dk, dv)``, where ``extra`` are further non-tensor arguments of the backend's own
-(passed through unchanged). `register_block_sparse_autograd` connects the two: it saves
+(passed through unchanged). An op may take further tensors right after ``kv_valid_sizes``
+(``saved_inputs`` counts the tensor inputs, 6 by default): they are saved and passed to the
+backward in the same place (``(dout, q, k, v, out, lse, kv_indices, kv_counts, kv_valid_sizes,
+*more_tensors, scale, ...)``). `register_block_sparse_autograd` connects the two: it saves
 what the backward needs and marks ``lse`` non-differentiable (no backend propagates a gradient
 through it, so a gradient there would otherwise be dropped silently).
 
@@ -25,27 +28,34 @@ NUM_QKV = 3
 NUM_SAVED_INPUTS = 6  # q, k, v, kv_indices, kv_counts, kv_valid_sizes
 
 
-def _save(ctx, inputs, output) -> None:
-    q, k, v, kv_indices, kv_counts, kv_valid_sizes = inputs[:NUM_SAVED_INPUTS]
+def _save(ctx, inputs, output, saved_inputs: int = NUM_SAVED_INPUTS) -> None:
+    q, k, v, *lists = inputs[:saved_inputs]  # kv_indices, kv_counts, kv_valid_sizes, *more
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, kv_indices, kv_counts, kv_valid_sizes)
-    ctx.attrs = tuple(inputs[NUM_SAVED_INPUTS:])  # scale, q_block, kv_block, *extra
+    ctx.save_for_backward(q, k, v, out, lse, *lists)
+    ctx.attrs = tuple(inputs[saved_inputs:])  # scale, q_block, kv_block, *extra
+    ctx.saved_inputs = saved_inputs
     ctx.mark_non_differentiable(lse)
 
 
 def _gradients(ctx, dout, backward: Callable) -> tuple:
-    saved = ctx.saved_tensors  # q, k, v, out, lse, kv_indices, kv_counts, kv_valid_sizes
+    saved = ctx.saved_tensors  # q, k, v, out, lse, kv_indices, kv_counts, kv_valid_sizes, ...
     dq, dk, dv = backward(dout, *saved, *ctx.attrs)
-    return dq, dk, dv, *([None] * (NUM_SAVED_INPUTS - NUM_QKV + len(ctx.attrs)))
+    return dq, dk, dv, *([None] * (ctx.saved_inputs - NUM_QKV + len(ctx.attrs)))
 
 
-def register_block_sparse_autograd(forward_op, backward_op: Callable) -> None:
-    """Register autograd for ``forward_op`` (a `torch.library.custom_op`) via ``backward_op``."""
+def register_block_sparse_autograd(
+    forward_op, backward_op: Callable, saved_inputs: int = NUM_SAVED_INPUTS
+) -> None:
+    """Register autograd for ``forward_op`` (a `torch.library.custom_op`) via ``backward_op``
+    (``saved_inputs``: see the module doc)."""
 
     def backward(ctx, dout, _dlse):
         return _gradients(ctx, dout, backward_op)
 
-    forward_op.register_autograd(backward, setup_context=_save)
+    def setup_context(ctx, inputs, output):
+        _save(ctx, inputs, output, saved_inputs)
+
+    forward_op.register_autograd(backward, setup_context=setup_context)
 
 
 class EagerOrOp:
@@ -75,7 +85,12 @@ def _needs_grad(args: tuple) -> bool:
     )
 
 
-def block_sparse_eager(forward_op, forward_impl: Callable, backward_impl: Callable) -> EagerOrOp:
+def block_sparse_eager(
+    forward_op,
+    forward_impl: Callable,
+    backward_impl: Callable,
+    saved_inputs: int = NUM_SAVED_INPUTS,
+) -> EagerOrOp:
     """`EagerOrOp` of a block-sparse forward op (see module doc) whose eager backward calls
     ``backward_impl`` directly."""
 
@@ -83,7 +98,7 @@ def block_sparse_eager(forward_op, forward_impl: Callable, backward_impl: Callab
         @staticmethod
         def forward(ctx, *inputs):
             output = forward_impl(*inputs)
-            _save(ctx, inputs, output)
+            _save(ctx, inputs, output, saved_inputs)
             return output
 
         @staticmethod
