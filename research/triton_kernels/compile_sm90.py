@@ -31,7 +31,7 @@ def _signature(kernel, constexprs: dict, dtype: str, int64_ptrs: set[str]) -> tu
     """Triton signature and attributes for ``kernel``: float tensors in ``dtype``, index
     tensors int32 (int64 where named in ``int64_ptrs``), lse-like buffers float32."""
     float32_ptrs = {"Lse", "Delta"}
-    index_ptrs = {n for n in kernel.arg_names if n.endswith("_ptr")} | {"Rows"}
+    index_ptrs = {n for n in kernel.arg_names if n.endswith("_ptr")} | {"Rows", "Pattern"}
     signature, attrs = {}, {}
     for i, name in enumerate(kernel.arg_names):
         if name in constexprs:
@@ -105,8 +105,11 @@ def variants() -> list[tuple[str, object, dict, int, int]]:
         shape = f"{q_block}x{kv_block}"
         for extra in _layout_variants(kernels.fwd_kernel):
             base = {"Q_BLOCK": q_block, "KV_BLOCK": kv_block, "HEAD_DIM": 128, "INTERPRET": False}
-            fwd = {**base, "TILE_N": fc.tile, "DUAL": fc.dual, **extra}
-            tag = "".join(f"-{k.lower()}" for k, v in extra.items() if v)
+            fwd = {**base, "TILE_N": fc.tile, "DUAL": fc.dual, "ROW_AHEAD": fc.row_ahead, **extra}
+            tag = "".join(
+                f"-{k.lower()}" + (str(v) if not isinstance(v, bool) else "")
+                for k, v in extra.items() if v is not False
+            )  # fmt: skip
             found.append((f"fwd-{shape}{tag}", kernels.fwd_kernel, fwd, fc.num_warps,
                           fc.num_stages))  # fmt: skip
         for extra in _layout_variants(kernels.bwd_dq_kernel):
@@ -127,6 +130,10 @@ def _layout_variants(kernel) -> list[dict]:
     out = [{}]
     if "RASTER" in names:
         out = [{"RASTER": False}, {"RASTER": True}]
+    if "ROW_AHEAD" in names:
+        out = out + [{"RASTER": True, "ROW_AHEAD": a} for a in (0, 2)]
+    if "ROW_PATTERN" in names:
+        out = [*out, {"RASTER": True, "ROW_PATTERN": True}]
     if "COMBINE" in names:
         out = [{**v, "COMBINE": False, "HAS_GATE": False} for v in out] + [
             {**v, "COMBINE": True, "HAS_GATE": g} for v in out for g in (False, True)
@@ -143,8 +150,11 @@ def main() -> None:
     for name, kernel, constexprs, warps, stages in variants():
         if args.only and args.only not in name:
             continue
-        row = {"variant": name, "num_warps": warps, "num_stages": stages,
-               **compile_variant(kernel, constexprs, warps, stages)}  # fmt: skip
+        row = {"variant": name, "num_warps": warps, "num_stages": stages}
+        try:
+            row.update(compile_variant(kernel, constexprs, warps, stages))
+        except Exception as exc:  # a variant the compiler refuses is a finding, not a crash
+            row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
         rows.append(row)
         print(json.dumps(row), flush=True)
     if args.out:

@@ -66,10 +66,11 @@ def test_raster_kernels_equal_the_tile_order_kernels_bitwise(tiling, dtype):
     heads, dim = 2, 64
     layout = _layout(tiling, heads, seed=3)
     q, k, v, dout = _raster_qkv(tiling, heads, dim, dtype, seed=4, count=4)
-    rows = tiling.indices(DEVICE).slot_rows
+    raster = tiling.indices(DEVICE).raster_rows
+    rows = (raster.slot_rows, raster.tile_offsets)
     scale = dim**-0.5
-    out, lse = ops.forward_rows_impl(q, k, v, *_lists(layout), rows, scale, 64, 64)
-    grads = ops.backward_rows_impl(dout, q, k, v, out, lse, *_lists(layout), rows, scale, 64, 64)
+    out, lse = ops.forward_rows_impl(q, k, v, *_lists(layout), *rows, scale, 64, 64)
+    grads = ops.backward_rows_impl(dout, q, k, v, out, lse, *_lists(layout), *rows, scale, 64, 64)
 
     tq, tk, tv, tdout = (tiling.to_tiles(t) for t in (q, k, v, dout))
     t_out, t_lse = ops.forward_impl(tq, tk, tv, *_lists(layout), scale, 64, 64)
@@ -94,7 +95,8 @@ def test_forward_with_the_combine_in_its_epilogue_matches_float64(raster, gate_k
     gen = torch.Generator().manual_seed(7)
     coarse = torch.randn(1, heads, tiling.num_tiles, dim, generator=gen).to(DEVICE, q.dtype)
     coarse = coarse.transpose(1, 2)  # SDPA's output is such a view
-    rows = tiling.indices(DEVICE).slot_rows if raster else None
+    raster_rows = tiling.indices(DEVICE).raster_rows
+    rows = (raster_rows.slot_rows, raster_rows.tile_offsets) if raster else (None, None)
     if not raster:
         q, k, v = (tiling.to_tiles(t) for t in (q, k, v))
     gate = {
@@ -103,7 +105,7 @@ def test_forward_with_the_combine_in_its_epilogue_matches_float64(raster, gate_k
         "head": torch.randn(1, 1, heads, 1, generator=gen).to(DEVICE).expand(q.shape),
     }[gate_kind]
     scale = dim**-0.5
-    got = ops.forward_combined_impl(q, k, v, *_lists(layout), rows, coarse, gate, scale, 64, 64)
+    got = ops.forward_combined_impl(q, k, v, *_lists(layout), *rows, coarse, gate, scale, 64, 64)
 
     tq, tk, tv = (tiling.to_tiles(t) for t in (q, k, v)) if raster else (q, k, v)
     fine, _ = ops.forward_impl(tq, tk, tv, *_lists(layout), scale, 64, 64)
@@ -153,9 +155,7 @@ def test_whole_op_in_raster_order_reads_no_copies_and_matches_the_copy_path(gate
 
     with torch.no_grad():
         fused, _ = run("triton", grad=False)
-    assert seen == [(tiling.seq_len, tiling.indices(DEVICE).slot_rows)] or (
-        len(seen) == 1 and seen[0][0] == tiling.seq_len and seen[0][1] is not None
-    ), seen
+    assert len(seen) == 1 and seen[0][0] == tiling.seq_len and seen[0][1] is not None, seen
     seen.clear()
     trained, grads = run("triton", grad=True)
     assert len(seen) == 1 and seen[0][0] == tiling.seq_len, "training read tile-order copies"

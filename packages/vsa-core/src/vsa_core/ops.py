@@ -207,10 +207,10 @@ def video_sparse_attn(
     # described with the tile-order length whatever the order (the ranking's problem size)
     chosen = _backend_for(q, k, v, block_shape, 1, all_full, backend, deterministic,
                           valid_sizes.shape[0] * tile_tokens)  # fmt: skip
-    slot_rows = None
+    raster_rows = None
     if raster and chosen.reads_raster:  # no tile-order copies: the kernels read raster rows
         assert tiling is not None
-        slot_rows = tiling.indices(q.device).slot_rows
+        raster_rows = tiling.indices(q.device).raster_rows
         q_pooled, k_pooled, v_pooled, q_fine, k_fine, v_fine = stage.pool_raster(q, k, v, tiling)
     elif raster:  # the stage tiles q, k, v as it pools them: zero padding, nothing to clean
         assert tiling is not None
@@ -230,12 +230,12 @@ def video_sparse_attn(
         selection = stage.select(q_pooled, k_pooled, valid_sizes, topk)
     layout = layout_from_selection(selection, valid_sizes, tile_tokens, all_full=all_full)
     del q_pooled, k_pooled, v_pooled, selection  # in inference, memory free for the fine stage
-    if not training and chosen.fuses_combine and (slot_rows is not None or not raster):
+    if not training and chosen.fuses_combine and (raster_rows is not None or not raster):
         # inference: the combine runs in the fine kernel's epilogue, no second pass
         out = chosen.forward_combined(q_fine, k_fine, v_fine, layout, scale, coarse, gate,
-                                      slot_rows)  # fmt: skip
-    elif slot_rows is not None:
-        fine, _ = chosen.forward_rows(q_fine, k_fine, v_fine, layout, scale, slot_rows)
+                                      raster_rows)  # fmt: skip
+    elif raster_rows is not None:
+        fine, _ = chosen.forward_rows(q_fine, k_fine, v_fine, layout, scale, raster_rows)
         out = stage.combine_raster(fine, coarse, gate, tiling)
     elif raster:
         fine, _ = chosen.forward(q_fine, k_fine, v_fine, layout, scale)
