@@ -8,7 +8,8 @@ twice: ``host_ms`` right after a synchronize, and ``host_warm_ms`` after the hos
 ``--backends dense_fa4`` adds FA4's dense call on the same tokens as the yardstick, and
 ``triton_copies`` the triton backend on the op's path without raster reading and fused combine
 (`bench_variants`). ``--token-order raster`` gives the op raster-order tokens (T*H*W of them,
-as a diffusers model holds them; dense FA4 then runs on the real tokens only) and adds the peak
+as a diffusers model holds them; dense FA4 then runs on the real tokens only; with
+``--no-tile-copies`` the op's ``copy_to_tiles=False``) and adds the peak
 extra memory of one forward call (``peak_extra_mib``: allocated during it beyond its inputs,
 its output included; `memory_vsa_op.py` measures training too). ::
 
@@ -81,6 +82,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile", default=None, help="cProfile table of one forward call")
     ap.add_argument("--token-order", choices=("tiled", "raster"), default="tiled")
+    ap.add_argument("--no-tile-copies", action="store_true", help="copy_to_tiles=False (raster)")
     args = ap.parse_args()
     for backend in args.backends:
         register_variant(backend)
@@ -97,7 +99,7 @@ def main() -> None:
                 for coarse in args.coarse if backend != DENSE else ["-"]:
 
                     def call(backend=backend, coarse=coarse, grad=grad, tensors=(q, k, v, gate),
-                             order=args.token_order):  # fmt: skip
+                             order=args.token_order, copies=not args.no_tile_copies):  # fmt: skip
                         q_, k_, v_, gate_ = tensors
                         if backend == DENSE:
                             out = _dense_fa4(q_, k_, v_)
@@ -105,14 +107,15 @@ def main() -> None:
                             out = video_sparse_attn(
                                 q_, k_, v_, tiling=tiling, topk=topk,  # noqa: B023
                                 coarse_gate=gate_, backend=backend, coarse_backend=coarse,
-                                token_order=order,
+                                token_order=order, copy_to_tiles=copies,
                             )  # fmt: skip
                         if grad:
                             out.backward(out)
                         return out
 
                     row = {"shape": name, "mode": mode, "backend": backend, "coarse": coarse,
-                           "token_order": args.token_order}  # fmt: skip
+                           "token_order": args.token_order,
+                           "copy_to_tiles": not args.no_tile_copies}  # fmt: skip
                     try:
                         with torch.no_grad() if not grad else torch.enable_grad():
                             row.update(bt.call_views(call, args.reps, warm_host=True))

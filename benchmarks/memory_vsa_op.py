@@ -8,9 +8,10 @@ tile-order sequence that VSA runs on. VSA runs once per fine backend: the reques
 and computes nothing, so that its row is the memory of the op's own composition (pooling,
 coarse stage, selection, combine) plus a kernel's outputs. Also checks that the op makes no
 host synchronization (``torch.cuda.set_sync_debug_mode("error")``) when given a tiling.
-``--token-order raster`` hands the op raster-order tokens (a diffusers model's), and
-``--backends`` may name several backends, ``triton_copies`` among them (`bench_variants`: the
-triton backend on the op's path before raster reading and the fused combine).
+``--token-order raster`` hands the op raster-order tokens (a diffusers model's) and adds, for
+each backend that reads raster order, an arm ``vsa[NAME, in place]`` with
+``copy_to_tiles=False``; ``--backends`` may name several backends, ``triton_copies`` among
+them (`bench_variants`: the triton backend without raster reading and fused combine).
 
     python benchmarks/memory_vsa_op.py --out results.json   # Wan 2.1 720p latent, 40 heads
 """
@@ -113,7 +114,9 @@ def main() -> int:
     tiling = VideoTiling(tuple(args.latent))
     topk = max(1, round((1 - args.sparsity) * tiling.num_tiles))
     call = AttentionCall(dev, dtype, args.head_dim, (tiling.tile_tokens,) * 2, True)
-    backends = [select_backend(call, name).name for name in args.backends]
+    chosen = [select_backend(call, name) for name in args.backends]
+    backends = [b.name for b in chosen]
+    in_place = [b.name for b in chosen if b.reads_raster and args.token_order == "raster"]
     op_len = tiling.padded_len if args.token_order == "tiled" else tiling.seq_len
 
     def tensors(seq, layout):
@@ -126,10 +129,10 @@ def main() -> int:
     dense_real = tensors(tiling.seq_len, "bhsd")[:3]
     dense_padded = tensors(tiling.padded_len, "bhsd")[:3]
 
-    def vsa(name):
+    def vsa(name, copy_to_tiles=True):
         return lambda: video_sparse_attn(
             q, k, v, tiling=tiling, topk=topk, coarse_gate=gate, backend=name,
-            token_order=args.token_order,
+            token_order=args.token_order, copy_to_tiles=copy_to_tiles,
         )  # fmt: skip
 
     def dense(qkv):
@@ -149,6 +152,7 @@ def main() -> int:
             torch.cuda.set_sync_debug_mode("default")
     arms = {
         **{f"vsa[{name}]": (vsa(name), [q, k, v, gate]) for name in backends},
+        **{f"vsa[{name}, in place]": (vsa(name, False), [q, k, v, gate]) for name in in_place},
         "vsa[alloc-only]": (vsa("alloc-only"), [q, k, v, gate]),
         "dense_real_tokens": (dense(dense_real), dense_real),
         "dense_padded_tokens": (dense(dense_padded), dense_padded),

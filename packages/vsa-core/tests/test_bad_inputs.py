@@ -242,6 +242,23 @@ BAD = [
     Row("bsa query sequence 0", lambda: _bsa(_x(1, 0, 2, 4)), "q"),
     Row("bsa key sequence 0", lambda: _bsa(_x(1, 8, 2, 4), _x(1, 0, 2, 4)), "k"),
     # ---- numbers of the ops (row 7): floats and bools are not integers -------------------------
+    Row(
+        "copy_to_tiles False tiled",
+        lambda: _vsa(_x(1, 128, 2, 4), copy_to_tiles=False),
+        "copy_to_tiles",
+    ),
+    Row(
+        "copy_to_tiles 'no'",
+        lambda: _vsa(_x(1, 96, 2, 4), token_order="raster", copy_to_tiles="no"),
+        "copy_to_tiles",
+    ),
+    Row(
+        "copy_to_tiles False, a backend that reads tile order only",
+        lambda: _vsa(
+            _x(1, 96, 2, 4), token_order="raster", copy_to_tiles=False, backend="reference"
+        ),
+        "backend",
+    ),
     Row("topk 2.0", lambda: _vsa(_x(1, 128, 2, 4), topk=2.0), "topk"),
     Row("topk True", lambda: _vsa(_x(1, 128, 2, 4), topk=True), "topk"),
     Row("topk numpy float", lambda: _vsa(_x(1, 128, 2, 4), topk=np.float64(2)), "topk"),

@@ -124,6 +124,18 @@ def test_needs_an_initialized_process_group():
         vd.shard_sequence(q)
 
 
+def test_copy_to_tiles_false_needs_raster_order_and_a_backend_that_reads_it(world2):
+    q, k, v = _qkv(TILING.padded_len // 2)
+    with pytest.raises(ValueError, match="copy_to_tiles=False needs token_order='raster'"):
+        vd.sequence_parallel_video_sparse_attn(q, k, v, topk=2, tiling=TILING, copy_to_tiles=False)
+    q, k, v = _qkv(TILING.seq_len // 2)
+    with pytest.raises(ValueError, match=r"reads tile-order tensors only.*copy_to_tiles=True"):
+        vd.sequence_parallel_video_sparse_attn(
+            q, k, v, topk=2, tiling=TILING, token_order="raster", copy_to_tiles=False,
+            backend="reference",
+        )  # fmt: skip
+
+
 def test_heads_must_divide_by_the_world_size(world2):
     q, k, v = _qkv(TILING.padded_len // 2, heads=3)
     with pytest.raises(ValueError, match=r"number of heads 3 must be divisible by the world size"):

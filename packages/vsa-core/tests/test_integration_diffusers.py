@@ -92,6 +92,7 @@ def test_the_coarse_term_changes_the_output_and_cross_attention_stays_dense():
         ({"topk": 0}, "topk"),
         ({"topk": 2, "coarse": "gated"}, "coarse must be"),
         ({"topk": 2, "tile": (0, 2, 2)}, "tile"),
+        ({"topk": 2, "copy_to_tiles": "no"}, "copy_to_tiles"),
     ],
 )
 def test_bad_arguments_name_themselves(kwargs, match):

@@ -66,11 +66,10 @@ def test_raster_kernels_equal_the_tile_order_kernels_bitwise(tiling, dtype):
     heads, dim = 2, 64
     layout = _layout(tiling, heads, seed=3)
     q, k, v, dout = _raster_qkv(tiling, heads, dim, dtype, seed=4, count=4)
-    raster = tiling.indices(DEVICE).raster_rows
-    rows = (raster.slot_rows, raster.tile_offsets)
+    rows = tiling.indices(DEVICE).slot_rows
     scale = dim**-0.5
-    out, lse = ops.forward_rows_impl(q, k, v, *_lists(layout), *rows, scale, 64, 64)
-    grads = ops.backward_rows_impl(dout, q, k, v, out, lse, *_lists(layout), *rows, scale, 64, 64)
+    out, lse = ops.forward_rows_impl(q, k, v, *_lists(layout), rows, scale, 64, 64)
+    grads = ops.backward_rows_impl(dout, q, k, v, out, lse, *_lists(layout), rows, scale, 64, 64)
 
     tq, tk, tv, tdout = (tiling.to_tiles(t) for t in (q, k, v, dout))
     t_out, t_lse = ops.forward_impl(tq, tk, tv, *_lists(layout), scale, 64, 64)
@@ -95,8 +94,7 @@ def test_forward_with_the_combine_in_its_epilogue_matches_float64(raster, gate_k
     gen = torch.Generator().manual_seed(7)
     coarse = torch.randn(1, heads, tiling.num_tiles, dim, generator=gen).to(DEVICE, q.dtype)
     coarse = coarse.transpose(1, 2)  # SDPA's output is such a view
-    raster_rows = tiling.indices(DEVICE).raster_rows
-    rows = (raster_rows.slot_rows, raster_rows.tile_offsets) if raster else (None, None)
+    rows = tiling.indices(DEVICE).slot_rows if raster else None
     if not raster:
         q, k, v = (tiling.to_tiles(t) for t in (q, k, v))
     gate = {
@@ -105,7 +103,7 @@ def test_forward_with_the_combine_in_its_epilogue_matches_float64(raster, gate_k
         "head": torch.randn(1, 1, heads, 1, generator=gen).to(DEVICE).expand(q.shape),
     }[gate_kind]
     scale = dim**-0.5
-    got = ops.forward_combined_impl(q, k, v, *_lists(layout), *rows, coarse, gate, scale, 64, 64)
+    got = ops.forward_combined_impl(q, k, v, *_lists(layout), rows, coarse, gate, scale, 64, 64)
 
     tq, tk, tv = (tiling.to_tiles(t) for t in (q, k, v)) if raster else (q, k, v)
     fine, _ = ops.forward_impl(tq, tk, tv, *_lists(layout), scale, 64, 64)
@@ -122,10 +120,10 @@ def test_forward_with_the_combine_in_its_epilogue_matches_float64(raster, gate_k
 
 @pytest.mark.parametrize("gate_kind", ["none", "token"])
 def test_whole_op_in_raster_order_reads_no_copies_and_matches_the_copy_path(gate_kind, monkeypatch):
-    """video_sparse_attn(token_order="raster", backend="triton"): in inference the fused
-    forward runs on the raster tensors themselves (no tile-order copy is passed), in training
-    fwd_rows and the raster combine; outputs and gradients of q, k, v and the gate match the
-    reference backend's copy path (to tile order, attend, combine, back)."""
+    """video_sparse_attn(token_order="raster", backend="triton", copy_to_tiles=False): in
+    inference the fused forward runs on the raster tensors themselves (no tile-order copy is
+    passed), in training fwd_rows and the raster combine; outputs and gradients of q, k, v and
+    the gate match the reference backend's copy path (to tile order, attend, combine, back)."""
     tiling = TILINGS[0]
     heads, dim = 2, 64
     q, k, v, gate, dout = _raster_qkv(tiling, heads, dim, torch.float16, seed=8, count=5)
@@ -141,12 +139,12 @@ def test_whole_op_in_raster_order_reads_no_copies_and_matches_the_copy_path(gate
 
         monkeypatch.setattr(ops, name, spy)
 
-    def run(backend, grad):
+    def run(backend, grad, copy_to_tiles=False):
         leaves = [t.clone().requires_grad_(grad) for t in (q, k, v)]
         g = None if gate is None else gate.clone().requires_grad_(grad)
         out = video_sparse_attn(
             *leaves, tiling=tiling, topk=topk, coarse_gate=g, backend=backend,
-            token_order="raster",
+            token_order="raster", copy_to_tiles=copy_to_tiles,
         )  # fmt: skip
         if not grad:
             return out, ()
@@ -155,11 +153,18 @@ def test_whole_op_in_raster_order_reads_no_copies_and_matches_the_copy_path(gate
 
     with torch.no_grad():
         fused, _ = run("triton", grad=False)
-    assert len(seen) == 1 and seen[0][0] == tiling.seq_len and seen[0][1] is not None, seen
+    assert seen == [(tiling.seq_len, tiling.indices(DEVICE).slot_rows)] or (
+        len(seen) == 1 and seen[0][0] == tiling.seq_len and seen[0][1] is not None
+    ), seen
     seen.clear()
     trained, grads = run("triton", grad=True)
     assert len(seen) == 1 and seen[0][0] == tiling.seq_len, "training read tile-order copies"
-    want, want_grads = run("reference", grad=True)
+    want, want_grads = run("reference", grad=True, copy_to_tiles=True)
+    seen.clear()
+    with torch.no_grad():
+        copied, _ = run("triton", grad=False, copy_to_tiles=True)  # the default path
+    assert len(seen) == 1 and seen[0] == (tiling.padded_len, None), "no copies by default?"
+    assert _rel(copied, want) < 2e-3
 
     assert _rel(fused, want) < 2e-3
     assert _rel(trained, want) < 2e-3

@@ -152,6 +152,7 @@ def sequence_parallel_video_sparse_attn(
     recompute: bool = False,
     deterministic: bool = False,
     token_order: TokenOrder = "tiled",
+    copy_to_tiles: bool = True,
 ) -> torch.Tensor:
     """`video_sparse_attn` on a sequence sharded over the ranks of ``group`` (Ulysses).
 
@@ -197,6 +198,9 @@ def sequence_parallel_video_sparse_attn(
             that keeps raster tokens holds them, and the output shard is raster too: each
             step's op tiles while it pools (`video_sparse_attn`'s ``token_order``), so no
             padding crosses the exchanges.
+        copy_to_tiles: as for `video_sparse_attn` (``token_order="raster"`` only): False has
+            each step's fine backend read the raster tokens where they are (less memory,
+            slower kernels); ``auto`` is decided with it.
 
     Returns:
         this rank's shard of the output, in q's format and dtype. An empty batch (B = 0, on
@@ -221,6 +225,11 @@ def sequence_parallel_video_sparse_attn(
     heads_local = heads // world
     chunk = _check_head_chunk(head_chunk, heads_local, seq_local * world, dim, q.element_size())
     deterministic = as_flag("deterministic", deterministic)
+    copy_to_tiles = as_flag("copy_to_tiles", copy_to_tiles)
+    if not copy_to_tiles and token_order != "raster":
+        raise ValueError(
+            "copy_to_tiles=False needs token_order='raster' (tiled inputs are not copied)"
+        )
     if batch == 0:  # the same on every rank: no exchange, nothing to wait for
         return empty_batch_result(q, k, v, coarse_gate)
     if world == 1:
@@ -236,6 +245,7 @@ def sequence_parallel_video_sparse_attn(
             qkv_format=qkv_format,
             deterministic=deterministic,
             token_order=token_order,
+            copy_to_tiles=copy_to_tiles,
         )
 
     q, k, v = (_as_bshd(t, qkv_format) for t in (q, k, v))
@@ -249,14 +259,16 @@ def sequence_parallel_video_sparse_attn(
     )
     inputs = (q, k, v, gate)
     training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
-    if backend == "auto":  # decided for the rank's whole call, as the unpipelined wrapper did
-        grad_qkv = training and any(t.requires_grad for t in (q, k, v))
-        backend = _auto_backend(
-            q, batch * tiling.padded_len * heads_local, tiling, grad_qkv, deterministic
-        )
+    # decided for the rank's whole call, as the unpipelined wrapper did; a named backend is
+    # checked here too, before any exchange
+    grad_qkv = training and any(t.requires_grad for t in (q, k, v))
+    backend = _resolve_backend(
+        backend, q, batch * tiling.padded_len * heads_local, tiling, grad_qkv, deterministic,
+        not copy_to_tiles,
+    )  # fmt: skip
     plan = _Plan(
         group, world, rank, heads_local, units, gate_seq, tiling, topk, backend, scale,
-        bool(recompute), deterministic, token_order,
+        bool(recompute), deterministic, token_order, copy_to_tiles,
     )  # fmt: skip
     out = _UlyssesAttention.apply(plan, *inputs) if training else _forward(plan, *inputs)
     return _as_bshd(out, qkv_format)
@@ -385,6 +397,7 @@ class _Plan:
     recompute: bool  # training: backward exchanges and runs each step again
     deterministic: bool = False  # each step's op runs with deterministic=True
     token_order: TokenOrder = "tiled"  # the sequence the shards slice (and each step's op's)
+    copy_to_tiles: bool = True  # each step's op's (raster order only)
 
 
 class _Pending:
@@ -475,6 +488,7 @@ def _step(
             scale=plan.scale,
             deterministic=plan.deterministic,
             token_order=plan.token_order,
+            copy_to_tiles=plan.copy_to_tiles,
         )
     return parts, y
 
@@ -609,13 +623,19 @@ class _UlyssesAttention(torch.autograd.Function):
         return (None, *grads)
 
 
-def _auto_backend(
-    q: torch.Tensor, query_rows: int, tiling: VideoTiling, grad: bool, deterministic: bool = False
+def _resolve_backend(
+    name: str,
+    q: torch.Tensor,
+    query_rows: int,
+    tiling: VideoTiling,
+    grad: bool,
+    deterministic: bool = False,
+    raster_inputs: bool = False,
 ) -> str:
-    """The fine backend ``"auto"`` picks for the op on this rank's whole sequence and heads
-    (the rank's [B, S, H / W, D] call; `VSA_BACKEND` honoured). Each step runs it by name: a
-    step's own smaller call could rank the backends differently (the choice may depend on the
-    number of query rows)."""
+    """The fine backend ``name`` (or what ``"auto"`` picks) for the op on this rank's whole
+    sequence and heads (the rank's [B, S, H / W, D] call; `VSA_BACKEND` honoured; ValueError
+    where it cannot run it). Each step runs it by name: a step's own smaller call could rank
+    the backends differently (the choice may depend on the number of query rows)."""
     call = AttentionCall(
         q.device,
         q.dtype,
@@ -626,8 +646,9 @@ def _auto_backend(
         not tiling.has_padding,
         query_rows=query_rows,
         deterministic=deterministic,
+        raster_inputs=raster_inputs,
     )
-    return select_backend(call, "auto").name
+    return select_backend(call, name).name
 
 
 def _check_head_chunk(

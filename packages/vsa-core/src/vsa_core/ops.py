@@ -127,6 +127,7 @@ def video_sparse_attn(
     validate: bool = True,
     coarse_backend: str = "auto",
     deterministic: bool = False,
+    copy_to_tiles: bool = True,
 ) -> torch.Tensor:
     """Video Sparse Attention: ``out = fine + coarse * coarse_gate``.
 
@@ -166,6 +167,14 @@ def video_sparse_attn(
             ``backend`` or ``coarse_backend`` that cannot raises ValueError. The coarse
             attention runs on SDPA's math backend, which holds its [B, H, N, N] scores (N
             tiles) instead of streaming them. What it costs at Wan sizes: README, "Using it".
+        copy_to_tiles: with ``token_order="raster"``: True (default) has the coarse stage
+            write tile-order copies of q, k and v for the fine kernels (the fastest path);
+            False has the fine backend read them where they are (``Backend.reads_raster``:
+            ``triton``; ``auto`` picks such a backend, a named one that cannot raises
+            ValueError): no copies, so less memory (at Wan 2.1 720p, 40 heads, inference
+            peaks at 1.07x dense attention's extra memory instead of 5.97x, training at 1.29x
+            instead of 1.85x), but slower kernels (H200: forward 5-16%, backward 30-41%;
+            README, "Using it"). Must stay True with ``token_order="tiled"``.
 
     Returns:
         out in q's format, dtype and token order.
@@ -187,6 +196,11 @@ def video_sparse_attn(
     seq_gate = gate is not None and gate.dim() == q.dim() and gate.shape[seq_dim] == seq
     scale = check_scale(scale, dim)
     deterministic = as_flag("deterministic", deterministic)
+    copy_to_tiles = as_flag("copy_to_tiles", copy_to_tiles)
+    if not copy_to_tiles and token_order != "raster":
+        raise ValueError(
+            "copy_to_tiles=False needs token_order='raster' (tiled inputs are not copied)"
+        )
     if batch == 0:  # nothing to attend: an empty output in q's format (differentiable)
         return empty_batch_result(q, k, v, gate)
 
@@ -206,11 +220,11 @@ def video_sparse_attn(
     # chosen before pooling: whether the fine backend reads raster order decides the copies;
     # described with the tile-order length whatever the order (the ranking's problem size)
     chosen = _backend_for(q, k, v, block_shape, 1, all_full, backend, deterministic,
-                          valid_sizes.shape[0] * tile_tokens)  # fmt: skip
-    raster_rows = None
-    if raster and chosen.reads_raster:  # no tile-order copies: the kernels read raster rows
+                          valid_sizes.shape[0] * tile_tokens, not copy_to_tiles)  # fmt: skip
+    slot_rows = None
+    if not copy_to_tiles:  # no tile-order copies: the kernels read raster rows
         assert tiling is not None
-        raster_rows = tiling.indices(q.device).raster_rows
+        slot_rows = tiling.indices(q.device).slot_rows
         q_pooled, k_pooled, v_pooled, q_fine, k_fine, v_fine = stage.pool_raster(q, k, v, tiling)
     elif raster:  # the stage tiles q, k, v as it pools them: zero padding, nothing to clean
         assert tiling is not None
@@ -230,12 +244,12 @@ def video_sparse_attn(
         selection = stage.select(q_pooled, k_pooled, valid_sizes, topk)
     layout = layout_from_selection(selection, valid_sizes, tile_tokens, all_full=all_full)
     del q_pooled, k_pooled, v_pooled, selection  # in inference, memory free for the fine stage
-    if not training and chosen.fuses_combine and (raster_rows is not None or not raster):
+    if not training and chosen.fuses_combine and (slot_rows is not None or not raster):
         # inference: the combine runs in the fine kernel's epilogue, no second pass
         out = chosen.forward_combined(q_fine, k_fine, v_fine, layout, scale, coarse, gate,
-                                      raster_rows)  # fmt: skip
-    elif raster_rows is not None:
-        fine, _ = chosen.forward_rows(q_fine, k_fine, v_fine, layout, scale, raster_rows)
+                                      slot_rows)  # fmt: skip
+    elif slot_rows is not None:
+        fine, _ = chosen.forward_rows(q_fine, k_fine, v_fine, layout, scale, slot_rows)
         out = stage.combine_raster(fine, coarse, gate, tiling)
     elif raster:
         fine, _ = chosen.forward(q_fine, k_fine, v_fine, layout, scale)
@@ -267,10 +281,10 @@ def _coarse_attention(q_pooled, k_pooled, v_pooled, valid_sizes, scale, may_have
 
 
 def _backend_for(q, k, v, block_shape, q_group_size, kv_blocks_full, backend, deterministic,
-                 q_len=None):  # fmt: skip
+                 q_len=None, raster_inputs=False):  # fmt: skip
     """The fine backend for these inputs and a layout of this description (its lists do not
     matter: the op chooses before it selects); ``q_len``: the layout's query length, when q is
-    not in tile order."""
+    not in tile order; ``raster_inputs``: the backend must read raster-order q, k, v."""
     requires_grad = _requires_grad(q, k, v)
     if not isinstance(backend, str):
         raise ValueError(f"backend must be a backend name or 'auto', got {backend!r}")
@@ -279,6 +293,7 @@ def _backend_for(q, k, v, block_shape, q_group_size, kv_blocks_full, backend, de
         backend, backend_override(), registry_generation(),
         q.device, q.dtype, q.shape[-1], block_shape, requires_grad,
         q_group_size, kv_blocks_full, q.shape[0] * q_len * q.shape[2], deterministic,
+        raster_inputs,
     )  # fmt: skip
 
 
@@ -314,13 +329,13 @@ def _inputs_to_clean(padding_is_zero: bool, training: bool, key_padding_safe: bo
 @resolved_once
 def _fine_backend(
     backend, _override, _generation, device, dtype, head_dim, block_shape, requires_grad,
-    q_group_size, kv_blocks_full, query_rows, deterministic,
+    q_group_size, kv_blocks_full, query_rows, deterministic, raster_inputs,
 ):  # fmt: skip
     """The backend `select_backend` picks for a call so described (decided once per
     description; the override variable and the registered backends are part of the key)."""
     call = AttentionCall(
         device, dtype, head_dim, block_shape, requires_grad, q_group_size, kv_blocks_full,
-        query_rows=query_rows, deterministic=deterministic,
+        query_rows=query_rows, deterministic=deterministic, raster_inputs=raster_inputs,
     )  # fmt: skip
     return select_backend(call, backend)
 

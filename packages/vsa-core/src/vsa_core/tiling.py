@@ -23,18 +23,6 @@ QKVFormat = Literal["bshd", "bhsd"]
 
 
 @dataclass(frozen=True)
-class RasterRows:
-    """Where a tiling's tile-order slots live in raster-order tensors, for kernels that read
-    q, k, v there (a backend's ``forward_rows``): int32, on one device."""
-
-    slot_rows: torch.Tensor
-    """[padded_len]: raster row of each tile-order slot, -1 for padding (``tile_to_raster``)."""
-    tile_offsets: torch.Tensor
-    """[tile_tokens]: rows of a full tile's slots after its first slot's row, the same for
-    every full tile (a kernel can then load one row per full tile instead of the map)."""
-
-
-@dataclass(frozen=True)
 class TilingIndices:
     """Index tensors of a tiling on one device (int64 for indexing, int32 for kernels)."""
 
@@ -50,8 +38,9 @@ class TilingIndices:
     """[padded_len] bool: which tile-order slots hold real tokens (False for padding)."""
     padding_index: torch.Tensor
     """[padded_len - seq_len] int64: the tile-order slots that are padding, ascending."""
-    raster_rows: RasterRows
-    """The int32 forms for kernels that address raster-order tensors slot by slot."""
+    slot_rows: torch.Tensor
+    """[padded_len] int32: ``tile_to_raster`` for kernels that address raster-order tensors
+    slot by slot (a backend's ``forward_rows``)."""
 
 
 @dataclass(frozen=True)
@@ -212,16 +201,5 @@ def _tiling_indices(
         valid_sizes=valid.to(device),
         real_slots=(tile_to_raster >= 0).to(device),
         padding_index=(tile_to_raster < 0).nonzero().flatten().to(device),
-        raster_rows=RasterRows(
-            slot_rows=tile_to_raster.to(torch.int32).to(device),
-            tile_offsets=_full_tile_offsets(latent_shape, tile_shape).to(device),
-        ),
+        slot_rows=tile_to_raster.to(torch.int32).to(device),
     )
-
-
-def _full_tile_offsets(latent_shape, tile_shape) -> torch.Tensor:
-    """[tile_tokens] int32: raster rows of a full tile's slots (raster order within the tile)
-    relative to its first token."""
-    (_, H, W), (tt, th, tw) = latent_shape, tile_shape
-    slot = torch.arange(tt * th * tw)
-    return ((slot // (th * tw)) * H * W + (slot // tw % th) * W + slot % tw).to(torch.int32)

@@ -85,19 +85,18 @@ class TritonBackend(Backend):
             scale, layout.q_block, layout.kv_block,
         )  # fmt: skip
 
-    def forward_rows(self, q, k, v, layout, scale, rows):
+    def forward_rows(self, q, k, v, layout, scale, slot_rows):
         from vsa_triton.ops import attention_rows
 
         return attention_rows(
-            q, k, v, layout.kv_indices, layout.kv_counts, layout.kv_valid_sizes,
-            rows.slot_rows, rows.tile_offsets, scale, layout.q_block, layout.kv_block,
+            q, k, v, layout.kv_indices, layout.kv_counts, layout.kv_valid_sizes, slot_rows,
+            scale, layout.q_block, layout.kv_block,
         )  # fmt: skip
 
-    def forward_combined(self, q, k, v, layout, scale, coarse, gate, rows=None):
+    def forward_combined(self, q, k, v, layout, scale, coarse, gate, slot_rows=None):
         from vsa_triton.ops import attention_combined
 
-        slot_rows, offsets = (None, None) if rows is None else (rows.slot_rows, rows.tile_offsets)
         return attention_combined(
             q, k, v, layout.kv_indices, layout.kv_counts, layout.kv_valid_sizes, slot_rows,
-            offsets, coarse, gate, scale, layout.q_block, layout.kv_block,
+            coarse, gate, scale, layout.q_block, layout.kv_block,
         )  # fmt: skip

@@ -15,8 +15,6 @@ class ForwardConfig:
     num_warps: int
     num_stages: int
     dual: bool = False  # two key blocks per step, scalar-indexed, two dots (tile = 2 kv_block)
-    row_ahead: int = 1  # raster order: key rows loaded this many steps before their use (0-2)
-    row_pattern: bool = False  # raster order: full tiles' rows from one scalar + a pattern
 
 
 @dataclass(frozen=True)
@@ -27,7 +25,6 @@ class BackwardConfig:
     tile_dq: int  # key rows per step of the dQ kernel (a multiple of kv_block)
     num_warps_dq: int
     num_stages_dq: int
-    row_pattern: bool = False  # raster order: full tiles' rows from one scalar + a pattern
 
 
 _FORWARD: dict[tuple[int, int, int], ForwardConfig] = {}

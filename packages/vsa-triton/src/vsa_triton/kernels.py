@@ -106,26 +106,6 @@ def _prefetched_rows(Rows, block, valid, offs, BLOCK: tl.constexpr, RASTER: tl.c
 
 
 @triton.jit
-def _tile_rows(Rows, block, valid, offs, pattern, BLOCK: tl.constexpr):
-    """Raster rows of tile ``block``'s slots (0 on padding), for ROW_PATTERN: a full tile's
-    rows are its first token's row plus ``pattern`` (the same for every full tile of a
-    latent, loaded once per program), so only one scalar is loaded; a partial tile's come from
-    the map (those loads are predicated off for full tiles)."""
-    first = tl.load(Rows + block * BLOCK)
-    partial = valid < BLOCK
-    mapped = tl.load(Rows + block * BLOCK + offs, mask=(offs < valid) & partial, other=0)
-    return tl.where(partial, mapped, first + pattern)
-
-
-@triton.jit
-def _rows_at(Rows, idx_row, slot, count, offs, BLOCK: tl.constexpr):
-    """Raster rows of the key block at list ``slot`` (0 past the list and on padding slots,
-    which the caller masks by the block's valid size)."""
-    block = tl.load(idx_row + slot, mask=slot < count, other=0)
-    return tl.maximum(tl.load(Rows + block * BLOCK + offs), 0)
-
-
-@triton.jit
 def _rows_now(prefetched, block, offs, BLOCK: tl.constexpr, RASTER: tl.constexpr):
     if RASTER:
         return prefetched
@@ -197,7 +177,7 @@ def _fwd_tile(q, k_base, v_base, rows, real, offs_d, stride_ks, stride_vs, qk_sc
 
 @triton.jit
 def fwd_kernel(
-    Q, K, V, Out, Lse, kv_idx_ptr, kv_cnt_ptr, kv_valid_ptr, Rows, Pattern, Coarse, Gate,
+    Q, K, V, Out, Lse, kv_idx_ptr, kv_cnt_ptr, kv_valid_ptr, Rows, Coarse, Gate,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh,
     stride_ib, stride_ih, stride_iq, stride_cb, stride_ch,
@@ -206,7 +186,6 @@ def fwd_kernel(
     Q_BLOCK: tl.constexpr, KV_BLOCK: tl.constexpr, TILE_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, INTERPRET: tl.constexpr, DUAL: tl.constexpr,
     RASTER: tl.constexpr = False, COMBINE: tl.constexpr = False, HAS_GATE: tl.constexpr = False,
-    ROW_AHEAD: tl.constexpr = 1, ROW_PATTERN: tl.constexpr = False,
 ):
     """One (query block, batch x head). ``seq_q``: tile-order slots (lse's row length).
     COMBINE: out = fine + gate * Coarse[b, query block, h] (Coarse [B, NQ, H, D], strides
@@ -247,44 +226,22 @@ def fwd_kernel(
     elif TILE_N == KV_BLOCK and not DUAL:
         # The next block's index and valid size (with RASTER, its rows) are loaded one
         # iteration ahead: the K/V loads then take their addresses from loop-carried values,
-        # which lets the loop pipeline. ROW_AHEAD (RASTER): how many iterations ahead the
-        # rows are loaded (0: in the iteration that uses them).
+        # which lets the loop pipeline.
         block = tl.load(idx_row, mask=count > 0, other=0)
         valid = tl.load(kv_valid_ptr + block, mask=count > 0, other=0)
-        pattern = offs_n  # loop-invariant where unused
-        if RASTER and ROW_PATTERN:
-            pattern = tl.load(Pattern + offs_n)
-            ahead = _tile_rows(Rows, block, valid, offs_n, pattern, KV_BLOCK)
-        else:
-            ahead = _prefetched_rows(Rows, block, valid, offs_n, KV_BLOCK,
-                                     RASTER and ROW_AHEAD > 0)
-        ahead2 = offs_n  # loop-invariant where unused
-        if RASTER and ROW_AHEAD == 2:
-            ahead2 = _rows_at(Rows, idx_row, 1, count, offs_n, KV_BLOCK)
+        ahead = _prefetched_rows(Rows, block, valid, offs_n, KV_BLOCK, RASTER)
         for j in range(0, count):
             more = j + 1 < count
             next_block = tl.load(idx_row + j + 1, mask=more, other=0)
             next_valid = tl.load(kv_valid_ptr + next_block, mask=more, other=0)
-            if RASTER and ROW_PATTERN:
-                next_ahead = _tile_rows(Rows, next_block, next_valid, offs_n, pattern, KV_BLOCK)
-                next_ahead2 = ahead2
-            elif RASTER and ROW_AHEAD == 2:
-                next_ahead = ahead2
-                next_ahead2 = _rows_at(Rows, idx_row, j + 2, count, offs_n, KV_BLOCK)
-            else:
-                next_ahead = _prefetched_rows(Rows, next_block, next_valid, offs_n, KV_BLOCK,
-                                              RASTER and ROW_AHEAD == 1)
-                next_ahead2 = ahead2
-            if RASTER and ROW_AHEAD == 0 and not ROW_PATTERN:
-                rows = _slot_rows(Rows, block * KV_BLOCK + offs_n, offs_n < valid, RASTER)
-            else:
-                rows = _rows_now(ahead, block, offs_n, KV_BLOCK, RASTER)
-            m_i, l_i, acc = _fwd_tile(q, k_base, v_base, rows, offs_n < valid, offs_d, stride_ks,
-                                      stride_vs, qk_scale, m_i, l_i, acc)
+            next_ahead = _prefetched_rows(Rows, next_block, next_valid, offs_n, KV_BLOCK, RASTER)
+            m_i, l_i, acc = _fwd_tile(q, k_base, v_base,
+                                      _rows_now(ahead, block, offs_n, KV_BLOCK, RASTER),
+                                      offs_n < valid, offs_d, stride_ks, stride_vs, qk_scale, m_i,
+                                      l_i, acc)
             block = next_block
             valid = next_valid
             ahead = next_ahead
-            ahead2 = next_ahead2
     elif DUAL:
         # Two prefetched (index, valid size) pairs, as in the single-block loop above.
         block = tl.load(idx_row, mask=count > 0, other=0)
@@ -447,7 +404,7 @@ def _dkdv_slice(k, v, real_k, q_base, do_base, idx_row, Lse, Delta, Rows, t, off
 
 @triton.jit
 def bwd_dkdv_kernel(
-    Q, K, V, DOut, Lse, Delta, DK, DV, q_idx_ptr, q_off_ptr, kv_valid_ptr, Rows, Pattern,
+    Q, K, V, DOut, Lse, Delta, DK, DV, q_idx_ptr, q_off_ptr, kv_valid_ptr, Rows,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh, stride_db, stride_ds, stride_dh,
     stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
@@ -455,7 +412,6 @@ def bwd_dkdv_kernel(
     num_heads, seq_q, qk_scale, sm_scale,
     Q_BLOCK: tl.constexpr, KV_BLOCK: tl.constexpr, TILE_M: tl.constexpr,
     HEAD_DIM: tl.constexpr, INTERPRET: tl.constexpr, RASTER: tl.constexpr = False,
-    ROW_PATTERN: tl.constexpr = False,
 ):
     kv_blk = tl.program_id(0)
     bh = tl.program_id(1)
@@ -505,22 +461,6 @@ def bwd_dkdv_kernel(
                                 j, end, offs_m, offs_d, stride_qs, stride_ds, qk_scale, dk, dv,
                                 Q_BLOCK, TILE_M, RASTER)
             j += step
-    elif TILE_M == Q_BLOCK and RASTER and ROW_PATTERN:
-        # query tiles' rows as the forward's key rows (`_tile_rows`), prefetched one step
-        # ahead with the block index and its valid size (self-attention: the same tiles)
-        pattern = tl.load(Pattern + offs_m)
-        block = tl.load(idx_row + start, mask=start < end, other=0)
-        valid = tl.load(kv_valid_ptr + block, mask=start < end, other=0)
-        rows = _tile_rows(Rows, block, valid, offs_m, pattern, Q_BLOCK)
-        for j in range(start, end):
-            more = j + 1 < end
-            next_block = tl.load(idx_row + j + 1, mask=more, other=0)
-            next_valid = tl.load(kv_valid_ptr + next_block, mask=more, other=0)
-            next_rows = _tile_rows(Rows, next_block, next_valid, offs_m, pattern, Q_BLOCK)
-            dk, dv = _dkdv_tile(k, v, real_k, q_base, do_base, lse_row, delta_row,
-                                block * Q_BLOCK + offs_m, rows, offs_m < valid, offs_d, stride_qs,
-                                stride_ds, qk_scale, dk, dv)
-            block, valid, rows = next_block, next_valid, next_rows
     elif TILE_M == Q_BLOCK:
         block = tl.load(idx_row + start, mask=start < end, other=0)  # prefetched: see fwd_kernel
         for j in range(start, end):
@@ -574,7 +514,7 @@ def _dq_tile(q, do, lse2, delta, k_base, v_base, rows, real, offs_d, stride_ks, 
 
 @triton.jit
 def bwd_dq_kernel(
-    Q, K, V, DOut, Lse, Delta, DQ, kv_idx_ptr, kv_cnt_ptr, kv_valid_ptr, Rows, Pattern,
+    Q, K, V, DOut, Lse, Delta, DQ, kv_idx_ptr, kv_cnt_ptr, kv_valid_ptr, Rows,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh, stride_db, stride_ds, stride_dh,
     stride_dqb, stride_dqs, stride_dqh,
@@ -582,7 +522,6 @@ def bwd_dq_kernel(
     num_heads, seq_q, qk_scale, sm_scale,
     Q_BLOCK: tl.constexpr, KV_BLOCK: tl.constexpr, TILE_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, INTERPRET: tl.constexpr, RASTER: tl.constexpr = False,
-    ROW_PATTERN: tl.constexpr = False,
 ):
     q_blk = tl.program_id(0)
     bh = tl.program_id(1)
@@ -622,21 +561,12 @@ def bwd_dq_kernel(
     elif TILE_N == KV_BLOCK:
         block = tl.load(idx_row, mask=count > 0, other=0)  # prefetched: see fwd_kernel
         valid = tl.load(kv_valid_ptr + block, mask=count > 0, other=0)
-        pattern = offs_n  # loop-invariant where unused
-        if RASTER and ROW_PATTERN:
-            pattern = tl.load(Pattern + offs_n)
-            ahead = _tile_rows(Rows, block, valid, offs_n, pattern, KV_BLOCK)
-        else:
-            ahead = _prefetched_rows(Rows, block, valid, offs_n, KV_BLOCK, RASTER)
+        ahead = _prefetched_rows(Rows, block, valid, offs_n, KV_BLOCK, RASTER)
         for j in range(0, count):
             more = j + 1 < count
             next_block = tl.load(idx_row + j + 1, mask=more, other=0)
             next_valid = tl.load(kv_valid_ptr + next_block, mask=more, other=0)
-            if RASTER and ROW_PATTERN:
-                next_ahead = _tile_rows(Rows, next_block, next_valid, offs_n, pattern, KV_BLOCK)
-            else:
-                next_ahead = _prefetched_rows(Rows, next_block, next_valid, offs_n, KV_BLOCK,
-                                              RASTER)
+            next_ahead = _prefetched_rows(Rows, next_block, next_valid, offs_n, KV_BLOCK, RASTER)
             dq = _dq_tile(q, do, lse2, delta, k_base, v_base,
                           _rows_now(ahead, block, offs_n, KV_BLOCK, RASTER), offs_n < valid,
                           offs_d, stride_ks, stride_vs, qk_scale, dq)

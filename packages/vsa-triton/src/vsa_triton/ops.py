@@ -70,19 +70,17 @@ def forward_rows_impl(
     kv_counts: torch.Tensor,
     kv_valid_sizes: torch.Tensor,
     slot_rows: torch.Tensor,
-    tile_offsets: torch.Tensor,
     scale: float,
     q_block: int,
     kv_block: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`forward_impl` on q, k, v in a latent's raster order ([B, T*H*W, H, D], self-attention):
-    ``slot_rows`` ([padded_len] int32, `vsa_core.tiling.RasterRows`) gives the row of each
-    tile-order slot the layout speaks of (-1: padding, never read or written), and
-    ``tile_offsets`` ([tile_tokens] int32) the rows of a full tile's slots from its first. out
-    is in raster order like q; lse is per slot, [B, H, padded_len]. The body of
+    ``slot_rows`` ([padded_len] int32, `vsa_core.tiling.TilingIndices.slot_rows`) gives the row
+    of each tile-order slot the layout speaks of (-1: padding, never read or written). out is
+    in raster order like q; lse is per slot, [B, H, padded_len]. The body of
     ``torch.ops.vsa_triton.fwd_rows``."""
     return _forward(q, k, v, kv_indices, kv_counts, kv_valid_sizes, scale, q_block, kv_block,
-                    (slot_rows, tile_offsets))  # fmt: skip
+                    slot_rows)  # fmt: skip
 
 
 def forward_combined_impl(
@@ -93,7 +91,6 @@ def forward_combined_impl(
     kv_counts: torch.Tensor,
     kv_valid_sizes: torch.Tensor,
     slot_rows: torch.Tensor | None,
-    tile_offsets: torch.Tensor | None,
     coarse: torch.Tensor,
     gate: torch.Tensor | None,
     scale: float,
@@ -102,19 +99,15 @@ def forward_combined_impl(
 ) -> torch.Tensor:
     """VSA's output ``fine + gate * coarse[query block]`` with the combine in the forward's
     epilogue (no gradients): coarse [B, NQ, H, D], the gate (None: 1) shaped like q in q's
-    token order, any stride 0; q, k, v in tile order, or in raster order with ``slot_rows`` and
-    ``tile_offsets`` (see `forward_rows_impl`). The body of
-    ``torch.ops.vsa_triton.fwd_combined``."""
-    raster = None if slot_rows is None else (slot_rows, tile_offsets)
+    token order, any stride 0; q, k, v in tile order, or in raster order with ``slot_rows``
+    (see `forward_rows_impl`). The body of ``torch.ops.vsa_triton.fwd_combined``."""
     out, _ = _forward(q, k, v, kv_indices, kv_counts, kv_valid_sizes, scale, q_block, kv_block,
-                      raster, _head_dim_contiguous(coarse), gate)  # fmt: skip
+                      slot_rows, _head_dim_contiguous(coarse), gate)  # fmt: skip
     return out
 
 
 def _forward(q, k, v, kv_indices, kv_counts, kv_valid_sizes, scale, q_block, kv_block,
-             raster=None, coarse=None, gate=None):  # fmt: skip
-    """``raster``: (slot_rows, tile_offsets) for tensors in raster order, else None."""
-    slot_rows, tile_offsets = raster if raster is not None else (None, None)
+             slot_rows=None, coarse=None, gate=None):  # fmt: skip
     q, k, v = (_head_dim_contiguous(t) for t in (q, k, v))
     batch, _, heads, dim = q.shape
     slots = _slots(q, slot_rows)
@@ -133,8 +126,7 @@ def _forward(q, k, v, kv_indices, kv_counts, kv_valid_sizes, scale, q_block, kv_
     _kernels().fwd_kernel[grid](
         q, k, v, out, _or(lse, out),
         kv_indices, kv_counts, kv_valid_sizes,
-        _or(slot_rows, kv_valid_sizes), _or(tile_offsets, kv_valid_sizes),  # placeholders,
-        _or(coarse, q), _or(gate, q),  # never read where their flag is off
+        _or(slot_rows, kv_valid_sizes), _or(coarse, q), _or(gate, q),  # placeholders: unread
         *_bshd_strides(q), *_bshd_strides(k), *_bshd_strides(v), *_bshd_strides(out),
         kv_indices.stride(0), kv_indices.stride(1), kv_indices.stride(2),
         kv_counts.stride(0), kv_counts.stride(1),
@@ -142,8 +134,7 @@ def _forward(q, k, v, kv_indices, kv_counts, kv_valid_sizes, scale, q_block, kv_
         heads, slots, scale * LOG2E,
         Q_BLOCK=q_block, KV_BLOCK=kv_block, TILE_N=cfg.tile, HEAD_DIM=dim,
         INTERPRET=_interpreting(), DUAL=cfg.dual, RASTER=slot_rows is not None,
-        COMBINE=coarse is not None, HAS_GATE=gate is not None, ROW_AHEAD=cfg.row_ahead,
-        ROW_PATTERN=cfg.row_pattern,
+        COMBINE=coarse is not None, HAS_GATE=gate is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out, lse
@@ -191,8 +182,7 @@ block_sparse_fwd_rows = torch.library.custom_op(
 
 
 @block_sparse_fwd_rows.register_fake
-def _(q, k, v, kv_indices, kv_counts, kv_valid_sizes, slot_rows, tile_offsets, scale, q_block,
-      kv_block):  # fmt: skip
+def _(q, k, v, kv_indices, kv_counts, kv_valid_sizes, slot_rows, scale, q_block, kv_block):
     batch, _, heads, _ = q.shape
     lse = q.new_empty((batch, heads, slot_rows.shape[0]), dtype=torch.float32)
     return torch.empty_like(q), lse
@@ -204,8 +194,8 @@ block_sparse_fwd_combined = torch.library.custom_op(
 
 
 @block_sparse_fwd_combined.register_fake
-def _(q, k, v, kv_indices, kv_counts, kv_valid_sizes, slot_rows, tile_offsets, coarse, gate,
-      scale, q_block, kv_block):  # fmt: skip
+def _(q, k, v, kv_indices, kv_counts, kv_valid_sizes, slot_rows, coarse, gate, scale, q_block,
+      kv_block):  # fmt: skip
     return torch.empty_like(q)
 
 
@@ -240,7 +230,6 @@ def backward_rows_impl(
     kv_counts: torch.Tensor,
     kv_valid_sizes: torch.Tensor,
     slot_rows: torch.Tensor,
-    tile_offsets: torch.Tensor,
     scale: float,
     q_block: int,
     kv_block: int,
@@ -248,14 +237,13 @@ def backward_rows_impl(
     """`backward_impl` in raster order (`forward_rows_impl`): dout and the gradients like q,
     lse per slot (the body of ``torch.ops.vsa_triton.bwd_rows``)."""
     return _backward(dout, q, k, v, out, lse, kv_indices, kv_counts, kv_valid_sizes, scale,
-                     q_block, kv_block, (slot_rows, tile_offsets))  # fmt: skip
+                     q_block, kv_block, slot_rows)  # fmt: skip
 
 
 def _backward(dout, q, k, v, out, lse, kv_indices, kv_counts, kv_valid_sizes, scale, q_block,
-              kv_block, raster=None):  # fmt: skip
+              kv_block, slot_rows=None):  # fmt: skip
     from vsa_core.layout import transpose_kv_lists
 
-    slot_rows, tile_offsets = raster if raster is not None else (None, None)
     dout, q, k, v, out = (_head_dim_contiguous(t) for t in (dout, q, k, v, out))
     batch, _, heads, dim = q.shape
     slots = lse.shape[-1]
@@ -264,9 +252,8 @@ def _backward(dout, q, k, v, out, lse, kv_indices, kv_counts, kv_valid_sizes, sc
     lists = transpose_kv_lists(kv_indices, kv_counts, num_kv)
     kern = _kernels()
     cfg = backward_config(q_block, kv_block, dim)
-    rows_map = _or(slot_rows, kv_valid_sizes)  # placeholders without RASTER: never read
-    offsets = _or(tile_offsets, kv_valid_sizes)
-    raster = slot_rows is not None  # from here on a flag
+    rows_map = _or(slot_rows, kv_valid_sizes)  # a placeholder without RASTER: never read
+    raster = slot_rows is not None
 
     delta = torch.empty(batch, heads, slots, device=q.device, dtype=torch.float32)
     rows = 64
@@ -278,26 +265,26 @@ def _backward(dout, q, k, v, out, lse, kv_indices, kv_counts, kv_valid_sizes, sc
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     kern.bwd_dkdv_kernel[(num_kv, batch * heads)](
         q, k, v, dout, lse, delta, dk, dv,
-        lists.q_indices, lists.q_offsets, kv_valid_sizes, rows_map, offsets,
+        lists.q_indices, lists.q_offsets, kv_valid_sizes, rows_map,
         *_bshd_strides(q), *_bshd_strides(k), *_bshd_strides(v), *_bshd_strides(dout),
         *_bshd_strides(dk), *_bshd_strides(dv),
         lists.q_indices.stride(0), lists.q_indices.stride(1),
         lists.q_offsets.stride(0), lists.q_offsets.stride(1),
         heads, slots, scale * LOG2E, scale,
         Q_BLOCK=q_block, KV_BLOCK=kv_block, TILE_M=cfg.tile_dkdv, HEAD_DIM=dim,
-        INTERPRET=_interpreting(), RASTER=raster, ROW_PATTERN=cfg.row_pattern,
+        INTERPRET=_interpreting(), RASTER=raster,
         num_warps=cfg.num_warps_dkdv, num_stages=cfg.num_stages_dkdv,
     )  # fmt: skip
     kern.bwd_dq_kernel[(slots // q_block, batch * heads)](
         q, k, v, dout, lse, delta, dq,
-        kv_indices, kv_counts, kv_valid_sizes, rows_map, offsets,
+        kv_indices, kv_counts, kv_valid_sizes, rows_map,
         *_bshd_strides(q), *_bshd_strides(k), *_bshd_strides(v), *_bshd_strides(dout),
         *_bshd_strides(dq),
         kv_indices.stride(0), kv_indices.stride(1), kv_indices.stride(2),
         kv_counts.stride(0), kv_counts.stride(1),
         heads, slots, scale * LOG2E, scale,
         Q_BLOCK=q_block, KV_BLOCK=kv_block, TILE_N=cfg.tile_dq, HEAD_DIM=dim,
-        INTERPRET=_interpreting(), RASTER=raster, ROW_PATTERN=cfg.row_pattern,
+        INTERPRET=_interpreting(), RASTER=raster,
         num_warps=cfg.num_warps_dq, num_stages=cfg.num_stages_dq,
     )  # fmt: skip
     return dq, dk, dv
@@ -322,12 +309,12 @@ block_sparse_bwd_rows = torch.library.custom_op(
 
 
 @block_sparse_bwd_rows.register_fake
-def _(dout, q, k, v, out, lse, kv_indices, kv_counts, kv_valid_sizes, slot_rows, tile_offsets,
-      scale, q_block, kv_block):  # fmt: skip
+def _(dout, q, k, v, out, lse, kv_indices, kv_counts, kv_valid_sizes, slot_rows, scale, q_block,
+      kv_block):  # fmt: skip
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-ROWS_SAVED_INPUTS = 8  # q, k, v, kv_indices, kv_counts, kv_valid_sizes, slot_rows, offsets
+ROWS_SAVED_INPUTS = 7  # q, k, v, kv_indices, kv_counts, kv_valid_sizes, slot_rows
 register_block_sparse_autograd(block_sparse_fwd_rows, block_sparse_bwd_rows, ROWS_SAVED_INPUTS)
 attention_rows = block_sparse_eager(
     block_sparse_fwd_rows, forward_rows_impl, backward_rows_impl, ROWS_SAVED_INPUTS

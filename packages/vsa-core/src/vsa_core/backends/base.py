@@ -24,7 +24,6 @@ import torch
 
 if TYPE_CHECKING:
     from vsa_core.layout import BlockSparseLayout
-    from vsa_core.tiling import RasterRows
 
 
 @dataclass(frozen=True)
@@ -56,6 +55,11 @@ class AttentionCall:
     deterministic: bool = False
     """The caller asks for bitwise-reproducible results (forward, and backward when
     ``requires_grad``): see the module doc."""
+
+    raster_inputs: bool = False
+    """q, k, v stay in a tiling's raster order and the backend reads them there
+    (`Backend.forward_rows`; `video_sparse_attn(..., copy_to_tiles=False)`): only backends
+    with ``reads_raster`` qualify."""
 
     def __post_init__(self) -> None:
         if self.capability is None and self.device.type == "cuda":
@@ -155,13 +159,13 @@ class Backend:
         v: torch.Tensor,
         layout: BlockSparseLayout,
         scale: float,
-        rows: RasterRows,
+        slot_rows: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward` (self-attention) on [B, T*H*W, H, D] tensors in a tiling's raster order:
-        ``rows`` (`vsa_core.tiling.RasterRows`) holds the row of each tile-order slot the
-        layout speaks of, -1 for padding slots (none exist in the tensors: never read, never
-        written). Returns out in raster order like q and lse per slot, [B, H, layout.q_len].
-        Only called when ``reads_raster``."""
+        ``slot_rows`` ([layout.q_len] int32, `vsa_core.tiling.TilingIndices.slot_rows`) is the
+        row of each tile-order slot the layout speaks of, -1 for padding slots (none exist in
+        the tensors: never read, never written). Returns out in raster order like q and lse
+        per slot, [B, H, layout.q_len]. Only called when ``reads_raster``."""
         raise NotImplementedError
 
     def forward_combined(
@@ -173,12 +177,12 @@ class Backend:
         scale: float,
         coarse: torch.Tensor,
         gate: torch.Tensor | None,
-        rows: RasterRows | None = None,
+        slot_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """VSA's output ``fine + gate * coarse[query block]`` from one pass, no gradients:
         ``coarse`` [B, NQ, H, D] (one row per query block), ``gate`` like q (any stride may be
-        0; None: 1); q, k, v in tile order, or with ``rows`` in raster order as in
-        `forward_rows`. Only called when ``fuses_combine`` (and, with ``rows``,
+        0; None: 1); q, k, v in tile order, or with ``slot_rows`` in raster order as in
+        `forward_rows`. Only called when ``fuses_combine`` (and, with ``slot_rows``,
         ``reads_raster``)."""
         raise NotImplementedError
 

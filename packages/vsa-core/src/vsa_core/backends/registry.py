@@ -102,14 +102,20 @@ def get_backend(name: str, *, source: str = "backend") -> Backend:
 
 
 def refusal(backend: Backend, call: AttentionCall) -> str | None:
-    """Why ``backend`` cannot run ``call`` (None: it can): its ``supports()``, and for a
-    deterministic call also whether it handles the flag at all."""
+    """Why ``backend`` cannot run ``call`` (None: it can): its ``supports()``, for a
+    deterministic call also whether it handles the flag at all, and for a call on raster-order
+    tensors whether it reads them (``Backend.reads_raster``)."""
     reason = backend.supports(call)
     if reason is None and call.deterministic and not backend.handles_deterministic:
         reason = (
             f"backend {backend.name!r} does not declare deterministic=True support "
             "(Backend.handles_deterministic): its results are not known to be bitwise "
             "reproducible"
+        )
+    if reason is None and call.raster_inputs and not backend.reads_raster:
+        reason = (
+            f"backend {backend.name!r} reads tile-order tensors only (Backend.reads_raster): "
+            "it needs copy_to_tiles=True"
         )
     return reason
 

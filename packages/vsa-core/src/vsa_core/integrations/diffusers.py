@@ -66,6 +66,7 @@ class VSASettings:
     backend: str
     coarse: Coarse
     deterministic: bool = False
+    copy_to_tiles: bool = True
     grid: tuple[int, int, int] | None = None
     """The current forward's token grid (frames, height, width after patching)."""
     originals: dict[int, Any] = field(default_factory=dict)
@@ -181,6 +182,7 @@ class VSAWanAttnProcessor:
         kwargs = dict(
             topk=settings.topk_for(tiling), tiling=tiling, coarse_gate=gate(),
             backend=settings.backend, token_order="raster", deterministic=settings.deterministic,
+            copy_to_tiles=settings.copy_to_tiles,
         )  # fmt: skip
         cp = _ulysses(self._parallel_config)
         if cp is None:
@@ -214,6 +216,7 @@ def enable_vsa(
     backend: str = "auto",
     coarse: Coarse = "gate",
     deterministic: bool = False,
+    copy_to_tiles: bool = True,
 ) -> VSASettings:
     """Run every block's self-attention of a diffusers ``WanTransformer3DModel`` with VSA.
 
@@ -221,7 +224,9 @@ def enable_vsa(
     key tiles skipped, e.g. 0.875). ``coarse``: see the module doc; ``"gate"`` adds the
     zero-initialised ``attn1.to_gate_compress`` projections (kept if already there, e.g.
     loaded). ``deterministic``: every call bitwise reproducible (see `video_sparse_attn`; the
-    rest of the model is yours to make so). Returns the settings the processors share;
+    rest of the model is yours to make so). ``copy_to_tiles=False``: the fine backend reads
+    each layer's raster q, k, v where they are (`video_sparse_attn`'s ``copy_to_tiles``: less
+    memory, slower kernels). Returns the settings the processors share;
     `disable_vsa` undoes it all.
     """
     if hasattr(transformer, _STATE):
@@ -246,9 +251,11 @@ def enable_vsa(
     if not isinstance(backend, str):
         raise ValueError(f"backend must be a backend name or 'auto', got {backend!r}")
     deterministic = as_flag("deterministic", deterministic)
+    copy_to_tiles = as_flag("copy_to_tiles", copy_to_tiles)
     settings = VSASettings(
-        check_positive_triple("tile", tile), topk, sparsity, backend, coarse, deterministic
-    )
+        check_positive_triple("tile", tile), topk, sparsity, backend, coarse, deterministic,
+        copy_to_tiles,
+    )  # fmt: skip
     patch = tuple(patch)
 
     def record_grid(module, args, kwargs):
