@@ -27,17 +27,9 @@ import torch
 from vsa_core import BlockSparseLayout, VideoTiling
 from vsa_triton import ops
 
+from .. import harness
+
 SHAPES = {"wan480p": ((21, 30, 52), 12), "wan720p": ((21, 45, 80), 40)}
-
-
-def _time(fn, reps: int) -> float:
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    stop.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(stop) / reps
 
 
 def _arms(tiling, heads, seed=0):
@@ -87,6 +79,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out")
     args = ap.parse_args()
+    events_ms = harness.benchmark_module("bench_timing").events_ms
     rows = []
     for name in args.shapes:
         latent, heads = SHAPES[name]
@@ -97,7 +90,7 @@ def main() -> None:
         for r in range(args.rounds):
             order = list(arms) if r % 2 == 0 else list(reversed(arms))
             for arm in order:
-                times[arm].append(_time(arms[arm], args.reps))
+                times[arm].append(events_ms(arms[arm], args.reps))
         for arm, ts in times.items():
             row = {"shape": name, "arm": arm, "median_ms": statistics.median(ts),
                    "min_ms": min(ts), "max_ms": max(ts)}  # fmt: skip
