@@ -93,11 +93,14 @@ class NoAttentionProcessor(VSAWanAttnProcessor):
 ARMS = ("dense", "dense_fa4", "no_attention", "vsa")
 
 
-def install(model, arm: str, sparsity: float, tile, backend: str) -> bool:
+def install(model, arm: str, sparsity: float, tile, backend: str, copy_to_tiles=True) -> bool:
     """Put ``arm``'s attention into the model; True when `disable_vsa` must undo it."""
     if arm == "dense":
         return False
-    settings = enable_vsa(model, sparsity=sparsity, tile=tile, backend=backend)
+    settings = enable_vsa(
+        model, sparsity=sparsity, tile=tile, backend=backend,
+        copy_to_tiles=copy_to_tiles if arm == "vsa" else True,
+    )  # fmt: skip
     processor = {"dense_fa4": DenseFA4Processor, "no_attention": NoAttentionProcessor}.get(arm)
     if processor is not None:
         for block in model.blocks:
@@ -221,7 +224,8 @@ def run_cells(args, model, runner, inputs, mode: str, way: str, tile, device, lo
     for sparsity in args.sparsities:
         arms = {}
         for arm in args.arms:
-            installed = install(model, arm, sparsity, tile, args.backend)
+            installed = install(model, arm, sparsity, tile, args.backend,
+                                not args.no_tile_copies)  # fmt: skip
             try:
                 fn = step_fn(runner, inputs, mode)
                 arms[arm] = measure(fn, device, args)
@@ -313,6 +317,12 @@ def main() -> int:
         default=3,
         help="rounds of two back-to-back calls (their median is b2b_ms); with --reps and "
         "--warmup, 1 + warmup + 2 * reps + 2 * rounds calls an arm (Wan 14B: ~10 s each)",
+    )
+    ap.add_argument(
+        "--no-tile-copies",
+        action="store_true",
+        help="the vsa arm with enable_vsa(copy_to_tiles=False): the fine backend reads each "
+        "layer's raster q, k, v in place (triton; less memory, slower kernels)",
     )
     ap.add_argument(
         "--gradient-checkpointing",
