@@ -38,6 +38,7 @@ def test_info_text(capsys):
     assert "backend='auto' picks:" in out
     assert "reference  available" in out
     assert "with deterministic=True: auto picks" in out
+    assert "with copy_to_tiles=False: auto picks" in out
 
 
 def test_info_says_which_backends_run_deterministic_training(capsys, fresh_registry):
@@ -63,6 +64,31 @@ def test_info_says_which_backends_run_deterministic_training(capsys, fresh_regis
     assert deterministic["auto_picks"] == "declared"
     assert deterministic["verdicts"]["declared"] is None
     assert "does not declare deterministic=True" in deterministic["verdicts"]["undeclared"]
+
+
+def test_info_says_which_backends_read_raster_order(capsys, fresh_registry):
+    """copy_to_tiles=False: a backend that reads raster order is picked, one that does not is
+    refused with the argument to change."""
+
+    class TileOrderOnly(Backend):
+        name = "tile_order_only"
+        priority = 1000
+
+        def supports(self, call):
+            return None
+
+    class ReadsRaster(TileOrderOnly):
+        name = "reads_raster"
+        priority = 999
+        reads_raster = True
+
+    register_backend(TileOrderOnly())
+    register_backend(ReadsRaster())
+    assert cli.main(["info", "--json"]) == 0
+    in_place = json.loads(capsys.readouterr().out)["raster_in_place"]
+    assert in_place["auto_picks"] == "reads_raster"
+    assert in_place["verdicts"]["reads_raster"] is None
+    assert "copy_to_tiles=True" in in_place["verdicts"]["tile_order_only"]
 
 
 class TrainsOnlyWideBlocks(Backend):

@@ -161,14 +161,17 @@ def collect_info() -> dict:
         "typical_call": "bfloat16, head_dim 128, 64x64 blocks, with gradients, on " + str(device),
         "auto_picks": select_backend(call).name,
         "backends": backends,
-        "deterministic": _deterministic_verdicts(call),
+        "deterministic": _verdicts(call, deterministic=True),
+        "raster_in_place": _verdicts(call, raster_inputs=True),
     }
 
 
-def _deterministic_verdicts(call: AttentionCall) -> dict:
-    """The typical training call with ``deterministic=True``: each usable backend's verdict
-    (None = runs it bitwise reproducibly, else why not) and auto's pick (None if none can)."""
-    call = dataclasses.replace(call, deterministic=True)
+def _verdicts(call: AttentionCall, **changes) -> dict:
+    """The typical training call with ``changes`` (``deterministic=True``: bitwise
+    reproducible; ``raster_inputs=True``: `video_sparse_attn`'s ``copy_to_tiles=False``): each
+    usable backend's verdict (None = runs it, else why not) and auto's pick (None if none
+    can)."""
+    call = dataclasses.replace(call, **changes)
     verdicts = {name: refusal(b, call) for name, b in sorted(_usable_backends().items())}
     try:
         pick = select_backend(call).name
@@ -290,6 +293,10 @@ def run_info(as_json: bool = False) -> int:
     deterministic = info["deterministic"]
     print(f"with deterministic=True: auto picks {deterministic['auto_picks'] or 'none'}")
     for name, reason in deterministic["verdicts"].items():
+        print(f"  {name:<10} {'ok' if reason is None else 'refuses: ' + reason}")
+    in_place = info["raster_in_place"]
+    print(f"with copy_to_tiles=False: auto picks {in_place['auto_picks'] or 'none'}")
+    for name, reason in in_place["verdicts"].items():
         print(f"  {name:<10} {'ok' if reason is None else 'refuses: ' + reason}")
     _print_shape_table(info["shapes"])
     return 0
