@@ -190,3 +190,69 @@ def test_tiled_inference_uses_the_fused_combine_and_matches_the_plain_path():
         ]
     real = tiling.indices(DEVICE).real_slots
     assert _rel(outs[0][:, real], outs[1][:, real]) < 2e-3
+
+
+def test_raster_custom_ops_pass_opcheck():
+    """fwd_rows (with its autograd), bwd_rows and fwd_combined: schemas, fake tensors and
+    autograd registration as torch.library checks them (what torch.compile relies on)."""
+    tiling = VideoTiling((5, 4, 4), (4, 4, 4))  # two tiles, one partial: opcheck runs it often
+    heads, dim = 2, 64
+    layout = _layout(tiling, heads, seed=12)
+    q, k, v, dout = _raster_qkv(tiling, heads, dim, torch.float16, seed=13, count=4)
+    rows = tiling.indices(DEVICE).slot_rows
+    lists = _lists(layout)
+    checks = ("test_schema", "test_faketensor", "test_autograd_registration")
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    torch.library.opcheck(
+        ops.block_sparse_fwd_rows, (*leaves, *lists, rows, 0.125, 64, 64), test_utils=checks
+    )
+    out, lse = ops.forward_rows_impl(q, k, v, *lists, rows, 0.125, 64, 64)
+    torch.library.opcheck(
+        ops.block_sparse_bwd_rows,
+        (dout, q, k, v, out, lse, *lists, rows, 0.125, 64, 64),
+        test_utils=("test_schema", "test_faketensor"),
+    )
+    coarse = torch.randn(1, tiling.num_tiles, heads, dim).to(DEVICE, q.dtype)
+    for raster, gate in ((rows, dout), (None, None)):
+        args = (q, k, v) if raster is not None else tuple(tiling.to_tiles(t) for t in (q, k, v))
+        torch.library.opcheck(
+            ops.block_sparse_fwd_combined,
+            (*args, *lists, raster, coarse, gate, 0.125, 64, 64),
+            test_utils=("test_schema", "test_faketensor"),
+        )
+
+
+@pytest.mark.skipif(not ON_GPU, reason="torch.compile of the Triton kernels needs a GPU")
+def test_in_place_raster_op_compiles_to_one_graph_and_matches_eager():
+    """copy_to_tiles=False under torch.compile(fullgraph=True): the same loss and gradients
+    as eager, training (fwd_rows / bwd_rows) and inference (fwd_combined)."""
+    tiling = TILINGS[-1]
+    q, k, v, gate = _raster_qkv(tiling, 4, 128, torch.bfloat16, seed=14, count=4)
+
+    def layer(q, k, v):
+        out = video_sparse_attn(
+            q,
+            k,
+            v,
+            tiling=tiling,
+            topk=24,
+            coarse_gate=gate,
+            backend="triton",
+            token_order="raster",
+            copy_to_tiles=False,
+        )
+        return out.float().square().mean()  # fmt: skip
+
+    compiled = torch.compile(layer, fullgraph=True)
+    results = []
+    for fn in (layer, compiled):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        loss = fn(*leaves)
+        loss.backward()
+        with torch.no_grad():
+            inference = fn(q, k, v)
+        results.append((loss.detach(), inference, [t.grad for t in leaves]))
+    (eager_loss, eager_inf, eager_grads), (loss, inf, grads) = results
+    assert _rel(loss, eager_loss) < 1e-3 and _rel(inf, eager_inf) < 1e-3
+    for got, want in zip(grads, eager_grads, strict=True):
+        assert torch.isfinite(got).all() and _rel(got, want) < 1e-2
