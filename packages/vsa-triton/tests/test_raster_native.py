@@ -220,39 +220,3 @@ def test_raster_custom_ops_pass_opcheck():
             (*args, *lists, raster, coarse, gate, 0.125, 64, 64),
             test_utils=("test_schema", "test_faketensor"),
         )
-
-
-@pytest.mark.skipif(not ON_GPU, reason="torch.compile of the Triton kernels needs a GPU")
-def test_in_place_raster_op_compiles_to_one_graph_and_matches_eager():
-    """copy_to_tiles=False under torch.compile(fullgraph=True): the same loss and gradients
-    as eager, training (fwd_rows / bwd_rows) and inference (fwd_combined)."""
-    tiling = TILINGS[-1]
-    q, k, v, gate = _raster_qkv(tiling, 4, 128, torch.bfloat16, seed=14, count=4)
-
-    def layer(q, k, v):
-        out = video_sparse_attn(
-            q,
-            k,
-            v,
-            tiling=tiling,
-            topk=24,
-            coarse_gate=gate,
-            backend="triton",
-            token_order="raster",
-            copy_to_tiles=False,
-        )
-        return out.float().square().mean()  # fmt: skip
-
-    compiled = torch.compile(layer, fullgraph=True)
-    results = []
-    for fn in (layer, compiled):
-        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        loss = fn(*leaves)
-        loss.backward()
-        with torch.no_grad():
-            inference = fn(q, k, v)
-        results.append((loss.detach(), inference, [t.grad for t in leaves]))
-    (eager_loss, eager_inf, eager_grads), (loss, inf, grads) = results
-    assert _rel(loss, eager_loss) < 1e-3 and _rel(inf, eager_inf) < 1e-3
-    for got, want in zip(grads, eager_grads, strict=True):
-        assert torch.isfinite(got).all() and _rel(got, want) < 1e-2
