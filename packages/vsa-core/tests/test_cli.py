@@ -41,54 +41,40 @@ def test_info_text(capsys):
     assert "with copy_to_tiles=False: auto picks" in out
 
 
-def test_info_says_which_backends_run_deterministic_training(capsys, fresh_registry):
-    """A backend that does not declare deterministic support is refused with the reason, one
-    that does is picked by auto for the typical training call."""
+def _verdicts_with(capsys, capability: str, key: str) -> dict:
+    """``vsa info --json``'s ``key`` section with two accepting backends registered above the
+    installed ones: "without" (first by priority) and "with", which declares ``capability``."""
 
-    class Undeclared(Backend):
-        name = "undeclared"
+    class Without(Backend):
+        name = "without"
         priority = 1000
 
         def supports(self, call):
             return None
 
-    class Declared(Undeclared):
-        name = "declared"
-        priority = 999
-        handles_deterministic = True
-
-    register_backend(Undeclared())
-    register_backend(Declared())
+    With = type("With", (Without,), {"name": "with", "priority": 999, capability: True})
+    register_backend(Without())
+    register_backend(With())
     assert cli.main(["info", "--json"]) == 0
-    deterministic = json.loads(capsys.readouterr().out)["deterministic"]
-    assert deterministic["auto_picks"] == "declared"
-    assert deterministic["verdicts"]["declared"] is None
-    assert "does not declare deterministic=True" in deterministic["verdicts"]["undeclared"]
+    return json.loads(capsys.readouterr().out)[key]
+
+
+def test_info_says_which_backends_run_deterministic_training(capsys, fresh_registry):
+    """A backend that does not declare deterministic support is refused with the reason, one
+    that does is picked by auto for the typical training call."""
+    deterministic = _verdicts_with(capsys, "handles_deterministic", "deterministic")
+    assert deterministic["auto_picks"] == "with"
+    assert deterministic["verdicts"]["with"] is None
+    assert "does not declare deterministic=True" in deterministic["verdicts"]["without"]
 
 
 def test_info_says_which_backends_read_raster_order(capsys, fresh_registry):
     """copy_to_tiles=False: a backend that reads raster order is picked, one that does not is
     refused with the argument to change."""
-
-    class TileOrderOnly(Backend):
-        name = "tile_order_only"
-        priority = 1000
-
-        def supports(self, call):
-            return None
-
-    class ReadsRaster(TileOrderOnly):
-        name = "reads_raster"
-        priority = 999
-        reads_raster = True
-
-    register_backend(TileOrderOnly())
-    register_backend(ReadsRaster())
-    assert cli.main(["info", "--json"]) == 0
-    in_place = json.loads(capsys.readouterr().out)["raster_in_place"]
-    assert in_place["auto_picks"] == "reads_raster"
-    assert in_place["verdicts"]["reads_raster"] is None
-    assert "copy_to_tiles=True" in in_place["verdicts"]["tile_order_only"]
+    in_place = _verdicts_with(capsys, "reads_raster", "raster_in_place")
+    assert in_place["auto_picks"] == "with"
+    assert in_place["verdicts"]["with"] is None
+    assert "copy_to_tiles=True" in in_place["verdicts"]["without"]
 
 
 class TrainsOnlyWideBlocks(Backend):

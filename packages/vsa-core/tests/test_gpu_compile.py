@@ -18,22 +18,44 @@ TILING = VideoTiling((9, 22, 30))  # 144 tiles, partial ones along T and H
 BACKENDS = [name for name in ("fa4", "triton") if name in backend_entries()]
 
 
-def _inputs(seed: int = 0, heads: int = 4, dim: int = 128):
+# (token_order, copy_to_tiles): tile order, raster order through copies, raster rows in place
+FORMS = [("tiled", True), ("raster", True), ("raster", False)]
+
+
+def _inputs(seed: int = 0, heads: int = 4, dim: int = 128, token_order: str = "tiled"):
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    shape = (1, TILING.padded_len, heads, dim)
+    seq = TILING.padded_len if token_order == "tiled" else TILING.seq_len
+    shape = (1, seq, heads, dim)
     return [torch.randn(shape, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in "qkvg"]
+
+
+def _calls(backend):
+    """(backend, token_order, copy_to_tiles) cases: in place only where the backend reads
+    raster order (triton)."""
+    return [
+        pytest.param(backend, order, copies, id=f"{backend}-{order}{'' if copies else '-in-place'}")
+        for order, copies in FORMS
+        if copies or backend == "triton"
+    ]
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_compiled_op_matches_eager_in_values_and_gradients(backend):
-    q, k, v, gate = _inputs()
+@pytest.mark.parametrize(
+    ("backend", "token_order", "copy_to_tiles"), [c for b in BACKENDS for c in _calls(b)]
+)
+def test_compiled_op_matches_eager_in_values_and_gradients(backend, token_order, copy_to_tiles):
+    """Training (loss and gradients) and inference (the output) of one compiled graph against
+    eager, in tile order, in raster order and with raster rows read in place."""
+    q, k, v, gate = _inputs(token_order=token_order)
 
     def layer(q, k, v):
-        out = video_sparse_attn(q, k, v, tiling=TILING, topk=18, coarse_gate=gate, backend=backend)
+        out = video_sparse_attn(
+            q, k, v, tiling=TILING, topk=18, coarse_gate=gate, backend=backend,
+            token_order=token_order, copy_to_tiles=copy_to_tiles,
+        )  # fmt: skip
         return out.float().square().mean()
 
     compiled = torch.compile(layer, fullgraph=True)
@@ -42,9 +64,11 @@ def test_compiled_op_matches_eager_in_values_and_gradients(backend):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         loss = fn(*leaves)
         loss.backward()
-        results.append((loss.detach(), [t.grad for t in leaves]))
-    (eager_loss, eager_grads), (loss, grads) = results
-    assert _rel(loss, eager_loss) < 1e-3
+        with torch.no_grad():
+            inference = fn(q, k, v)
+        results.append((loss.detach(), inference, [t.grad for t in leaves]))
+    (eager_loss, eager_inf, eager_grads), (loss, inf, grads) = results
+    assert _rel(loss, eager_loss) < 1e-3 and _rel(inf, eager_inf) < 1e-3
     for got, want in zip(grads, eager_grads, strict=True):  # dQ may accumulate atomically
         assert torch.isfinite(got).all() and _rel(got, want) < 2e-2
 
