@@ -30,6 +30,7 @@ import torch
 from vsa_core.backends.custom_ops import EagerOrOp
 from vsa_core.coarse import CoarseStage
 from vsa_triton.environment import interpreting
+from vsa_triton.tensor_args import bshd_strides, gate_strides, head_dim_contiguous
 
 
 @dataclass(frozen=True)
@@ -77,14 +78,6 @@ def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def _head_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
-def _bshd_strides(t: torch.Tensor) -> tuple[int, int, int]:
-    return t.stride(0), t.stride(1), t.stride(2)
-
-
 def _tile_constants(tile_tokens: int, dim: int) -> dict[str, int]:
     """The pooling kernels' compile-time sizes and launch width (forward and backward alike)."""
     return {
@@ -128,7 +121,7 @@ def _pool_clean(
     a copy of that input with its padding slots zeroed, written from the same loads (an empty
     tensor where not asked for). With ``raster_rows`` (a tiling's ``tile_to_raster``), q, k
     and v are in raster order ([B, T*H*W, H, D]) and the copies are their tile-order forms."""
-    q, k, v = (_head_dim_contiguous(t) for t in (q, k, v))
+    q, k, v = (head_dim_contiguous(t) for t in (q, k, v))
     num_tiles = valid_sizes.shape[0]
     batch, _, heads, dim = q.shape
     tiled = _tiled_len(q, raster_rows)
@@ -141,7 +134,7 @@ def _pool_clean(
         _kernels().pool_fwd_kernel[(num_tiles, batch * heads)](
             q, k, v, *pooled, *targets, valid_sizes,  # targets: never written where not clean
             valid_sizes if raster_rows is None else raster_rows,  # the map: read if RASTER
-            *_bshd_strides(q), *_bshd_strides(k), *_bshd_strides(v), *_bshd_strides(pooled[0]),
+            *bshd_strides(q), *bshd_strides(k), *bshd_strides(v), *bshd_strides(pooled[0]),
             *strides, heads, CLEAN_Q=clean_q, CLEAN_K=clean_k, CLEAN_V=clean_v,
             RASTER=raster_rows is not None, **_tile_constants(tiled // num_tiles, dim),
         )  # fmt: skip
@@ -179,19 +172,19 @@ def _unpool_add(
     padding. With ``raster_rows`` the gradients are in raster order (no padding rows), and
     with ``fine_raster`` the fine ones too (the fine attention read the raster inputs)."""
     gq, gk, gv = (g.contiguous() for g in (gq, gk, gv))
-    fine = [None if f is None else _head_dim_contiguous(f) for f in (fq, fk, fv)]
+    fine = [None if f is None else head_dim_contiguous(f) for f in (fq, fk, fv)]
     num_tiles = valid_sizes.shape[0]
     batch, _, heads, dim = gq.shape
     tile_tokens = (seq_len if raster_rows is None else raster_rows.shape[0]) // num_tiles
     grads = [g.new_empty((batch, seq_len, heads, dim)) for g in (gq, gk, gv)]
     if grads[0].numel():
-        fine_strides = [s for f in fine for s in (_bshd_strides(f) if f is not None else (0,) * 3)]
+        fine_strides = [s for f in fine for s in bshd_strides(f)]
         _kernels().pool_bwd_kernel[(num_tiles, batch * heads)](
             gq, gk, gv, *(g if f is None else f for f, g in zip(fine, grads, strict=True)),
             *grads, valid_sizes, valid_sizes if raster_rows is None else raster_rows,
-            *_bshd_strides(gq), *_bshd_strides(grads[0]), *fine_strides,
+            *bshd_strides(gq), *bshd_strides(grads[0]), *fine_strides,
             heads, HAS_FQ=fq is not None, HAS_FK=fk is not None, HAS_FV=fv is not None,
-            RASTER=raster_rows is not None, FINE_RASTER=fine_raster and raster_rows is not None,
+            RASTER=raster_rows is not None, FINE_RASTER=fine_raster,
             **_tile_constants(tile_tokens, dim),
         )  # fmt: skip
     return tuple(grads)
@@ -314,7 +307,7 @@ def select_with(
     config: SelectConfig,
 ) -> torch.Tensor:
     """`_select` with an explicit `SelectConfig` (for sweeps; the op uses ``SELECT``)."""
-    q_pooled, k_pooled = (_head_dim_contiguous(t) for t in (q_pooled, k_pooled))
+    q_pooled, k_pooled = (head_dim_contiguous(t) for t in (q_pooled, k_pooled))
     if q_pooled.stride() != k_pooled.stride():
         q_pooled, k_pooled = q_pooled.contiguous(), k_pooled.contiguous()
     batch, num_tiles, heads, dim = q_pooled.shape
@@ -328,7 +321,7 @@ def select_with(
     rows = max(1, min(config.block_m, config.elements_per_step // tiles_p2))
     _kernels().select_topk_kernel[(-(-num_tiles // config.block_m), batch * heads)](
         q_pooled, k_pooled, valid_sizes, scores, out,
-        *_bshd_strides(q_pooled),
+        *bshd_strides(q_pooled),
         num_tiles, heads, topk,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEAD_DIM=dim, DIM_P2=_next_pow2(dim),
         TILES_P2=tiles_p2, ROWS=rows, IEEE=q_pooled.dtype == torch.float32,
@@ -350,11 +343,6 @@ def _(q_pooled, k_pooled, valid_sizes, topk):
 select_topk = EagerOrOp(select_op, _select)
 
 
-def _gate_strides(gate: torch.Tensor | None) -> tuple[int, int, int, int]:
-    """A gate's four strides (0 where it broadcasts; any values without a gate)."""
-    return (0, 0, 0, 0) if gate is None else gate.stride()
-
-
 def _combine_launch(fine, coarse, gate, valid_sizes, gate_padding_as_zero, out, raster_rows,
                     fine_raster=False):  # fmt: skip
     batch, _, heads, dim = fine.shape
@@ -363,8 +351,8 @@ def _combine_launch(fine, coarse, gate, valid_sizes, gate_padding_as_zero, out, 
     _kernels().combine_fwd_kernel[(num_tiles, batch * heads)](
         fine, coarse, fine if gate is None else gate, out, valid_sizes,  # fine: never read as gate
         valid_sizes if raster_rows is None else raster_rows,  # the map: read if RASTER
-        *_bshd_strides(fine), *_bshd_strides(coarse), *_gate_strides(gate),
-        *_bshd_strides(out), heads, HAS_GATE=gate is not None,
+        *bshd_strides(fine), *bshd_strides(coarse), *gate_strides(gate),
+        *bshd_strides(out), heads, HAS_GATE=gate is not None,
         GATE_PADDING_AS_ZERO=gate_padding_as_zero, RASTER=raster_rows is not None,
         FINE_RASTER=fine_raster, **_tile_constants(tiled // num_tiles, dim),
     )  # fmt: skip
@@ -393,7 +381,7 @@ def _combine(
     ``raster_rows`` (a tiling's ``tile_to_raster``) the output and the gate are in raster order,
     ``raster_len`` (T*H*W) tokens: padding slots are neither read from the gate nor written;
     ``fine`` is then in tile order, or with ``fine_raster`` in raster order too."""
-    fine, coarse = _head_dim_contiguous(fine), _head_dim_contiguous(coarse)
+    fine, coarse = head_dim_contiguous(fine), head_dim_contiguous(coarse)
     fine_raster = fine_raster and raster_rows is not None
     out = _combined_like(fine, raster_len if raster_rows is not None else 0)
     if not out.numel():
@@ -444,7 +432,7 @@ def _combine_backward(
     passes dout on); with ``raster_rows`` (dout, the gate and dgate in raster order) dout's
     tile-order form, ``tiled_len`` tokens, zero on padding, written from the same loads, or,
     with ``tiled_len`` 0 (the fine output was in raster order too), an empty tensor again."""
-    dout, coarse = _head_dim_contiguous(dout), _head_dim_contiguous(coarse)
+    dout, coarse = head_dim_contiguous(dout), head_dim_contiguous(coarse)
     batch, seq, heads, dim = dout.shape
     raster = raster_rows is not None
     fine_raster = raster and not tiled_len  # the fine output was raster: its gradient is dout
@@ -462,8 +450,8 @@ def _combine_backward(
         _kernels().combine_bwd_kernel[(num_tiles, batch * heads)](
             dout, coarse, gate_ref, dgate_ref, dcoarse, dfine_ref, valid_sizes,
             valid_sizes if raster_rows is None else raster_rows,
-            *_bshd_strides(dout), *_bshd_strides(coarse), *_gate_strides(gate),
-            *_bshd_strides(dgate_ref), *_bshd_strides(dcoarse), *_bshd_strides(dfine_ref),
+            *bshd_strides(dout), *bshd_strides(coarse), *gate_strides(gate),
+            *bshd_strides(dgate_ref), *bshd_strides(dcoarse), *bshd_strides(dfine_ref),
             heads, HAS_GATE=gate is not None, WRITE_DGATE=write_dgate,
             GATE_PADDING_AS_ZERO=gate_padding_as_zero, RASTER=raster, FINE_RASTER=fine_raster,
             **_tile_constants(tiled // num_tiles, dim),
@@ -489,12 +477,13 @@ def _(dout, coarse, gate, valid_sizes, gate_padding_as_zero, want_dgate, raster_
 
 
 def _combine_setup(ctx, inputs, output):
-    fine, coarse, gate, valid_sizes, gate_padding_as_zero, *raster = inputs
-    raster_rows = raster[0] if raster else None
+    fine, coarse, gate, valid_sizes, gate_padding_as_zero, *rest = inputs
+    # the trailing arguments, their defaults where a caller left them out
+    raster_rows, _raster_len, fine_raster = (*rest, *(None, 0, False)[len(rest) :])
     ctx.save_for_backward(coarse, gate, valid_sizes, raster_rows)
     ctx.gate_padding_as_zero = gate_padding_as_zero
-    fine_raster = len(raster) > 2 and raster[2] and raster[0] is not None
-    ctx.tiled_len = 0 if fine_raster else fine.shape[1]
+    # 0: the fine output was in raster order, so its gradient is dout itself (no copy)
+    ctx.tiled_len = 0 if fine_raster and raster_rows is not None else fine.shape[1]
 
 
 def _combine_grads(ctx, dout, backward):

@@ -20,6 +20,7 @@ from vsa_core.backends.custom_ops import (
 )
 from vsa_core.rotation import rotation_width
 from vsa_triton.config import backward_config, forward_config
+from vsa_triton.tensor_args import bshd_strides, gate_strides, head_dim_contiguous
 
 LOG2E = 1.0 / math.log(2.0)
 
@@ -35,15 +36,6 @@ def _interpreting() -> bool:
     from vsa_triton.environment import interpreting
 
     return interpreting()
-
-
-def _bshd_strides(t: torch.Tensor) -> tuple[int, int, int]:
-    """(batch, seq, head) strides of a [B, S, H, D] tensor."""
-    return t.stride(0), t.stride(1), t.stride(2)
-
-
-def _head_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def forward_impl(
@@ -102,13 +94,13 @@ def forward_combined_impl(
     token order, any stride 0; q, k, v in tile order, or in raster order with ``slot_rows``
     (see `forward_rows_impl`). The body of ``torch.ops.vsa_triton.fwd_combined``."""
     out, _ = _forward(q, k, v, kv_indices, kv_counts, kv_valid_sizes, scale, q_block, kv_block,
-                      slot_rows, _head_dim_contiguous(coarse), gate)  # fmt: skip
+                      slot_rows, head_dim_contiguous(coarse), gate)  # fmt: skip
     return out
 
 
 def _forward(q, k, v, kv_indices, kv_counts, kv_valid_sizes, scale, q_block, kv_block,
              slot_rows=None, coarse=None, gate=None):  # fmt: skip
-    q, k, v = (_head_dim_contiguous(t) for t in (q, k, v))
+    q, k, v = (head_dim_contiguous(t) for t in (q, k, v))
     batch, _, heads, dim = q.shape
     slots = _slots(q, slot_rows)
     out = torch.empty_like(q)
@@ -122,15 +114,14 @@ def _forward(q, k, v, kv_indices, kv_counts, kv_valid_sizes, scale, q_block, kv_
         kv_indices = rotate_lists(kv_indices, kv_counts, kv_valid_sizes.shape[0], width)
     cfg = forward_config(q_block, kv_block, dim)
     grid = (slots // q_block, batch * heads)
-    gate_strides = (0, 0, 0, 0) if gate is None else gate.stride()
     _kernels().fwd_kernel[grid](
         q, k, v, out, _or(lse, out),
         kv_indices, kv_counts, kv_valid_sizes,
         _or(slot_rows, kv_valid_sizes), _or(coarse, q), _or(gate, q),  # placeholders: unread
-        *_bshd_strides(q), *_bshd_strides(k), *_bshd_strides(v), *_bshd_strides(out),
+        *bshd_strides(q), *bshd_strides(k), *bshd_strides(v), *bshd_strides(out),
         kv_indices.stride(0), kv_indices.stride(1), kv_indices.stride(2),
         kv_counts.stride(0), kv_counts.stride(1),
-        *(_bshd_strides(coarse) if coarse is not None else (0, 0, 0)), *gate_strides,
+        *bshd_strides(coarse), *gate_strides(gate),
         heads, slots, scale * LOG2E,
         Q_BLOCK=q_block, KV_BLOCK=kv_block, TILE_N=cfg.tile, HEAD_DIM=dim,
         INTERPRET=_interpreting(), DUAL=cfg.dual, RASTER=slot_rows is not None,
@@ -244,7 +235,7 @@ def _backward(dout, q, k, v, out, lse, kv_indices, kv_counts, kv_valid_sizes, sc
               kv_block, slot_rows=None):  # fmt: skip
     from vsa_core.layout import transpose_kv_lists
 
-    dout, q, k, v, out = (_head_dim_contiguous(t) for t in (dout, q, k, v, out))
+    dout, q, k, v, out = (head_dim_contiguous(t) for t in (dout, q, k, v, out))
     batch, _, heads, dim = q.shape
     slots = lse.shape[-1]
     num_kv = kv_valid_sizes.shape[0]
@@ -258,7 +249,7 @@ def _backward(dout, q, k, v, out, lse, kv_indices, kv_counts, kv_valid_sizes, sc
     delta = torch.empty(batch, heads, slots, device=q.device, dtype=torch.float32)
     rows = 64
     kern.bwd_delta_kernel[(triton_cdiv(slots, rows), batch * heads)](
-        out, dout, delta, rows_map, *_bshd_strides(out), *_bshd_strides(dout), heads, slots,
+        out, dout, delta, rows_map, *bshd_strides(out), *bshd_strides(dout), heads, slots,
         ROWS=rows, HEAD_DIM=dim, RASTER=raster, num_warps=4,
     )  # fmt: skip
 
@@ -266,8 +257,8 @@ def _backward(dout, q, k, v, out, lse, kv_indices, kv_counts, kv_valid_sizes, sc
     kern.bwd_dkdv_kernel[(num_kv, batch * heads)](
         q, k, v, dout, lse, delta, dk, dv,
         lists.q_indices, lists.q_offsets, kv_valid_sizes, rows_map,
-        *_bshd_strides(q), *_bshd_strides(k), *_bshd_strides(v), *_bshd_strides(dout),
-        *_bshd_strides(dk), *_bshd_strides(dv),
+        *bshd_strides(q), *bshd_strides(k), *bshd_strides(v), *bshd_strides(dout),
+        *bshd_strides(dk), *bshd_strides(dv),
         lists.q_indices.stride(0), lists.q_indices.stride(1),
         lists.q_offsets.stride(0), lists.q_offsets.stride(1),
         heads, slots, scale * LOG2E, scale,
@@ -278,8 +269,8 @@ def _backward(dout, q, k, v, out, lse, kv_indices, kv_counts, kv_valid_sizes, sc
     kern.bwd_dq_kernel[(slots // q_block, batch * heads)](
         q, k, v, dout, lse, delta, dq,
         kv_indices, kv_counts, kv_valid_sizes, rows_map,
-        *_bshd_strides(q), *_bshd_strides(k), *_bshd_strides(v), *_bshd_strides(dout),
-        *_bshd_strides(dq),
+        *bshd_strides(q), *bshd_strides(k), *bshd_strides(v), *bshd_strides(dout),
+        *bshd_strides(dq),
         kv_indices.stride(0), kv_indices.stride(1), kv_indices.stride(2),
         kv_counts.stride(0), kv_counts.stride(1),
         heads, slots, scale * LOG2E, scale,
