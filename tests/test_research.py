@@ -170,3 +170,16 @@ def test_union_walk_model_counts_bytes_and_ring_stalls_by_hand():
     assert selected.tolist() == [[[True, False]]]
     members = ul.group_members((1, 2, 4), "hw4")
     assert members.tolist() == [[0, 1, 4, 5], [2, 3, 6, 7]]
+
+
+def test_triton_compile_probe_names_only_the_kernels_own_constexprs():
+    """Every variant `compile_sm90` would compile is built from the shipped configs and sets
+    only arguments its kernel has (a removed knob left behind fails here, without compiling)."""
+    _root_on_path()
+    from research.triton_kernels import compile_sm90
+
+    variants = compile_sm90.variants()
+    names = {name for name, *_ in variants}
+    assert {"fwd-64x64", "fwd-64x64-raster-combine-has_gate", "dq-64x64-raster"} <= names
+    for name, kernel, constexprs, _warps, _stages in variants:
+        assert set(constexprs) <= set(kernel.arg_names), name

@@ -31,7 +31,7 @@ def _signature(kernel, constexprs: dict, dtype: str, int64_ptrs: set[str]) -> tu
     """Triton signature and attributes for ``kernel``: float tensors in ``dtype``, index
     tensors int32 (int64 where named in ``int64_ptrs``), lse-like buffers float32."""
     float32_ptrs = {"Lse", "Delta"}
-    index_ptrs = {n for n in kernel.arg_names if n.endswith("_ptr")} | {"Rows", "Pattern"}
+    index_ptrs = {n for n in kernel.arg_names if n.endswith("_ptr")} | {"Rows"}
     signature, attrs = {}, {}
     for i, name in enumerate(kernel.arg_names):
         if name in constexprs:
@@ -103,37 +103,33 @@ def variants() -> list[tuple[str, object, dict, int, int]]:
         fc = forward_config(q_block, kv_block, 128)
         bc = backward_config(q_block, kv_block, 128)
         shape = f"{q_block}x{kv_block}"
+        base = {"Q_BLOCK": q_block, "KV_BLOCK": kv_block, "HEAD_DIM": 128, "INTERPRET": False}
         for extra in _layout_variants(kernels.fwd_kernel):
-            base = {"Q_BLOCK": q_block, "KV_BLOCK": kv_block, "HEAD_DIM": 128, "INTERPRET": False}
-            fwd = {**base, "TILE_N": fc.tile, "DUAL": fc.dual, "ROW_AHEAD": fc.row_ahead, **extra}
-            tag = "".join(
-                f"-{k.lower()}" + (str(v) if not isinstance(v, bool) else "")
-                for k, v in extra.items() if v is not False
-            )  # fmt: skip
-            found.append((f"fwd-{shape}{tag}", kernels.fwd_kernel, fwd, fc.num_warps,
+            found.append((f"fwd-{shape}{_tag(extra)}", kernels.fwd_kernel,
+                          {**base, "TILE_N": fc.tile, "DUAL": fc.dual, **extra}, fc.num_warps,
                           fc.num_stages))  # fmt: skip
         for extra in _layout_variants(kernels.bwd_dq_kernel):
-            base = {"Q_BLOCK": q_block, "KV_BLOCK": kv_block, "HEAD_DIM": 128, "INTERPRET": False}
-            tag = "".join(f"-{k.lower()}" for k, v in extra.items() if v)
-            found.append((f"dkdv-{shape}{tag}", kernels.bwd_dkdv_kernel,
+            found.append((f"dkdv-{shape}{_tag(extra)}", kernels.bwd_dkdv_kernel,
                           {**base, "TILE_M": bc.tile_dkdv, **extra}, bc.num_warps_dkdv,
                           bc.num_stages_dkdv))  # fmt: skip
-            found.append((f"dq-{shape}{tag}", kernels.bwd_dq_kernel,
+            found.append((f"dq-{shape}{_tag(extra)}", kernels.bwd_dq_kernel,
                           {**base, "TILE_N": bc.tile_dq, **extra}, bc.num_warps_dq,
                           bc.num_stages_dq))  # fmt: skip
     return found
 
 
+def _tag(extra: dict) -> str:
+    """The variant's name suffix: its flags that are on (``-raster-combine``)."""
+    return "".join(f"-{name.lower()}" for name, on in extra.items() if on)
+
+
 def _layout_variants(kernel) -> list[dict]:
-    """The token-placement variants a kernel compiles (none before RASTER existed)."""
+    """The token-placement variants a kernel compiles (none before RASTER existed). Commit
+    e450f8a also compiled the row-prefetch and pattern experiments (removed since)."""
     names = kernel.arg_names
     out = [{}]
     if "RASTER" in names:
         out = [{"RASTER": False}, {"RASTER": True}]
-    if "ROW_AHEAD" in names:
-        out = out + [{"RASTER": True, "ROW_AHEAD": a} for a in (0, 2)]
-    if "ROW_PATTERN" in names:
-        out = [*out, {"RASTER": True, "ROW_PATTERN": True}]
     if "COMBINE" in names:
         out = [{**v, "COMBINE": False, "HAS_GATE": False} for v in out] + [
             {**v, "COMBINE": True, "HAS_GATE": g} for v in out for g in (False, True)
