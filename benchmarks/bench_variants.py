@@ -7,15 +7,19 @@ run (the before and after of a change, at the same clock).
   and a separate combine pass.
 - ``triton_unfused``: the triton backend with only the fused combine turned off: it still
   reads raster rows (``copy_to_tiles=False``), then combines in a separate in-place pass.
+- ``fa4_unfused``: the fa4 backend without its fused combine (the 64x64 forward's combined
+  epilogue, `flash_attn_vsa.combine_sm90`): the forward, then the coarse stage's combine pass.
 """
 
 from __future__ import annotations
 
 COPYING_TRITON = "triton_copies"
 UNFUSED_TRITON = "triton_unfused"
+UNFUSED_FA4 = "fa4_unfused"
 _SWITCHED_OFF = {
-    COPYING_TRITON: {"reads_raster": False, "fuses_combine": False},
-    UNFUSED_TRITON: {"fuses_combine": False},
+    COPYING_TRITON: ("triton", {"reads_raster": False, "fuses_combine": False}),
+    UNFUSED_TRITON: ("triton", {"fuses_combine": False}),
+    UNFUSED_FA4: ("fa4", {"fuses_combine": False}),
 }
 
 
@@ -24,9 +28,13 @@ def register_variant(name: str) -> bool:
     if name not in _SWITCHED_OFF:
         return False
     from vsa_core.backends import register_backend
-    from vsa_triton.backend import TritonBackend
 
+    base_name, switched_off = _SWITCHED_OFF[name]
+    if base_name == "triton":
+        from vsa_triton.backend import TritonBackend as base
+    else:
+        from vsa_fa4.backend import FA4Backend as base
     # priority -1: auto never picks a variant
-    variant = type(name, (TritonBackend,), {"name": name, "priority": -1, **_SWITCHED_OFF[name]})
+    variant = type(name, (base,), {"name": name, "priority": -1, **switched_off})
     register_backend(variant())
     return True

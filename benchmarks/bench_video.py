@@ -80,6 +80,7 @@ import bench_run as brun
 import bench_timing as bt
 import bench_vsa
 import fastvideo_arm as fva
+from bench_variants import register_variant
 
 from vsa_core import BlockSparseLayout, VideoTiling, block_sparse_attn, video_sparse_attn
 from vsa_core.backends import AttentionCall, get_backend, select_backend
@@ -1792,6 +1793,8 @@ def start_doc(
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    for name in args.arms:
+        register_variant(name)  # a benchmark-only variant (`bench_variants`) named as an arm
     if args.sequence_parallel:
         return main_sequence_parallel(args, argv)
     replica = brun.replica_from_env()

@@ -1001,3 +1001,20 @@ def test_bench_common_is_a_facade_over_the_modules_that_own_the_harness():
     for script in BENCHMARKS.glob("*.py"):
         if script.name != "bench_common.py":
             assert "import bench_common" not in script.read_text(), script.name
+
+
+@pytest.mark.parametrize("name", ["triton_copies", "triton_unfused", "fa4_unfused"])
+def test_bench_variants_switch_off_only_their_capabilities(name):
+    import bench_variants
+
+    from vsa_core.backends import backend_entries
+    from vsa_fa4.backend import FA4Backend
+    from vsa_triton.backend import TritonBackend
+
+    assert bench_variants.register_variant(name)
+    assert not bench_variants.register_variant("not-a-variant")
+    variant = backend_entries()[name].backend
+    base = FA4Backend if name.startswith("fa4") else TritonBackend
+    assert isinstance(variant, base) and variant.priority == -1  # auto never picks it
+    assert not variant.fuses_combine and base.fuses_combine
+    assert variant.reads_raster == (name == "triton_unfused" and base.reads_raster)

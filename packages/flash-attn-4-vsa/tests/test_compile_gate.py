@@ -25,12 +25,15 @@ def test_configs_cover_what_the_adapter_uses():
 
             assert len(options) <= 1 and set(options) <= set(EXPERIMENTAL_CONFIGS), c.direction
         else:
-            assert all(o in cg.FORK_FORWARD_OPTIONS for o in options), c.direction
+            known = (*cg.FORK_FORWARD_OPTIONS, *cg.COMBINE_OPTIONS)
+            assert all(o in known for o in options), c.direction
     assert {c.direction.split("+")[0] for c in cg.CONFIGS} >= set(cg.FORK_FORWARDS)
     assert any(c.kernel == "FlashAttentionBackwardSm90KV64" for c in cg.CONFIGS)  # 128x64
     shipped_kv64 = "FlashAttentionBackwardSm90Dq2Parts1BuffersProducerTwoCtas"
     assert any(c.kernel == shipped_kv64 for c in cg.CONFIGS)
     assert any(c.kernel == "FlashAttentionForwardSm90TwoCtas" for c in cg.CONFIGS)
+    combined = "FlashAttentionForwardSm90TwoCtasQInRegistersCombinedGated"  # vsa-fa4 inference
+    assert any(c.kernel == combined for c in cg.CONFIGS)
     assert cg.HEAD_DIM == 128 and cg.DTYPE == "bfloat16"
 
 

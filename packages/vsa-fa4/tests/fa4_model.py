@@ -97,10 +97,22 @@ def _check_contiguous(lists) -> None:
 
 
 def run_forward(
-    q, k, v, out, lse, lists, kv_valid_sizes, scale, block_size, masked=True, variant=None
+    q,
+    k,
+    v,
+    out,
+    lse,
+    lists,
+    kv_valid_sizes,
+    scale,
+    block_size,
+    masked=True,
+    variant=None,
+    combine=None,
 ) -> None:
     """``vsa_fa4.launch.run_forward``'s semantics (``variant``, which kernel computes it, does
-    not change them)."""
+    not change them); with ``combine`` (coarse, gate) out is ``fine + gate * coarse[query
+    block]`` in float64 before rounding, and lse is not written (the launch requires None)."""
     _check_contiguous(lists)
     valid = kv_valid_sizes.cpu() if masked else None
     pairs = forward_pairs(lists, valid, block_size, q.shape[1], k.shape[1])
@@ -112,7 +124,15 @@ def run_forward(
     probs = torch.where(pairs, torch.exp(scores - row_max), 0.0)
     denom = probs.sum(-1, keepdim=True)
     result = torch.matmul(probs, vd) / torch.where(seen, denom, 1.0)
-    out.copy_(result.permute(0, 2, 1, 3).to(out.dtype))
+    result = result.permute(0, 2, 1, 3)  # [B, S, H, D]
+    if combine is not None:
+        assert lse is None and tuple(block_size) == (64, 64)
+        coarse, gate = combine
+        rows = coarse.double().repeat_interleave(block_size[0], dim=1)
+        result = result + (rows if gate is None else gate.double() * rows)
+        out.copy_(result.to(out.dtype))
+        return
+    out.copy_(result.to(out.dtype))
     lse.copy_(torch.where(seen, row_max + torch.log(denom), float("-inf")).squeeze(-1))
 
 

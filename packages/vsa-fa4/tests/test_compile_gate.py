@@ -17,6 +17,7 @@ from vsa_fa4.schedule import make_plan
 
 TESTED = [
     "fwd-64x64",
+    "fwd-64x64-combined",
     "fwd-64x64-paired",
     "fwd-256x256",
     "bwd-128x128",

@@ -333,7 +333,64 @@ def test_video_sparse_attn_inference_with_partial_tiles():
         # Same bf16 inputs: the coarse stage selects the same tiles; the reference's fine
         # attention computes in float32.
         ref = video_sparse_attn(q, k, v, tiling=tiling, topk=7, backend="reference")
+        # with a per-token gate (the combine in fa4's epilogue, gated)
+        gate = tiling.to_tiles(torch.randn_like(x[0]))
+        gated = video_sparse_attn(q, k, v, tiling=tiling, topk=7, backend="fa4", coarse_gate=gate)
+        gated_ref = video_sparse_attn(
+            q, k, v, tiling=tiling, topk=7, backend="reference", coarse_gate=gate
+        )
     assert rel_l2(out, ref) <= 1e-2
+    assert rel_l2(gated, gated_ref) <= 1e-2
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or _capability() != (9, 0), reason="the fork's kernels: sm_90"
+)
+@pytest.mark.parametrize("gated", ["none", "token", "head"])
+def test_combined_forward_matches_the_reference(gated):
+    """The 64x64 forward with VSA's combine in its epilogue (flash_attn_vsa.combine_sm90):
+    fine + gate * coarse[query block] against the float32 reference, three calls on new
+    inputs each (compiled, recorded, replayed: the replay must take the new operands)."""
+    layout = make_layout((64, 64))
+    plan = make_plan(layout.block_shape)
+    for seed in range(3):
+        q, k, v = make_inputs(layout, seed=seed, requires_grad=False)
+        gen = torch.Generator(device="cuda").manual_seed(100 + seed)
+        coarse = (
+            torch.randn(
+                1,
+                layout.num_q_blocks,
+                HEADS,
+                128,
+                device="cuda",
+                generator=gen,
+                dtype=torch.bfloat16,
+            )
+            .transpose(1, 2)
+            .contiguous()
+            .transpose(1, 2)
+        )
+        gate = None
+        if gated == "token":
+            gate = torch.randn(q.shape, device="cuda", generator=gen, dtype=torch.bfloat16)
+        elif gated == "head":
+            gate = torch.randn(HEADS, 1, device="cuda", generator=gen,
+                               dtype=torch.bfloat16).expand(q.shape)  # fmt: skip
+        out = ops.attention_combined(
+            q, k, v, layout.kv_indices, layout.kv_counts, layout.kv_valid_sizes, 128**-0.5,
+            plan, coarse, gate,
+        )  # fmt: skip
+        fine, _, _ = reference(q, k, v, layout)
+        rows = coarse.float().repeat_interleave(64, dim=1)
+        want = fine + (rows if gate is None else gate.float() * rows)
+        assert torch.isfinite(out).all() and out.dtype == torch.bfloat16
+        assert rel_l2(out, want) <= 1e-2, (seed, rel_l2(out, want))
+        # the same as the forward then the combine, to bf16 rounding (rounded once here)
+        unfused, _ = ops.attention(
+            q, k, v, layout.kv_indices, layout.kv_counts, layout.kv_valid_sizes, 128**-0.5, plan
+        )
+        unfused = unfused.float() + (rows if gate is None else gate.float() * rows)
+        assert (out.float() - unfused).abs().max().item() <= 0.02 * want.abs().max().item()
 
 
 # ---- torch.compile and CUDA graphs -------------------------------------------------------------

@@ -328,3 +328,72 @@ def test_backward_on_rotated_lists_matches_the_reference(fa4_model, monkeypatch,
     ]
     assert any(rotated)
     assert_close(got, want)
+
+
+def combined_inputs(layout: BlockSparseLayout, gated: str):
+    """Detached q, k, v, a coarse output per query block and a gate: None, per token, or per
+    head broadcast over tokens and channels (strides 0, as vsa-core hands a [H] gate over)."""
+    q, k, v = (t.detach() for t in inputs(layout))
+    gen = torch.Generator().manual_seed(3)
+    coarse = torch.randn(layout.batch, layout.num_q_blocks, HEADS, DIM, generator=gen,
+                         dtype=q.dtype)  # fmt: skip
+    gate = None
+    if gated == "token":
+        gate = torch.randn(q.shape, generator=gen, dtype=q.dtype)
+    elif gated == "head":
+        gate = torch.randn(HEADS, 1, generator=gen, dtype=q.dtype).expand(q.shape)
+    return q, k, v, coarse, gate
+
+
+@pytest.mark.parametrize("gated", ["none", "token", "head"])
+@pytest.mark.parametrize("block_shape", [(64, 64), (128, 128), "paired"])
+def test_combined_forward_is_fine_plus_gated_coarse(fa4_model, monkeypatch, block_shape, gated):
+    """fine + gate * coarse[query block]: in the 64x64 forward's epilogue (the launch gets the
+    operands and no lse), elsewhere the forward then an in-place multiply-add; both equal the
+    reference's fine output plus the product."""
+    calls = []
+    original = fa4_model.run_forward
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("combine") is not None)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(launch, "run_forward", spy)
+    layout = counted_layout((128, 64)).refine((64, 64)) if block_shape == "paired" else (
+        counted_layout(block_shape))  # fmt: skip
+    plan = make_plan(layout.block_shape, layout.q_group_size, layout.num_q_blocks)
+    q, k, v, coarse, gate = combined_inputs(layout, gated)
+    scale = DIM**-0.5
+    got = ops.attention_combined(
+        q, k, v, layout.kv_indices, layout.kv_counts, layout.kv_valid_sizes, scale, plan,
+        coarse, gate, layout.q_group_size, layout.kv_blocks_full,
+    )  # fmt: skip
+    fine, _ = reference_block_sparse_attn(q, k, v, layout, scale)
+    rows = coarse.repeat_interleave(layout.q_block, dim=1)
+    want = fine + (rows if gate is None else gate * rows)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    assert calls == [plan.block_size == (64, 64)]  # the epilogue exactly where it runs
+
+
+def test_opcheck_combined_forward_op(fa4_model):
+    layout = counted_layout((64, 64))
+    q, k, v, coarse, gate = combined_inputs(layout, "token")
+    lists = (layout.kv_indices, layout.kv_counts, layout.kv_valid_sizes)
+    checks = ("test_schema", "test_faketensor")
+    for g in (gate, None):
+        args = (q, k, v, *lists, coarse, g, DIM**-0.5)
+        torch.library.opcheck(ops.block_sparse_fwd_combined, args, test_utils=checks)
+
+
+def test_combined_launch_refuses_what_its_kernel_cannot_run():
+    from vsa_fa4.metadata import unmasked_forward_lists
+
+    layout = counted_layout((128, 128))
+    q, k, v, coarse, _ = combined_inputs(layout, "none")
+    lists = unmasked_forward_lists(layout.kv_indices, layout.kv_counts, 7)
+    out = torch.empty_like(q)
+    common = (lists, layout.kv_valid_sizes, 0.1, (128, 128), False)
+    with pytest.raises(ValueError, match="two-CTA 64x64"):
+        launch.run_forward(q, k, v, out, None, *common, combine=(coarse, None))
+    with pytest.raises(ValueError, match="lse must be None"):
+        launch.run_forward(q, k, v, out, torch.empty(1), *common, combine=(coarse, None))

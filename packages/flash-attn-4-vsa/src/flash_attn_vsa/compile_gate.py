@@ -102,6 +102,21 @@ CONFIGS: tuple[GateConfig, ...] = (
         "runs for 64x64 forwards)",
     ),
     GateConfig(
+        "fwd-sparse-q64-kv64-two-ctas-q-in-registers-combined",
+        "fwd-q64+q-regs+combine",
+        (64, 64),
+        "FlashAttentionForwardSm90TwoCtasQInRegistersCombined",
+        "the same with VSA's combine (fine + coarse) in its epilogue, no lse "
+        "(flash_attn_vsa.combine_sm90; vsa-fa4's inference forward without a gate)",
+    ),
+    GateConfig(
+        "fwd-sparse-q64-kv64-two-ctas-q-in-registers-combined-gated",
+        "fwd-q64+q-regs+combine-gated",
+        (64, 64),
+        "FlashAttentionForwardSm90TwoCtasQInRegistersCombinedGated",
+        "the same with the gate (fine + gate * coarse; vsa-fa4's inference forward)",
+    ),
+    GateConfig(
         "fwd-sparse-q128-kv64-paired",
         "fwd-paired",
         (128, 128),
@@ -462,7 +477,9 @@ FORK_FORWARDS = {
     "fwd-streams": ("experimental.fwd_sm90_streams", "block_sparse_forward_streams", True),
 }
 FORK_FORWARD_OPTIONS = {"q-regs": "q_in_registers", "persistent": "persistent"}
-"""A fork forward's direction is ``KIND[+OPTION...]``: the options are its variants."""
+"""A fork forward's direction is ``KIND[+OPTION...]``: the options are its variants, or
+`COMBINE_OPTIONS` (the combine's operands, fake tensors)."""
+COMBINE_OPTIONS = ("combine", "combine-gated")
 
 
 def _fork_forward(direction: str, q: Any, k: Any, v: Any, sparse: Any) -> None:
@@ -473,7 +490,13 @@ def _fork_forward(direction: str, q: Any, k: Any, v: Any, sparse: Any) -> None:
     kind, *options = direction.split("+")
     module, entry, takes_valid = FORK_FORWARDS[kind]
     run = getattr(importlib.import_module(f"flash_attn_vsa.{module}"), entry)
-    variants = {FORK_FORWARD_OPTIONS[o]: True for o in options}
+    variants: dict[str, Any] = {
+        FORK_FORWARD_OPTIONS[o]: True for o in options if o not in COMBINE_OPTIONS
+    }
+    if set(options) & set(COMBINE_OPTIONS):
+        variants["coarse"] = q.new_empty((BATCH, SEQLEN // 64, HEADS, HEAD_DIM))
+        if "combine-gated" in options:
+            variants["gate"] = torch.empty_like(q)
     valid = (torch.empty(SEQLEN // 64, dtype=torch.int32, device="cuda"),) if takes_valid else ()
     run(q, k, v, sparse, *valid, softmax_scale=HEAD_DIM**-0.5, **variants)
 

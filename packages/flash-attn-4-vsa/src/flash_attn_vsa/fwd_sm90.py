@@ -113,7 +113,8 @@ KINDS = (TWO_CTAS, PAIRED_KEYS, TWO_STREAMS)
 class ForwardKernel:
     """One of the fork's sm_90 forward kernels, as its entry point has upstream build it:
     ``kind`` (one of `KINDS`), with Q in registers for QK^T (delta 5, `q_regs_sm90`) or not,
-    and on persistent CTAs (delta 7, `experimental.persistent_sm90`): ``persistent`` True for
+    with VSA's combine in its epilogue (``combine``, delta 8, `combine_sm90`: "" for none) or
+    not, and on persistent CTAs (delta 7, `experimental.persistent_sm90`): ``persistent`` True for
     as many as the GPU holds at once, a positive int for that many (tests use a few, so that
     each walks many tiles), False for one CTA per tile (upstream's launch). Stored as the
     number of CTAs (0: not persistent), so that equal kernels compare and hash equal."""
@@ -121,11 +122,21 @@ class ForwardKernel:
     kind: str
     q_in_registers: bool = False
     persistent: int = 0
+    combine: str = ""
     direction: ClassVar[str] = "fwd"  # what `build_scope.current` tells apart
 
     def __post_init__(self) -> None:
+        from flash_attn_vsa.combine_sm90 import COMBINE_KINDS
+
         if self.kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
+        if self.combine not in COMBINE_KINDS:
+            raise ValueError(f"combine must be one of {COMBINE_KINDS}, got {self.combine!r}")
+        if self.combine and (self.kind != TWO_CTAS or self.persistent):
+            raise ValueError(
+                "the combined epilogue runs in the two-CTA 64x64 kernel only (one query block "
+                f"a CTA), not in {self.kind!r}{' on persistent CTAs' if self.persistent else ''}"
+            )
         if not isinstance(self.persistent, int) or self.persistent < 0:
             raise ValueError(
                 f"persistent must be a bool or a positive number of CTAs, got {self.persistent!r}"
@@ -168,6 +179,10 @@ class ForwardKernel:
             from flash_attn_vsa.experimental.persistent_sm90 import with_persistent_tiles
 
             cls = with_persistent_tiles(cls)
+        if self.combine:
+            from flash_attn_vsa.combine_sm90 import GATED, with_combined_epilogue
+
+            cls = with_combined_epilogue(cls, self.combine == GATED)
         return cls
 
     def mask_class(self) -> type | None:
@@ -266,6 +281,8 @@ def block_sparse_forward_q64(
     q_in_registers: bool = False,
     persistent: bool | int = False,
     replay: bool = True,
+    coarse: Any = None,
+    gate: Any = None,
 ) -> tuple[Any, Any]:
     """Block-sparse attention forward on sm_90 with 64x64 sparse blocks, two CTAs per SM.
 
@@ -280,12 +297,25 @@ def block_sparse_forward_q64(
     in registers and without persistent CTAs unless asked otherwise. ``replay``: after the first
     calls of a description, replay what upstream's launcher did on the device without its
     per-call Python (`launch_replay`); False runs upstream's launcher every call.
+    ``coarse`` [B, S / 64, H, D] (and ``gate``, like ``out``, any stride 0; None: 1): the
+    output is ``fine + gate * coarse[query block]``, added in the epilogue (delta 8,
+    `combine_sm90`); no log-sum-exp is computed then (``lse`` must be None: the combined
+    output is an inference output) and the returned lse is None.
     """
     from flash_attn_vsa import launch_replay
 
     check_call(q, k, v, tuple(block_sparse_tensors.block_size or ()))
+    combine = ""
+    if coarse is not None:
+        from flash_attn_vsa.combine_sm90 import check_operands, combine_operands
+
+        check_operands(q, v, coarse, gate, lse)
+        combine, operands = combine_operands(coarse, gate)
+        aux_tensors = [*(aux_tensors or ()), *operands]
+    elif gate is not None:
+        raise ValueError("gate needs coarse (the combine's other operand)")
     return launch_replay.forward(
-        ForwardKernel(TWO_CTAS, q_in_registers, persistent), _building, q, k, v,
+        ForwardKernel(TWO_CTAS, q_in_registers, persistent, combine), _building, q, k, v,
         block_sparse_tensors, softmax_scale=softmax_scale, mask_mod=mask_mod,
-        aux_tensors=aux_tensors, out=out, lse=lse, replay=replay,
+        aux_tensors=aux_tensors, out=out, lse=lse, replay=replay, return_lse=not combine,
     )  # fmt: skip

@@ -459,11 +459,12 @@ def forward(
     out: Any,
     lse: Any,
     replay: bool,
+    return_lse: bool = True,
 ) -> tuple[Any, Any]:
     """A forward entry point's launch: upstream's ``_flash_attn_fwd`` inside
     ``building(kernel)`` (the entry point's scope of its `fwd_sm90.ForwardKernel`), replayed
     from `FORWARDS` after the first calls of a description unless ``replay`` is False.
-    Returns ``(out, lse)``."""
+    Returns ``(out, lse)`` (lse None when ``return_lse`` is False and none is given)."""
     from flash_attn.cute.interface import _flash_attn_fwd
 
     def upstream() -> tuple[Any, Any]:
@@ -471,13 +472,13 @@ def forward(
             result = _flash_attn_fwd(
                 q, k, v, softmax_scale=softmax_scale, mask_mod=mask_mod,
                 aux_tensors=aux_tensors, block_sparse_tensors=block_sparse_tensors,
-                return_lse=True, out=out, lse=lse,
+                return_lse=return_lse, out=out, lse=lse,
             )  # fmt: skip
         return result[0], result[1]
 
     tensors = forward_tensors(q, k, v, block_sparse_tensors, aux_tensors, out, lse)
     key = (kernel, tuple(block_sparse_tensors.block_size or ()), softmax_scale, mask_mod,
-           len(aux_tensors or ()))  # fmt: skip
+           len(aux_tensors or ()), return_lse)  # fmt: skip
     return FORWARDS.run(key, tensors, upstream, enabled=replay)
 
 

@@ -138,6 +138,7 @@ class FA4Backend(Backend):
     priority: ClassVar[int] = 20
     key_padding_safe: ClassVar[bool] = False  # see the module doc
     handles_deterministic: ClassVar[bool] = True  # forward only: see the module doc
+    fuses_combine: ClassVar[bool] = True  # in the 64x64 forward's epilogue, else a second pass
 
     def __init__(
         self, schedule: str = "auto", kernels: KernelChoice | None = None, name: str | None = None
@@ -238,6 +239,24 @@ class FA4Backend(Backend):
         return attention(
             q, k, v, layout.kv_indices, layout.kv_counts, layout.kv_valid_sizes, scale, plan,
             layout.q_group_size, layout.kv_blocks_full, self.kernels,
+        )  # fmt: skip
+
+    def forward_combined(self, q, k, v, layout, scale, coarse, gate, slot_rows=None):
+        """VSA's ``fine + gate * coarse`` for inference: in the 64x64 forward's epilogue
+        (`flash_attn_vsa.combine_sm90`), on other plans the forward and one in-place
+        multiply-add (`vsa_fa4.ops.attention_combined`). Tile order only (``slot_rows`` must
+        be None: fa4 does not read raster rows)."""
+        from vsa_fa4.ops import attention_combined
+
+        if slot_rows is not None:
+            raise ValueError("the fa4 backend reads tile order only (slot_rows must be None)")
+        plan = _checked_plan(
+            self.schedule, q.device, q.dtype, q.shape[-1], layout.block_shape,
+            layout.q_group_size, layout.num_q_blocks, False,
+        )  # fmt: skip
+        return attention_combined(
+            q, k, v, layout.kv_indices, layout.kv_counts, layout.kv_valid_sizes, scale, plan,
+            coarse, gate, layout.q_group_size, layout.kv_blocks_full, self.kernels,
         )  # fmt: skip
 
 

@@ -54,7 +54,7 @@ ENV_PREFIX = "vsa-fa4-compile-gate-env "
 @dataclass(frozen=True)
 class GateConfig:
     name: str
-    direction: str  # "fwd" or "bwd"
+    direction: str  # "fwd", "bwd" or "fwd-combined" (inference with VSA's gated combine)
     block_shape: tuple[int, int]  # logical
     schedule: str
     physical: tuple[int, int]  # the physical sparse block the plan must produce
@@ -66,6 +66,10 @@ CONFIGS: tuple[GateConfig, ...] = (
     GateConfig(  # shipped with Q in registers (vsa_fa4.launch.Q_IN_REGISTERS_WHERE_FASTER)
         "fwd-64x64", "fwd", (64, 64), "native", (64, 64),
         "FlashAttentionForwardSm90TwoCtasQInRegisters",
+    ),
+    GateConfig(  # inference: VSA's combine in the epilogue (flash_attn_vsa.combine_sm90)
+        "fwd-64x64-combined", "fwd-combined", (64, 64), "native", (64, 64),
+        "FlashAttentionForwardSm90TwoCtasQInRegistersCombinedGated",
     ),
     GateConfig(
         "fwd-64x64-paired", "fwd", (64, 64), "paired", (128, 64),
@@ -148,7 +152,7 @@ def _compile_one(config: GateConfig, counter: _Counter) -> GateResult:
         import torch
 
         from vsa_fa4.metadata import physical_lists
-        from vsa_fa4.ops import backward_impl, forward_impl
+        from vsa_fa4.ops import backward_impl, forward_combined_impl, forward_impl
         from vsa_fa4.schedule import make_plan
 
         q_block, kv_block = config.block_shape
@@ -163,6 +167,11 @@ def _compile_one(config: GateConfig, counter: _Counter) -> GateResult:
             valid = torch.zeros(num_kv, **i32)
             phys = physical_lists(kv_indices, kv_counts, valid, plan, 2)
             args = (*phys, HEAD_DIM**-0.5, *plan.block_size, config.masked)
+            if config.direction == "fwd-combined":
+                coarse = q.new_empty((BATCH, num_q, HEADS, HEAD_DIM))
+                combined = (coarse, torch.empty_like(q), HEAD_DIM**-0.5, config.masked)
+                forward_combined_impl(q, k, v, *phys, *combined)
+                return
             out, lse = forward_impl(q, k, v, *args)
             if config.direction == "bwd":
                 backward_impl(torch.empty_like(out), q, k, v, out, lse, *args)

@@ -200,13 +200,14 @@ def run_forward(
     k: torch.Tensor,
     v: torch.Tensor,
     out: torch.Tensor,
-    lse: torch.Tensor,
+    lse: torch.Tensor | None,
     lists: SparseLists,
     kv_valid_sizes: torch.Tensor,
     scale: float,
     block_size: tuple[int, int],
     masked: bool = True,
     variant: ForwardVariant = SHIPPED_FORWARD,
+    combine: tuple[torch.Tensor, torch.Tensor | None] | None = None,
 ) -> None:
     """FA4 block-sparse forward into ``out`` [B, Sq, H, D] and ``lse`` [B, H, Sq] (float32).
 
@@ -215,9 +216,22 @@ def run_forward(
     an H200); 128x64 blocks at head dim 128 on sm_90 to the fork's paired-key kernel
     (`fwd_sm90_paired`); everything else to upstream's ``_flash_attn_fwd``. ``variant`` picks
     the fork's experimental kernels where they fit (handed to the fork's entry points as their
-    arguments, `ForwardVariant.kernel_options`)."""
+    arguments, `ForwardVariant.kernel_options`).
+
+    ``combine`` (coarse [B, Sq / 64, H, D], gate like ``out`` or None): ``out`` receives VSA's
+    ``fine + gate * coarse[query block]`` from the two-CTA kernel's epilogue and no lse is
+    written (``lse`` must be None); only where `combines_in_epilogue` holds."""
     if not isinstance(variant, ForwardVariant):
         raise ValueError(f"variant must be a ForwardVariant, got {variant!r}")
+    if combine is not None:
+        if lse is not None:
+            raise ValueError("lse must be None with combine (the combined forward writes none)")
+        if not combines_in_epilogue(q, kv_valid_sizes, block_size, variant):
+            raise ValueError(
+                "combine runs in the two-CTA 64x64 forward only (combines_in_epilogue)"
+            )
+        _run_combined(q, k, v, out, lists, kv_valid_sizes, scale, masked, variant, combine)
+        return
     if _pairs_keys(q, lists, kv_valid_sizes, block_size):
         # 128-key tiles of packed pairs; the pair mask handles partial blocks and odd tails,
         # so ``masked`` does not matter here
@@ -260,6 +274,36 @@ def run_forward(
         launch_replay.forward(
             launch_replay.UPSTREAM_KERNELS, launch_replay.no_scope, q, k, v, tensors,
             softmax_scale=scale, **masking, out=out, lse=lse, replay=True,
+        )  # fmt: skip
+
+
+def combines_in_epilogue(
+    q: torch.Tensor,
+    kv_valid_sizes: torch.Tensor,
+    block_size: tuple[int, int],
+    variant: ForwardVariant = SHIPPED_FORWARD,
+) -> bool:
+    """Whether `run_forward` can add VSA's combine in the forward's epilogue for this call: the
+    fork's two-CTA 64x64 kernel runs it (`flash_attn_vsa.combine_sm90`), not on persistent
+    CTAs and not where the variant runs the two-stream kernel instead."""
+    return (
+        tuple(block_size) == (64, 64)
+        and not variant.persistent
+        and not (variant.two_streams and _runs_two_streams(q, kv_valid_sizes, block_size))
+    )
+
+
+def _run_combined(q, k, v, out, lists, kv_valid_sizes, scale, masked, variant, combine):
+    """The two-CTA 64x64 forward with the combine in its epilogue (see `run_forward`)."""
+    from flash_attn_vsa.fwd_sm90 import block_sparse_forward_q64
+
+    tensors_cls, mask_mod = _upstream()
+    masking = _masking(mask_mod, kv_valid_sizes, (64, 64), masked)
+    coarse, gate = combine
+    with _on_device(q.device):
+        block_sparse_forward_q64(
+            q, k, v, _block_sparse(tensors_cls, lists, (64, 64)), softmax_scale=scale,
+            **masking, out=out, coarse=coarse, gate=gate, **variant.kernel_options("two_ctas"),
         )  # fmt: skip
 
 

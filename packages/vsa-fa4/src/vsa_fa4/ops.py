@@ -23,7 +23,11 @@ from __future__ import annotations
 
 import torch
 
-from vsa_core.backends.custom_ops import block_sparse_eager, register_block_sparse_autograd
+from vsa_core.backends.custom_ops import (
+    EagerOrOp,
+    block_sparse_eager,
+    register_block_sparse_autograd,
+)
 from vsa_core.rotation import rotation_width
 from vsa_fa4 import launch
 from vsa_fa4.metadata import (
@@ -87,6 +91,47 @@ def _(
     kernels="",
 ):  # fmt: skip
     return _bshd(q, v.shape[-1]), _lse(q)
+
+
+def forward_combined_impl(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_counts: torch.Tensor,
+    kv_valid_sizes: torch.Tensor,
+    coarse: torch.Tensor,
+    gate: torch.Tensor | None,
+    scale: float,
+    masked: bool = True,
+    kernels: str = "",
+) -> torch.Tensor:
+    """VSA's output ``fine + gate * coarse[query block]`` from the 64x64 forward with the
+    combine in its epilogue (`vsa_fa4.launch.combines_in_epilogue`), no gradients and no lse:
+    ``coarse`` [B, Sq / 64, H, D], ``gate`` like the output (any stride 0) or None (1); the
+    other arguments as `forward_impl`'s at 64x64 physical blocks. The body of
+    ``torch.ops.vsa_fa4.fwd_combined``."""
+    out = _bshd(q, v.shape[-1])
+    if masked:
+        lists = forward_lists(kv_indices, kv_counts, kv_valid_sizes, 64)
+    else:
+        lists = unmasked_forward_lists(kv_indices, kv_counts, kv_valid_sizes.shape[0])
+    launch.run_forward(
+        q, k, v, out, None, lists, kv_valid_sizes.contiguous(), scale, (64, 64), masked,
+        variant=launch.KernelChoice.decode(kernels).forward, combine=(coarse, gate),
+    )  # fmt: skip
+    return out
+
+
+block_sparse_fwd_combined = torch.library.custom_op(
+    "vsa_fa4::fwd_combined", forward_combined_impl, mutates_args=()
+)
+
+
+@block_sparse_fwd_combined.register_fake
+def _(q, k, v, kv_indices, kv_counts, kv_valid_sizes, coarse, gate, scale, masked=True,
+      kernels=""):  # fmt: skip
+    return _bshd(q, v.shape[-1])
 
 
 DQ_ACCUM_BUDGET_BYTES = 512 << 20
@@ -187,3 +232,56 @@ def attention(
         q, k, v, kv_indices, kv_counts, kv_valid_sizes, scale, plan.q_tile, plan.kv_tile,
         not kv_blocks_full, kernels.encode(),
     )  # fmt: skip
+
+
+_combined_eager_or_op = EagerOrOp(block_sparse_fwd_combined, forward_combined_impl)
+
+
+def attention_combined(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_counts: torch.Tensor,
+    kv_valid_sizes: torch.Tensor,
+    scale: float,
+    plan: Plan,
+    coarse: torch.Tensor,
+    gate: torch.Tensor | None,
+    q_group_size: int = 1,
+    kv_blocks_full: bool = False,
+    kernels: launch.KernelChoice = launch.SHIPPED,
+) -> torch.Tensor:
+    """`attention` with VSA's combine, no gradients: ``fine + gate * coarse[query block]``
+    (``coarse`` [B, NQ, H, D] of the logical query blocks, ``gate`` like q or None). In the
+    forward's epilogue where the plan runs the 64x64 forward that takes it
+    (`vsa_fa4.launch.combines_in_epilogue`), else the forward then one in-place multiply-add."""
+    if plan.q_merge == 1 and launch.combines_in_epilogue(
+        q, kv_valid_sizes, plan.block_size, kernels.forward
+    ):
+        kv_indices, kv_counts, kv_valid_sizes = physical_lists(
+            kv_indices, kv_counts, kv_valid_sizes, plan, q_group_size
+        )
+        return _combined_eager_or_op(
+            q, k, v, kv_indices, kv_counts, kv_valid_sizes, coarse, gate, scale,
+            not kv_blocks_full, kernels.encode(),
+        )  # fmt: skip
+    out, _ = attention(
+        q, k, v, kv_indices, kv_counts, kv_valid_sizes, scale, plan, q_group_size,
+        kv_blocks_full, kernels,
+    )  # fmt: skip
+    return add_gated_coarse_(out, coarse, gate)
+
+
+def add_gated_coarse_(
+    out: torch.Tensor, coarse: torch.Tensor, gate: torch.Tensor | None
+) -> torch.Tensor:
+    """``out += gate * coarse[query block]`` in place (out [B, NQ * T, H, D], coarse [B, NQ,
+    H, D]; gate like out or None: 1), for plans whose kernel has no combined epilogue."""
+    tiles = out.unflatten(1, (coarse.shape[1], -1))
+    rows = coarse.unsqueeze(2)
+    if gate is None:
+        tiles.add_(rows)
+    else:
+        tiles.addcmul_(gate.unflatten(1, (coarse.shape[1], -1)), rows)
+    return out
