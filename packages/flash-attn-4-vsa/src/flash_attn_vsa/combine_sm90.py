@@ -1,4 +1,4 @@
-"""VSA's combine in the forward's epilogue on Hopper (sm_90): the fork's eighth delta.
+"""VSA's combine in the forward's epilogue on Hopper (sm_90): the fork's ninth delta.
 
 VSA's output is ``fine + gate * coarse[query block]``: the block-sparse attention's output plus
 the coarse attention's (one row per 64-token query block, broadcast over its rows), weighted by

@@ -113,7 +113,7 @@ KINDS = (TWO_CTAS, PAIRED_KEYS, TWO_STREAMS)
 class ForwardKernel:
     """One of the fork's sm_90 forward kernels, as its entry point has upstream build it:
     ``kind`` (one of `KINDS`), with Q in registers for QK^T (delta 5, `q_regs_sm90`) or not,
-    with VSA's combine in its epilogue (``combine``, delta 8, `combine_sm90`: "" for none) or
+    with VSA's combine in its epilogue (``combine``, delta 9, `combine_sm90`: "" for none) or
     not, and on persistent CTAs (delta 7, `experimental.persistent_sm90`): ``persistent`` True for
     as many as the GPU holds at once, a positive int for that many (tests use a few, so that
     each walks many tiles), False for one CTA per tile (upstream's launch). Stored as the
@@ -298,7 +298,7 @@ def block_sparse_forward_q64(
     calls of a description, replay what upstream's launcher did on the device without its
     per-call Python (`launch_replay`); False runs upstream's launcher every call.
     ``coarse`` [B, S / 64, H, D] (and ``gate``, like ``out``, any stride 0; None: 1): the
-    output is ``fine + gate * coarse[query block]``, added in the epilogue (delta 8,
+    output is ``fine + gate * coarse[query block]``, added in the epilogue (delta 9,
     `combine_sm90`); no log-sum-exp is computed then (``lse`` must be None: the combined
     output is an inference output) and the returned lse is None.
     """

@@ -176,6 +176,16 @@ DELTAS: tuple[Delta, ...] = (
         "buffer, sent by the producer warp); other `DqStaging` forms only when passed "
         "(`run_backward(config=...)`)",
     ),
+    Delta(
+        9,
+        "combine_sm90",
+        "VSA's combine in the forward's epilogue",
+        "flash_attn.cute.flash_fwd.FlashAttentionForwardBase",
+        "shipped",
+        "`run_forward(combine=...)`: inference 64x64 forwards of the whole op "
+        "(`vsa_fa4.ops.attention_combined`; on an H200 the epilogue costs nothing measurable and "
+        "saves the 0.09 / 0.88 ms combine pass at Wan 480p / 720p)",
+    ),
 )
 """Every kernel delta, by number."""
 

@@ -212,7 +212,8 @@ SYMBOLS: tuple[Symbol, ...] = (
         "flash_attn.cute.flash_fwd",
         "FlashAttentionForwardBase",
         "base of the forward kernels: FlashAttentionForwardSm90 passes its arguments on to it; "
-        "persistent_sm90 relies on its epilogue's O store waiting for its reads",
+        "persistent_sm90 relies on its epilogue's O store waiting for its reads; "
+        "combine_sm90 overrides epilogue (by its parameters) and adds to acc_O before it",
         methods=("__init__", "epilogue"),
         source=True,
     ),
@@ -222,7 +223,8 @@ SYMBOLS: tuple[Symbol, ...] = (
         "the Hopper forward kernel class fwd_sm90 subclasses (its register split is set in "
         "__call__ before _setup_attributes, which the subclass overrides, and __call__ "
         "launches through self.kernel(...).launch(min_blocks_per_mp=...)); q_regs_sm90 "
-        "overrides _get_tiled_mma and wraps mma (by its parameter names); persistent_sm90 "
+        "overrides _get_tiled_mma and wraps mma (by its parameter names), combine_sm90 wraps "
+        "mma too (reads its aux_data, the launcher's aux tensors in order); persistent_sm90 "
         "extends _get_shared_storage_cls with an O buffer, which kernel's sO (the one tensor "
         "it makes on storage.sQ with a dtype) is redirected to",
         methods=(
