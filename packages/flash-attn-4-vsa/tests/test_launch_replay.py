@@ -306,7 +306,8 @@ def test_replayed_forward_is_bitwise_the_launchers(masked):
 @needs_sm90_marks
 def test_replayed_backward_is_bitwise_the_launchers(q_block):
     """The backward's recorded launch (upstream's buffers, pre-processing, the KV64 kernel,
-    post-processing) replayed on new tensors: bitwise what upstream's launcher gives."""
+    post-processing) replayed on new tensors: what upstream's launcher gives, bitwise for dK
+    and dV (dQ's reduce-adds are unordered, so to rounding)."""
     head_dim, dtype, scale = 128, cases.BF16, 128**-0.5
     mask_mod = mask_sm90.valid_size_mask_mod(cases.BLOCK)
     launch_replay.BACKWARDS.clear()
@@ -329,7 +330,13 @@ def test_replayed_backward_is_bitwise_the_launchers(q_block):
             ))  # fmt: skip
     torch.cuda.synchronize()
     (replayed, launched), recorded = got, launch_replay.BACKWARDS.records()
-    for a, b in zip(replayed, launched, strict=True):
+    # dK and dV are key-block owned (one CTA, its list in order): bitwise. dQ is reduce-added
+    # across key blocks in whatever order the CTAs finish (not reproducible run to run, replay
+    # or not: the H200 showed a 128x64 case differ once, session 18), so within rounding.
+    (dq_a, dk_a, dv_a), (dq_b, dk_b, dv_b) = replayed, launched
+    for a, b in ((dk_a, dk_b), (dv_a, dv_b)):
         assert torch.equal(a, b) and torch.isfinite(a).all()
+    assert torch.isfinite(dq_a).all()
+    torch.testing.assert_close(dq_a.float(), dq_b.float(), rtol=2e-2, atol=2e-3)
     assert len(recorded) == 1 and recorded[0].kernels >= 1, recorded
     print("backward replay:", recorded[0].kernels, "kernels,", recorded[0].operations)
