@@ -176,3 +176,57 @@ def test_wrong_block_size_is_refused_before_any_launch():
     tensors = tensors._replace(block_size=(128, 64))
     with pytest.raises(ValueError, match="block_size must be"):
         fwd_sm90.block_sparse_forward_q64(q, q, q, tensors, softmax_scale=0.1)
+
+
+# ---- delta 9: VSA's combine in the epilogue (argument checks: CPU, before any launch) --------
+def _combine_case(seq=256, heads=2, dim=128):
+    from types import SimpleNamespace
+
+    q = torch.zeros(1, seq, heads, dim, dtype=torch.bfloat16)
+    coarse = torch.zeros(1, seq // 64, heads, dim, dtype=torch.bfloat16)
+    return q, coarse, SimpleNamespace(block_size=(64, 64))
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"coarse": "short"}, "coarse must have shape"),
+        ({"gate": "short"}, "gate must have shape"),
+        ({"coarse": "fp16"}, "coarse must have q's dtype"),
+        ({"coarse": None, "gate": "ok"}, "gate needs coarse"),
+        ({"lse": "given"}, "lse must be None with coarse"),
+    ],
+)
+def test_combined_forward_refuses_bad_operands_before_any_launch(change, match):
+    q, coarse, sparse = _combine_case()
+    args = {"coarse": coarse, "gate": None, "lse": None}
+    made = {
+        "short": lambda name: (coarse if name == "coarse" else q)[:, :-1],
+        "fp16": lambda name: coarse.half(),
+        "ok": lambda name: q.clone(),
+        "given": lambda name: torch.zeros(1, 2, 256),
+        None: lambda name: None,
+    }
+    args.update({name: made[how](name) for name, how in change.items()})
+    with pytest.raises(ValueError, match=match):
+        fwd_sm90.block_sparse_forward_q64(q, q, q, sparse, softmax_scale=0.1, **args)
+
+
+def test_combined_epilogue_only_on_the_two_cta_kernel():
+    assert fwd_sm90.ForwardKernel(fwd_sm90.TWO_CTAS, combine="gated").combine == "gated"
+    with pytest.raises(ValueError, match="combine must be one of"):
+        fwd_sm90.ForwardKernel(fwd_sm90.TWO_CTAS, combine="yes")
+    for kind, persistent in ((fwd_sm90.PAIRED_KEYS, 0), (fwd_sm90.TWO_STREAMS, 0),
+                             (fwd_sm90.TWO_CTAS, 4)):  # fmt: skip
+        with pytest.raises(ValueError, match="two-CTA 64x64 kernel only"):
+            fwd_sm90.ForwardKernel(kind, persistent=persistent, combine="coarse")
+
+
+@needs_upstream
+def test_combined_kernel_classes_are_their_own():
+    gated = fwd_sm90.ForwardKernel(fwd_sm90.TWO_CTAS, True, combine="gated").kernel_class()
+    ungated = fwd_sm90.ForwardKernel(fwd_sm90.TWO_CTAS, True, combine="coarse").kernel_class()
+    plain = fwd_sm90.kernel_class(q_in_registers=True)
+    assert issubclass(gated, plain) and issubclass(ungated, plain)
+    assert len({gated, ungated, plain}) == 3
+    assert gated.__name__ == "FlashAttentionForwardSm90TwoCtasQInRegistersCombinedGated"

@@ -247,3 +247,10 @@ def test_auto_ranks_fa4_below_triton_for_large_training_unpaired_64_row_blocks_o
         assert backend.priority_for(inference) == 20
     assert backend.priority_for(call((128, 64))) == 20
     assert gpu((10, 0)).priority_for(call((64, 64))) == 20
+
+
+def test_fused_combine_is_offered_in_tile_order_only():
+    backend = FA4Backend()
+    assert backend.fuses_combine and not backend.reads_raster
+    with pytest.raises(ValueError, match="slot_rows must be None"):
+        backend.forward_combined(None, None, None, None, 0.1, None, None, slot_rows=object())
