@@ -49,6 +49,13 @@ def _lse(q: torch.Tensor) -> torch.Tensor:
     return q.new_empty((batch, heads, seq), dtype=torch.float32)
 
 
+def _forward_lists(kv_indices, kv_counts, kv_valid_sizes, kv_tile, masked):
+    """FA4's forward lists: full and partial key blocks apart (``masked``), or all as full."""
+    if masked:
+        return forward_lists(kv_indices, kv_counts, kv_valid_sizes, kv_tile)
+    return unmasked_forward_lists(kv_indices, kv_counts, kv_valid_sizes.shape[0])
+
+
 def forward_impl(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -70,10 +77,7 @@ def forward_impl(
     for the shipped ones). The body of ``torch.ops.vsa_fa4.fwd`` (`block_sparse_fwd`); the
     compile gate calls it directly, since under a fake tensor mode the op would run its fake."""
     out, lse = _bshd(q, v.shape[-1]), _lse(q)
-    if masked:
-        lists = forward_lists(kv_indices, kv_counts, kv_valid_sizes, kv_tile)
-    else:
-        lists = unmasked_forward_lists(kv_indices, kv_counts, kv_valid_sizes.shape[0])
+    lists = _forward_lists(kv_indices, kv_counts, kv_valid_sizes, kv_tile, masked)
     variant = launch.KernelChoice.decode(kernels).forward
     launch.run_forward(
         q, k, v, out, lse, lists, kv_valid_sizes.contiguous(), scale, (q_tile, kv_tile), masked,
@@ -112,10 +116,7 @@ def forward_combined_impl(
     other arguments as `forward_impl`'s at 64x64 physical blocks. The body of
     ``torch.ops.vsa_fa4.fwd_combined``."""
     out = _bshd(q, v.shape[-1])
-    if masked:
-        lists = forward_lists(kv_indices, kv_counts, kv_valid_sizes, 64)
-    else:
-        lists = unmasked_forward_lists(kv_indices, kv_counts, kv_valid_sizes.shape[0])
+    lists = _forward_lists(kv_indices, kv_counts, kv_valid_sizes, 64, masked)
     launch.run_forward(
         q, k, v, out, None, lists, kv_valid_sizes.contiguous(), scale, (64, 64), masked,
         variant=launch.KernelChoice.decode(kernels).forward, combine=(coarse, gate),
