@@ -34,8 +34,20 @@ bwd-split)
   bash benchmarks/gpu_sitting.sh \
     "step split128 150 python3 -m $X.bwd_dq_parts --out \$OUT --seqs 32768 131072 --q-blocks 128"
   ;;
+session19)
+  # Prepared in session 18 (the CuTe bundle unpacked first): experiment 17 (where a partial
+  # key block's cost goes, issue 20 item 3), the fork's replay test with dQ compared to
+  # rounding, the whole model's training memory with copy_to_tiles=False, and Nsight Compute
+  # on the raster-row Triton forward against the tile-order one (the locality hypothesis of
+  # session 17: L2 / DRAM sectors per request, TLB; one round, one rep each).
+  bash benchmarks/gpu_sitting.sh \
+    "step partial 150 python3 -m $X.partial_block_cost --out \$OUT" \
+    "step replay 120 python3 -m pytest -q -m gpu packages/flash-attn-4-vsa/tests/test_launch_replay.py" \
+    "step dit 200 python3 benchmarks/bench_dit.py --config wan1.3b --modes train --no-tile-copies --arms vsa --out \$OUT/dit-no-tile-copies.json" \
+    "step ncu 240 ncu --clock-control none --section MemoryWorkloadAnalysis --section SpeedOfLight --kernel-name regex:fwd_kernel --launch-count 4 --csv --page details python3 -m research.triton_kernels.raster_rows_bench --shapes wan480p --rounds 1 --reps 1"
+  ;;
 *)
-  echo "usage: $0 grid | bwd-counters | bwd-split" >&2
+  echo "usage: $0 grid | bwd-counters | bwd-split | session19" >&2
   exit 2
   ;;
 esac
