@@ -59,6 +59,32 @@ def _verdicts_with(capsys, capability: str, key: str) -> dict:
     return json.loads(capsys.readouterr().out)[key]
 
 
+def test_info_lists_each_backends_declared_capabilities(capsys, fresh_registry):
+    """One line per capability a backend declares (its class attribute set), none otherwise;
+    the JSON names them."""
+
+    class Plain(Backend):
+        name = "plain"
+        priority = 1000
+
+        def supports(self, call):
+            return None
+
+    Fused = type("Fused", (Plain,), {"name": "fused", "priority": 999, "fuses_combine": True})
+    register_backend(Plain())
+    register_backend(Fused())
+    assert cli.main(["info", "--json"]) == 0
+    backends = {b["name"]: b for b in json.loads(capsys.readouterr().out)["backends"]}
+    assert backends["plain"]["capabilities"] == []
+    assert backends["fused"]["capabilities"] == ["fuses_combine"]
+    assert cli.main(["info"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    fused = lines.index(next(line for line in lines if line.startswith("  fused ")))
+    assert lines[fused + 1].strip() == "- " + cli.CAPABILITIES["fuses_combine"]
+    plain = lines.index(next(line for line in lines if line.startswith("  plain ")))
+    assert not lines[plain + 1].strip().startswith("- ")
+
+
 def test_info_says_which_backends_run_deterministic_training(capsys, fresh_registry):
     """A backend that does not declare deterministic support is refused with the reason, one
     that does is picked by auto for the typical training call."""

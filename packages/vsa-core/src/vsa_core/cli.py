@@ -148,7 +148,8 @@ def collect_info() -> dict:
                 state = "available" if reason is None else "refuses the typical call"
             else:
                 state = "unavailable"
-        backends.append({"name": name, "origin": entry.origin, "state": state, "reason": reason})
+        backends.append({"name": name, "origin": entry.origin, "state": state, "reason": reason,
+                         "capabilities": _capabilities(entry.backend)})  # fmt: skip
     return {
         "python": platform.python_version(),
         "shapes": _shape_table(device),
@@ -164,6 +165,22 @@ def collect_info() -> dict:
         "deterministic": _verdicts(call, deterministic=True),
         "raster_in_place": _verdicts(call, raster_inputs=True),
     }
+
+
+CAPABILITIES = {
+    # Backend class attribute -> what `vsa info` says when it is set (`vsa_core.backends.base`)
+    "fuses_combine": "fused combine (inference: fine + gate * coarse in the fine kernel)",
+    "reads_raster": "reads raster rows (copy_to_tiles=False)",
+    "key_padding_safe": "reads key padding as it is (no zeroed copies)",
+    "handles_deterministic": "deterministic=True where it can keep it",
+}
+
+
+def _capabilities(backend) -> list[str]:
+    """The optional capabilities a backend declares (its class attributes set), by name."""
+    if backend is None:
+        return []
+    return [name for name in CAPABILITIES if getattr(backend, name, False)]
 
 
 def _verdicts(call: AttentionCall, **changes) -> dict:
@@ -289,6 +306,8 @@ def run_info(as_json: bool = False) -> int:
         if b["reason"]:
             line += f": {b['reason']}"
         print(line)
+        for name in b["capabilities"]:
+            print(f"  {'':<10} - {CAPABILITIES[name]}")
     print(f"backend='auto' picks: {info['auto_picks']}")
     deterministic = info["deterministic"]
     print(f"with deterministic=True: auto picks {deterministic['auto_picks'] or 'none'}")
