@@ -543,3 +543,71 @@ def test_raster_order_asks_for_no_clean_copies_and_keeps_the_gradients(monkeypat
     torch.testing.assert_close(out, tiling.from_tiles(out_t), rtol=0, atol=1e-12)
     for g, g_t in zip(grads, grads_t, strict=True):
         torch.testing.assert_close(g, tiling.from_tiles(g_t), rtol=0, atol=1e-12)
+
+
+# ---- a backend that fuses the combine: which path the op takes ------------------------------
+class _FusingRecorder:
+    """Built lazily (the registry's Backend base): a backend declaring ``fuses_combine`` that
+    records which of its methods the op called and computes with the reference."""
+
+    @staticmethod
+    def make():
+        from vsa_core.backends import Backend
+        from vsa_core.backends.reference import ReferenceBackend
+
+        class FusingRecorder(Backend):
+            name = "fusing_recorder"
+            priority = 1000
+            fuses_combine = True
+
+            def __init__(self):
+                self.calls = []
+
+            def supports(self, call):
+                return None
+
+            def forward(self, q, k, v, layout, scale):
+                self.calls.append("forward")
+                return ReferenceBackend().forward(q, k, v, layout, scale)
+
+            def forward_combined(self, q, k, v, layout, scale, coarse, gate, slot_rows=None):
+                self.calls.append("forward_combined")
+                fine, _ = ReferenceBackend().forward(q, k, v, layout, scale)
+                rows = coarse.repeat_interleave(layout.q_block, dim=1)
+                return fine + (rows if gate is None else gate * rows)
+
+        return FusingRecorder()
+
+
+@pytest.mark.parametrize(
+    ("token_order", "grad", "expected"),
+    [
+        ("tiled", False, "forward_combined"),
+        ("tiled", True, "forward"),
+        ("raster", False, "forward"),
+    ],
+)
+def test_op_asks_a_fusing_backend_for_the_combined_forward_only_in_tile_order_inference(
+    fresh_registry, token_order, grad, expected
+):
+    """Without gradients in tile order the op hands the combine to a backend that fuses it
+    (`Backend.fuses_combine`: fa4's and triton's epilogues); with gradients, or raster inputs
+    through copies (which the op's combine writes back to raster order), it runs the forward
+    and combines itself. The results equal the reference backend's either way."""
+    from vsa_core.backends import register_backend
+
+    backend = _FusingRecorder.make()
+    register_backend(backend)
+    tiling = VideoTiling((5, 6, 7), tile_shape=(2, 2, 2))  # partial tiles on every axis
+    seq = tiling.padded_len if token_order == "tiled" else tiling.seq_len
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, gate = (torch.randn(1, seq, 2, 8, generator=gen) for _ in range(4))
+    if token_order == "tiled":  # real tile-order inputs: zero padding, as to_tiles makes
+        q, k, v, gate = (tiling.to_tiles(tiling.from_tiles(t)) for t in (q, k, v, gate))
+    kwargs = {"tiling": tiling, "topk": 5, "coarse_gate": gate, "token_order": token_order}
+    with torch.set_grad_enabled(grad):
+        leaves = [t.clone().requires_grad_(grad) for t in (q, k, v)]
+        got = video_sparse_attn(*leaves, backend="fusing_recorder", **kwargs)
+        want = video_sparse_attn(q, k, v, backend="reference", **kwargs)
+    assert backend.calls == [expected]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
