@@ -39,11 +39,15 @@ session19)
   # key block's cost goes, issue 20 item 3), the fork's replay test with dQ compared to
   # rounding, the whole model's training memory with copy_to_tiles=False, and Nsight Compute
   # on the raster-row Triton forward against the tile-order one (the locality hypothesis of
-  # session 17: L2 / DRAM sectors per request, TLB; one round, one rep each).
+  # session 17: L2 / DRAM sectors per request, TLB; one round, one rep each). "spread": session
+  # 18 saw one arm's rounds spread 25% at Wan 720p (fa4 40.7-51.8 ms) while dense's spread 4%;
+  # if the caching allocator's misses (cudaMalloc / cudaFree of ~1 GB buffers as the arms of
+  # different sizes alternate) cause it, expandable segments shrink the spread.
   bash benchmarks/gpu_sitting.sh \
     "step partial 150 python3 -m $X.partial_block_cost --out \$OUT" \
     "step replay 120 python3 -m pytest -q -m gpu packages/flash-attn-4-vsa/tests/test_launch_replay.py" \
     "step dit 200 python3 benchmarks/bench_dit.py --config wan1.3b --modes train --no-tile-copies --arms vsa --out \$OUT/dit-no-tile-copies.json" \
+    "step spread 200 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 benchmarks/bench_video.py --shapes wan720p --sparsities 0.875 --modes fwd --arms auto fa4 fa4_unfused triton --warmup 3 --reps 15 --no-pieces --out \$OUT/video720-expandable.json" \
     "step ncu 240 ncu --clock-control none --section MemoryWorkloadAnalysis --section SpeedOfLight --kernel-name regex:fwd_kernel --launch-count 4 --csv --page details python3 -m research.triton_kernels.raster_rows_bench --shapes wan480p --rounds 1 --reps 1"
   ;;
 *)
