@@ -346,12 +346,21 @@ def test_video_sparse_attn_inference_with_partial_tiles():
 @pytest.mark.skipif(
     not torch.cuda.is_available() or _capability() != (9, 0), reason="the fork's kernels: sm_90"
 )
+@pytest.mark.parametrize("full", [False, True], ids=["partial", "full"])
 @pytest.mark.parametrize("gated", ["none", "token", "head"])
-def test_combined_forward_matches_the_reference(gated):
+def test_combined_forward_matches_the_reference(gated, full):
     """The 64x64 forward with VSA's combine in its epilogue (flash_attn_vsa.combine_sm90):
     fine + gate * coarse[query block] against the float32 reference, three calls on new
-    inputs each (compiled, recorded, replayed: the replay must take the new operands)."""
+    inputs each (compiled, recorded, replayed: the replay must take the new operands); with
+    partial key blocks (the mask's valid sizes come first among the aux tensors) and without
+    (no mask: the combine's operands are the only aux tensors)."""
     layout = make_layout((64, 64))
+    if full:
+        valid = torch.full_like(layout.kv_valid_sizes, 64)
+        layout = BlockSparseLayout.from_indices(
+            layout.kv_indices, layout.kv_counts, kv_valid_sizes=valid, block_shape=(64, 64)
+        )
+        assert layout.kv_blocks_full
     plan = make_plan(layout.block_shape)
     for seed in range(3):
         q, k, v = make_inputs(layout, seed=seed, requires_grad=False)
@@ -378,7 +387,7 @@ def test_combined_forward_matches_the_reference(gated):
                                dtype=torch.bfloat16).expand(q.shape)  # fmt: skip
         out = ops.attention_combined(
             q, k, v, layout.kv_indices, layout.kv_counts, layout.kv_valid_sizes, 128**-0.5,
-            plan, coarse, gate,
+            plan, coarse, gate, kv_blocks_full=layout.kv_blocks_full,
         )  # fmt: skip
         fine, _, _ = reference(q, k, v, layout)
         rows = coarse.float().repeat_interleave(64, dim=1)
@@ -387,7 +396,8 @@ def test_combined_forward_matches_the_reference(gated):
         assert rel_l2(out, want) <= 1e-2, (seed, rel_l2(out, want))
         # the same as the forward then the combine, to bf16 rounding (rounded once here)
         unfused, _ = ops.attention(
-            q, k, v, layout.kv_indices, layout.kv_counts, layout.kv_valid_sizes, 128**-0.5, plan
+            q, k, v, layout.kv_indices, layout.kv_counts, layout.kv_valid_sizes, 128**-0.5, plan,
+            kv_blocks_full=layout.kv_blocks_full,
         )
         unfused = unfused.float() + (rows if gate is None else gate.float() * rows)
         assert (out.float() - unfused).abs().max().item() <= 0.02 * want.abs().max().item()

@@ -346,21 +346,25 @@ def combined_inputs(layout: BlockSparseLayout, gated: str):
 
 
 @pytest.mark.parametrize("gated", ["none", "token", "head"])
-@pytest.mark.parametrize("block_shape", [(64, 64), (128, 128), "paired"])
+@pytest.mark.parametrize("block_shape", [(64, 64), "64x64-full", (128, 128), "paired"])
 def test_combined_forward_is_fine_plus_gated_coarse(fa4_model, monkeypatch, block_shape, gated):
     """fine + gate * coarse[query block]: in the 64x64 forward's epilogue (the launch gets the
-    operands and no lse), elsewhere the forward then an in-place multiply-add; both equal the
-    reference's fine output plus the product."""
+    operands and no lse; with every key block full, no mask either), elsewhere the forward then
+    an in-place multiply-add; both equal the reference's fine output plus the product."""
     calls = []
     original = fa4_model.run_forward
 
     def spy(*args, **kwargs):
         calls.append(kwargs.get("combine") is not None)
+        masked.append(args[9] if len(args) > 9 else kwargs.get("masked", True))
         return original(*args, **kwargs)
 
+    masked = []
     monkeypatch.setattr(launch, "run_forward", spy)
-    layout = counted_layout((128, 64)).refine((64, 64)) if block_shape == "paired" else (
-        counted_layout(block_shape))  # fmt: skip
+    layout = {
+        "paired": lambda: counted_layout((128, 64)).refine((64, 64)),
+        "64x64-full": lambda: full_layout((64, 64)),
+    }.get(block_shape, lambda: counted_layout(block_shape))()
     plan = make_plan(layout.block_shape, layout.q_group_size, layout.num_q_blocks)
     q, k, v, coarse, gate = combined_inputs(layout, gated)
     scale = DIM**-0.5
@@ -373,6 +377,7 @@ def test_combined_forward_is_fine_plus_gated_coarse(fa4_model, monkeypatch, bloc
     want = fine + (rows if gate is None else gate * rows)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
     assert calls == [plan.block_size == (64, 64)]  # the epilogue exactly where it runs
+    assert masked == [not layout.kv_blocks_full]
 
 
 def test_opcheck_combined_forward_op(fa4_model):
