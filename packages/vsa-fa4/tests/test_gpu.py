@@ -396,7 +396,14 @@ def test_combined_forward_matches_the_reference(gated, full):
         assert rel_l2(out, want) <= 1e-2, (seed, rel_l2(out, want))
         # the same as the forward then the combine, to bf16 rounding (rounded once here)
         unfused, _ = ops.attention(
-            q, k, v, layout.kv_indices, layout.kv_counts, layout.kv_valid_sizes, 128**-0.5, plan,
+            q,
+            k,
+            v,
+            layout.kv_indices,
+            layout.kv_counts,
+            layout.kv_valid_sizes,
+            128**-0.5,
+            plan,
             kv_blocks_full=layout.kv_blocks_full,
         )
         unfused = unfused.float() + (rows if gate is None else gate.float() * rows)
