@@ -395,16 +395,9 @@ def test_combined_forward_matches_the_reference(gated, full):
         assert torch.isfinite(out).all() and out.dtype == torch.bfloat16
         assert rel_l2(out, want) <= 1e-2, (seed, rel_l2(out, want))
         # the same as the forward then the combine, to bf16 rounding (rounded once here)
+        lists = (layout.kv_indices, layout.kv_counts, layout.kv_valid_sizes)
         unfused, _ = ops.attention(
-            q,
-            k,
-            v,
-            layout.kv_indices,
-            layout.kv_counts,
-            layout.kv_valid_sizes,
-            128**-0.5,
-            plan,
-            kv_blocks_full=layout.kv_blocks_full,
+            q, k, v, *lists, 128**-0.5, plan, kv_blocks_full=layout.kv_blocks_full
         )
         unfused = unfused.float() + (rows if gate is None else gate.float() * rows)
         assert (out.float() - unfused).abs().max().item() <= 0.02 * want.abs().max().item()
