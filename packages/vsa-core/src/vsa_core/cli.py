@@ -281,6 +281,13 @@ def _print_shape_table(rows: list[dict]) -> None:
         print(f"  [{number}] {reason}")
 
 
+def _print_verdicts(title: str, verdicts: dict) -> None:
+    """One `_verdicts` section: auto's pick, then each backend's verdict."""
+    print(f"{title}: auto picks {verdicts['auto_picks'] or 'none'}")
+    for name, reason in verdicts["verdicts"].items():
+        print(f"  {name:<10} {'ok' if reason is None else 'refuses: ' + reason}")
+
+
 def run_info(as_json: bool = False) -> int:
     info = collect_info()
     if as_json:
@@ -309,14 +316,8 @@ def run_info(as_json: bool = False) -> int:
         for name in b["capabilities"]:
             print(f"  {'':<10} - {CAPABILITIES[name]}")
     print(f"backend='auto' picks: {info['auto_picks']}")
-    deterministic = info["deterministic"]
-    print(f"with deterministic=True: auto picks {deterministic['auto_picks'] or 'none'}")
-    for name, reason in deterministic["verdicts"].items():
-        print(f"  {name:<10} {'ok' if reason is None else 'refuses: ' + reason}")
-    in_place = info["raster_in_place"]
-    print(f"with copy_to_tiles=False: auto picks {in_place['auto_picks'] or 'none'}")
-    for name, reason in in_place["verdicts"].items():
-        print(f"  {name:<10} {'ok' if reason is None else 'refuses: ' + reason}")
+    _print_verdicts("with deterministic=True", info["deterministic"])
+    _print_verdicts("with copy_to_tiles=False", info["raster_in_place"])
     _print_shape_table(info["shapes"])
     return 0
 

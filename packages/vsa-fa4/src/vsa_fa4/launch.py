@@ -223,6 +223,7 @@ def run_forward(
     written (``lse`` must be None); only where `combines_in_epilogue` holds."""
     if not isinstance(variant, ForwardVariant):
         raise ValueError(f"variant must be a ForwardVariant, got {variant!r}")
+    epilogue = {}  # the combine's operands for the two-CTA 64x64 forward
     if combine is not None:
         if lse is not None:
             raise ValueError("lse must be None with combine (the combined forward writes none)")
@@ -230,8 +231,7 @@ def run_forward(
             raise ValueError(
                 "combine runs in the two-CTA 64x64 forward only (combines_in_epilogue)"
             )
-        _run_combined(q, k, v, out, lists, kv_valid_sizes, scale, masked, variant, combine)
-        return
+        epilogue = dict(zip(("coarse", "gate"), combine, strict=True))
     if _pairs_keys(q, lists, kv_valid_sizes, block_size):
         # 128-key tiles of packed pairs; the pair mask handles partial blocks and odd tails,
         # so ``masked`` does not matter here
@@ -265,7 +265,7 @@ def run_forward(
 
             block_sparse_forward_q64(
                 q, k, v, tensors, softmax_scale=scale, **masking, out=out, lse=lse,
-                **variant.kernel_options("two_ctas"),
+                **epilogue, **variant.kernel_options("two_ctas"),
             )  # fmt: skip
             return
         from flash_attn_vsa import launch_replay
@@ -291,20 +291,6 @@ def combines_in_epilogue(
         and not variant.persistent
         and not (variant.two_streams and _runs_two_streams(q, kv_valid_sizes, block_size))
     )
-
-
-def _run_combined(q, k, v, out, lists, kv_valid_sizes, scale, masked, variant, combine):
-    """The two-CTA 64x64 forward with the combine in its epilogue (see `run_forward`)."""
-    from flash_attn_vsa.fwd_sm90 import block_sparse_forward_q64
-
-    tensors_cls, mask_mod = _upstream()
-    masking = _masking(mask_mod, kv_valid_sizes, (64, 64), masked)
-    coarse, gate = combine
-    with _on_device(q.device):
-        block_sparse_forward_q64(
-            q, k, v, _block_sparse(tensors_cls, lists, (64, 64)), softmax_scale=scale,
-            **masking, out=out, coarse=coarse, gate=gate, **variant.kernel_options("two_ctas"),
-        )  # fmt: skip
 
 
 def _pairs_keys(

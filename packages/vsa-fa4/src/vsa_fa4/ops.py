@@ -28,6 +28,7 @@ from vsa_core.backends.custom_ops import (
     block_sparse_eager,
     register_block_sparse_autograd,
 )
+from vsa_core.coarse import combine_tiles
 from vsa_core.rotation import rotation_width
 from vsa_fa4 import launch
 from vsa_fa4.metadata import (
@@ -271,18 +272,4 @@ def attention_combined(
         q, k, v, kv_indices, kv_counts, kv_valid_sizes, scale, plan, q_group_size,
         kv_blocks_full, kernels,
     )  # fmt: skip
-    return add_gated_coarse_(out, coarse, gate)
-
-
-def add_gated_coarse_(
-    out: torch.Tensor, coarse: torch.Tensor, gate: torch.Tensor | None
-) -> torch.Tensor:
-    """``out += gate * coarse[query block]`` in place (out [B, NQ * T, H, D], coarse [B, NQ,
-    H, D]; gate like out or None: 1), for plans whose kernel has no combined epilogue."""
-    tiles = out.unflatten(1, (coarse.shape[1], -1))
-    rows = coarse.unsqueeze(2)
-    if gate is None:
-        tiles.add_(rows)
-    else:
-        tiles.addcmul_(gate.unflatten(1, (coarse.shape[1], -1)), rows)
-    return out
+    return combine_tiles(out, coarse, gate, out.shape[1] // coarse.shape[1])  # in place
