@@ -119,6 +119,7 @@ from vsa_core.validation import (
     as_flag,
     as_int,
     check_coarse_gate,
+    check_copy_to_tiles,
     check_qkv,
     check_scale,
     check_topk,
@@ -225,11 +226,7 @@ def sequence_parallel_video_sparse_attn(
     heads_local = heads // world
     chunk = _check_head_chunk(head_chunk, heads_local, seq_local * world, dim, q.element_size())
     deterministic = as_flag("deterministic", deterministic)
-    copy_to_tiles = as_flag("copy_to_tiles", copy_to_tiles)
-    if not copy_to_tiles and token_order != "raster":
-        raise ValueError(
-            "copy_to_tiles=False needs token_order='raster' (tiled inputs are not copied)"
-        )
+    copy_to_tiles = check_copy_to_tiles(copy_to_tiles, token_order)
     if batch == 0:  # the same on every rank: no exchange, nothing to wait for
         return empty_batch_result(q, k, v, coarse_gate)
     if world == 1:

@@ -47,6 +47,7 @@ from vsa_core.tiling import VideoTiling
 from vsa_core.validation import (
     as_flag,
     check_coarse_gate,
+    check_copy_to_tiles,
     check_int_tensor,
     check_qkv,
     check_range,
@@ -196,11 +197,7 @@ def video_sparse_attn(
     seq_gate = gate is not None and gate.dim() == q.dim() and gate.shape[seq_dim] == seq
     scale = check_scale(scale, dim)
     deterministic = as_flag("deterministic", deterministic)
-    copy_to_tiles = as_flag("copy_to_tiles", copy_to_tiles)
-    if not copy_to_tiles and token_order != "raster":
-        raise ValueError(
-            "copy_to_tiles=False needs token_order='raster' (tiled inputs are not copied)"
-        )
+    copy_to_tiles = check_copy_to_tiles(copy_to_tiles, token_order)
     if batch == 0:  # nothing to attend: an empty output in q's format (differentiable)
         return empty_batch_result(q, k, v, gate)
 

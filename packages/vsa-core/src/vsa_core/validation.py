@@ -137,6 +137,17 @@ def as_flag(name: str, value: object) -> bool:
     raise ValueError(f"{name} must be True or False, got {value!r}")
 
 
+def check_copy_to_tiles(copy_to_tiles: object, token_order: str) -> bool:
+    """``copy_to_tiles`` as a bool; False only with ``token_order="raster"`` (there is nothing
+    to copy from tile-order inputs)."""
+    copy_to_tiles = as_flag("copy_to_tiles", copy_to_tiles)
+    if not copy_to_tiles and token_order != "raster":
+        raise ValueError(
+            "copy_to_tiles=False needs token_order='raster' (tiled inputs are not copied)"
+        )
+    return copy_to_tiles
+
+
 def check_topk(topk: object, num_tiles: int) -> int:
     """``topk`` as a Python int in [1, num_tiles]."""
     return as_int("topk", topk, 1, num_tiles, what="the number of tiles")
