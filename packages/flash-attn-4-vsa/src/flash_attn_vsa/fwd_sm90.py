@@ -41,6 +41,13 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from flash_attn_vsa import build_scope
+from flash_attn_vsa.combine_sm90 import (
+    COMBINE_KINDS,
+    GATED,
+    check_operands,
+    combine_operands,
+    with_combined_epilogue,
+)
 from flash_attn_vsa.sm90_blocks import (
     BLOCK_SIZE,
     HEAD_DIMS,
@@ -126,8 +133,6 @@ class ForwardKernel:
     direction: ClassVar[str] = "fwd"  # what `build_scope.current` tells apart
 
     def __post_init__(self) -> None:
-        from flash_attn_vsa.combine_sm90 import COMBINE_KINDS
-
         if self.kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
         if self.combine not in COMBINE_KINDS:
@@ -180,8 +185,6 @@ class ForwardKernel:
 
             cls = with_persistent_tiles(cls)
         if self.combine:
-            from flash_attn_vsa.combine_sm90 import GATED, with_combined_epilogue
-
             cls = with_combined_epilogue(cls, self.combine == GATED)
         return cls
 
@@ -307,8 +310,6 @@ def block_sparse_forward_q64(
     check_call(q, k, v, tuple(block_sparse_tensors.block_size or ()))
     combine = ""
     if coarse is not None:
-        from flash_attn_vsa.combine_sm90 import check_operands, combine_operands
-
         check_operands(q, v, coarse, gate, lse)
         combine, operands = combine_operands(coarse, gate)
         aux_tensors = [*(aux_tensors or ()), *operands]
