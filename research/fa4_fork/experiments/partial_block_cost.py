@@ -21,7 +21,12 @@ Arms, all on the same lists and inputs, interleaved call by call (kernels only, 
   the difference to ``partial`` is the load's cost;
 - ``partial_unmasked``: the same valid sizes but ``kv_blocks_full`` claimed: one list, no mask,
   padding attended (wrong results, timed only): the difference to ``partial`` is the split
-  and the mask together, i.e. all that "partial blocks at no cost" can win.
+  and the mask together, i.e. all that "partial blocks at no cost" can win;
+- ``all_masked`` (added in session 19): the partial layout with every listed key block in the
+  forward's masked list (the full list empty): one list, the shipped column limit (and its
+  load) on every step; correct results. Against ``partial`` it prices the split into two
+  loops; against ``all_full`` the mask with its load on every step. If it is within ~3% of
+  ``all_full``, the fix needs no kernel change (only how vsa-fa4 builds the forward's lists).
 
 Predictions: if the load's latency is what costs, ``partial_no_load`` is within ~2% of
 ``partial_unmasked``, and the fix is to have the valid size before the mask (prefetched with
@@ -42,7 +47,7 @@ import sys
 import time
 from pathlib import Path
 
-ARMS = ("all_full", "partial", "partial_no_load", "partial_unmasked")
+ARMS = ("all_full", "partial", "partial_no_load", "partial_unmasked", "all_masked")
 ABLATED_ATTR = "vsa_research_constant_valid_size"
 
 
@@ -124,6 +129,11 @@ def run(args) -> int:
     )
     plan = make_plan((64, 64))
     original_masking = launch._masking
+    original_lists = ops._forward_lists
+
+    def lists_all_masked(kv_indices, kv_counts, kv_valid_sizes, kv_tile, masked):
+        # a threshold past the tile: no block counts as full, every listed one is masked
+        return original_lists(kv_indices, kv_counts, kv_valid_sizes, kv_tile + 1, masked)
 
     def masking_with(mask_mod):
         def masking(_, kv_valid_sizes, block_size, masked):
@@ -144,6 +154,12 @@ def run(args) -> int:
             return out
 
         def patched():
+            if name == "all_masked":
+                ops._forward_lists = lists_all_masked
+                try:
+                    return call()
+                finally:
+                    ops._forward_lists = original_lists
             if name != "partial_no_load":
                 return call()
             launch._masking = masking_with(ablated_mask_mod(64))
@@ -161,6 +177,9 @@ def run(args) -> int:
             for fn in fns.values():
                 for _ in range(3):
                     fn()
+            if direction == "fwd":  # the one reordered arm that must stay correct
+                diff = (fns["all_masked"]().float() - fns["partial"]().float()).abs().max()
+                print(json.dumps({"all_masked_vs_partial_max_abs": diff.item()}), flush=True)
             times = {name: [] for name in ARMS}
             for _ in range(args.rounds):
                 for name, fn in fns.items():
@@ -169,6 +188,7 @@ def run(args) -> int:
         row["partial_over_full"] = row["partial"] / row["all_full"] - 1
         row["load_share"] = (row["partial"] - row["partial_no_load"]) / row["all_full"]
         row["split_and_mask_share"] = (row["partial"] - row["partial_unmasked"]) / row["all_full"]
+        row["all_masked_over_full"] = row["all_masked"] / row["all_full"] - 1
         print(json.dumps(row), flush=True)
         rows.append(row)
     if args.out:
