@@ -25,7 +25,7 @@ def test_configs_cover_what_the_adapter_uses():
 
             assert len(options) <= 1 and set(options) <= set(EXPERIMENTAL_CONFIGS), c.direction
         else:
-            known = (*cg.FORK_FORWARD_OPTIONS, *cg.COMBINE_OPTIONS)
+            known = (*cg.FORK_FORWARD_OPTIONS, *cg.COMBINE_OPTIONS, cg.VALID_IN_LIST_OPTION)
             assert all(o in known for o in options), c.direction
     assert {c.direction.split("+")[0] for c in cg.CONFIGS} >= set(cg.FORK_FORWARDS)
     assert any(c.kernel == "FlashAttentionBackwardSm90KV64" for c in cg.CONFIGS)  # 128x64

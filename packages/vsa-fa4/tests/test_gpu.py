@@ -356,10 +356,12 @@ def test_combined_forward_matches_the_reference(gated, full):
     (no mask: the combine's operands are the only aux tensors)."""
     layout = make_layout((64, 64))
     if full:
-        valid = torch.full_like(layout.kv_valid_sizes, 64)
+        # built on the CPU, where the layout can see that every block is full, then moved
+        cpu = layout.to("cpu")
+        valid = torch.full_like(cpu.kv_valid_sizes, 64)
         layout = BlockSparseLayout.from_indices(
-            layout.kv_indices, layout.kv_counts, kv_valid_sizes=valid, block_shape=(64, 64)
-        )
+            cpu.kv_indices, cpu.kv_counts, kv_valid_sizes=valid, block_shape=(64, 64)
+        ).to("cuda")
         assert layout.kv_blocks_full
     plan = make_plan(layout.block_shape)
     for seed in range(3):

@@ -26,7 +26,12 @@ Arms, all on the same lists and inputs, interleaved call by call (kernels only, 
   forward's masked list (the full list empty): one list, the shipped column limit (and its
   load) on every step; correct results. Against ``partial`` it prices the split into two
   loops; against ``all_full`` the mask with its load on every step. If it is within ~3% of
-  ``all_full``, the fix needs no kernel change (only how vsa-fa4 builds the forward's lists).
+  ``all_full``, the fix needs no kernel change (only how vsa-fa4 builds the forward's lists);
+- ``valid_in_list`` (session 19, the fix the first run pointed to: the load was 4.1 of the
+  6.0%): the shipped lists with each partial entry ``block | valid << 16`` and the fork's
+  delta 10 (`flash_attn_vsa.valid_in_list_sm90`), whose mask takes the size from the entry the
+  consumer read at the top of the step; correct results (checked against ``partial``). The
+  backward is the shipped one.
 
 Predictions: if the load's latency is what costs, ``partial_no_load`` is within ~2% of
 ``partial_unmasked``, and the fix is to have the valid size before the mask (prefetched with
@@ -47,7 +52,7 @@ import sys
 import time
 from pathlib import Path
 
-ARMS = ("all_full", "partial", "partial_no_load", "partial_unmasked", "all_masked")
+ARMS = ("all_full", "partial", "partial_no_load", "partial_unmasked", "all_masked", "valid_in_list")
 ABLATED_ATTR = "vsa_research_constant_valid_size"
 
 
@@ -131,6 +136,13 @@ def run(args) -> int:
     original_masking = launch._masking
     original_lists = ops._forward_lists
 
+    def lists_valid_in_list(kv_indices, kv_counts, kv_valid_sizes, kv_tile, masked):
+        from flash_attn_vsa.valid_in_list_sm90 import pack_valid_sizes
+
+        lists = original_lists(kv_indices, kv_counts, kv_valid_sizes, kv_tile, masked)
+        packed = pack_valid_sizes(lists.mask_block_idx, kv_valid_sizes)
+        return lists._replace(mask_block_idx=packed)
+
     def lists_all_masked(kv_indices, kv_counts, kv_valid_sizes, kv_tile, masked):
         # a threshold past the tile: no block counts as full, every listed one is masked
         return original_lists(kv_indices, kv_counts, kv_valid_sizes, kv_tile + 1, masked)
@@ -154,6 +166,16 @@ def run(args) -> int:
             return out
 
         def patched():
+            if name == "valid_in_list":
+                from flash_attn_vsa.mask_sm90 import valid_in_list_mask_mod
+
+                ops._forward_lists = lists_valid_in_list
+                launch._masking = masking_with(valid_in_list_mask_mod(64))
+                try:
+                    return call()
+                finally:
+                    ops._forward_lists = original_lists
+                    launch._masking = original_masking
             if name == "all_masked":
                 ops._forward_lists = lists_all_masked
                 try:
@@ -178,8 +200,10 @@ def run(args) -> int:
                 for _ in range(3):
                     fn()
             if direction == "fwd":  # the one reordered arm that must stay correct
-                diff = (fns["all_masked"]().float() - fns["partial"]().float()).abs().max()
-                print(json.dumps({"all_masked_vs_partial_max_abs": diff.item()}), flush=True)
+                shipped = fns["partial"]().float()
+                for other in ("all_masked", "valid_in_list"):
+                    diff = (fns[other]().float() - shipped).abs().max().item()
+                    print(json.dumps({f"{other}_vs_partial_max_abs": diff}), flush=True)
             times = {name: [] for name in ARMS}
             for _ in range(args.rounds):
                 for name, fn in fns.items():
@@ -189,6 +213,7 @@ def run(args) -> int:
         row["load_share"] = (row["partial"] - row["partial_no_load"]) / row["all_full"]
         row["split_and_mask_share"] = (row["partial"] - row["partial_unmasked"]) / row["all_full"]
         row["all_masked_over_full"] = row["all_masked"] / row["all_full"] - 1
+        row["valid_in_list_over_full"] = row["valid_in_list"] / row["all_full"] - 1
         print(json.dumps(row), flush=True)
         rows.append(row)
     if args.out:

@@ -117,6 +117,14 @@ CONFIGS: tuple[GateConfig, ...] = (
         "the same with the gate (fine + gate * coarse; vsa-fa4's inference forward)",
     ),
     GateConfig(
+        "fwd-sparse-q64-kv64-two-ctas-q-in-registers-valid-in-list",
+        "fwd-q64+q-regs+valid-in-list",
+        (64, 64),
+        "FlashAttentionForwardSm90TwoCtasQInRegistersValidInList",
+        "the same with partial key blocks whose valid sizes ride in the list entries "
+        "(flash_attn_vsa.valid_in_list_sm90, experimental)",
+    ),
+    GateConfig(
         "fwd-sparse-q128-kv64-paired",
         "fwd-paired",
         (128, 128),
@@ -480,6 +488,7 @@ FORK_FORWARD_OPTIONS = {"q-regs": "q_in_registers", "persistent": "persistent"}
 """A fork forward's direction is ``KIND[+OPTION...]``: the options are its variants, or
 `COMBINE_OPTIONS` (the combine's operands, fake tensors)."""
 COMBINE_OPTIONS = ("combine", "combine-gated")
+VALID_IN_LIST_OPTION = "valid-in-list"
 
 
 def _fork_forward(direction: str, q: Any, k: Any, v: Any, sparse: Any) -> None:
@@ -491,8 +500,15 @@ def _fork_forward(direction: str, q: Any, k: Any, v: Any, sparse: Any) -> None:
     module, entry, takes_valid = FORK_FORWARDS[kind]
     run = getattr(importlib.import_module(f"flash_attn_vsa.{module}"), entry)
     variants: dict[str, Any] = {
-        FORK_FORWARD_OPTIONS[o]: True for o in options if o not in COMBINE_OPTIONS
+        FORK_FORWARD_OPTIONS[o]: True
+        for o in options
+        if o not in COMBINE_OPTIONS and o != VALID_IN_LIST_OPTION
     }
+    if VALID_IN_LIST_OPTION in options:  # the partial lists' mask, its valid sizes in entries
+        from flash_attn_vsa.mask_sm90 import valid_in_list_mask_mod
+
+        variants["mask_mod"] = valid_in_list_mask_mod(64)
+        variants["aux_tensors"] = [torch.empty(SEQLEN // 64, dtype=torch.int32, device="cuda")]
     if set(options) & set(COMBINE_OPTIONS):
         variants["coarse"] = q.new_empty((BATCH, SEQLEN // 64, HEADS, HEAD_DIM))
         if "combine-gated" in options:

@@ -40,7 +40,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from flash_attn_vsa import build_scope
+from flash_attn_vsa import build_scope, mask_sm90
 from flash_attn_vsa.combine_sm90 import (
     COMBINE_KINDS,
     GATED,
@@ -130,6 +130,7 @@ class ForwardKernel:
     q_in_registers: bool = False
     persistent: int = 0
     combine: str = ""
+    valid_in_list: bool = False
     direction: ClassVar[str] = "fwd"  # what `build_scope.current` tells apart
 
     def __post_init__(self) -> None:
@@ -141,6 +142,10 @@ class ForwardKernel:
             raise ValueError(
                 "the combined epilogue runs in the two-CTA 64x64 kernel only (one query block "
                 f"a CTA), not in {self.kind!r}{' on persistent CTAs' if self.persistent else ''}"
+            )
+        if self.valid_in_list and self.kind != TWO_CTAS:
+            raise ValueError(
+                f"valid sizes in the lists: the two-CTA kernel only, not {self.kind!r}"
             )
         if not isinstance(self.persistent, int) or self.persistent < 0:
             raise ValueError(
@@ -184,6 +189,10 @@ class ForwardKernel:
             from flash_attn_vsa.experimental.persistent_sm90 import with_persistent_tiles
 
             cls = with_persistent_tiles(cls)
+        if self.valid_in_list:
+            from flash_attn_vsa.valid_in_list_sm90 import with_valid_sizes_in_list
+
+            cls = with_valid_sizes_in_list(cls)
         if self.combine:
             cls = with_combined_epilogue(cls, self.combine == GATED)
         return cls
@@ -315,8 +324,11 @@ def block_sparse_forward_q64(
         aux_tensors = [*(aux_tensors or ()), *operands]
     elif gate is not None:
         raise ValueError("gate needs coarse (the combine's other operand)")
+    # the mask_mod says what the partial list holds (delta 10: entries with valid sizes)
+    valid_in_list = bool(getattr(mask_mod, mask_sm90.VALID_IN_LIST_ATTR, False))
+    kernel = ForwardKernel(TWO_CTAS, q_in_registers, persistent, combine, valid_in_list)
     return launch_replay.forward(
-        ForwardKernel(TWO_CTAS, q_in_registers, persistent, combine), _building, q, k, v,
+        kernel, _building, q, k, v,
         block_sparse_tensors, softmax_scale=softmax_scale, mask_mod=mask_mod,
         aux_tensors=aux_tensors, out=out, lse=lse, replay=replay, return_lse=not combine,
     )  # fmt: skip

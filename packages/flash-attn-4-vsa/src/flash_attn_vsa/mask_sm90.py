@@ -39,7 +39,14 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-__all__ = ["KV_TILE_ATTR", "install", "mask_class", "valid_size_mask_mod"]
+__all__ = [
+    "KV_TILE_ATTR",
+    "VALID_IN_LIST_ATTR",
+    "install",
+    "mask_class",
+    "valid_in_list_mask_mod",
+    "valid_size_mask_mod",
+]
 
 KV_TILE_ATTR = "vsa_valid_size_kv_tile"
 """Attribute of `valid_size_mask_mod`'s functions: the key tile whose valid sizes they read."""
@@ -80,6 +87,37 @@ def valid_size_mask_mod(kv_tile: int) -> Any:
     keep_valid_keys.__cute_hash__ = f"flash_attn_vsa.mask_sm90.valid_size_mask_mod/{kv_tile}/v1"
     install()
     return keep_valid_keys
+
+
+VALID_IN_LIST_ATTR = "vsa_valid_size_in_list"
+"""Attribute of `valid_in_list_mask_mod`'s functions: the partial list's entries carry each key
+block's valid size (``block | valid << 16``, `flash_attn_vsa.valid_in_list_sm90`)."""
+
+
+@functools.cache
+def valid_in_list_mask_mod(kv_tile: int) -> Any:
+    """The marker mask_mod of a forward whose partial-list entries carry their key block's
+    valid size (`flash_attn_vsa.valid_in_list_sm90`): the column limit then takes the size
+    from the entry the consumer read at the top of the step instead of loading it after the
+    step's QK^T (experiment 17: that load's latency was two thirds of a partial block's cost).
+    It has no per-element meaning (a column index does not say which entry it came from): only
+    `mask_class`'s column limit applies it, and tracing it anywhere else fails."""
+    import cutlass.cute as cute
+
+    _log2_tile(kv_tile)
+
+    @cute.jit
+    def valid_size_from_entry(batch, head, q_idx, kv_idx, seqlen_info, aux_tensors):
+        raise ValueError(
+            "valid_in_list_mask_mod is applied only by flash_attn_vsa.mask_sm90's column limit "
+            "in the fork's sm_90 forward built with valid sizes in its lists"
+        )
+
+    setattr(valid_size_from_entry, KV_TILE_ATTR, kv_tile)
+    setattr(valid_size_from_entry, VALID_IN_LIST_ATTR, True)
+    valid_size_from_entry.__cute_hash__ = f"flash_attn_vsa.mask_sm90.valid_in_list/{kv_tile}/v1"
+    install()
+    return valid_size_from_entry
 
 
 @functools.cache
@@ -134,9 +172,12 @@ def mask_class() -> type:
                 or self.qhead_per_kvhead_packgqa != 1
             ):
                 return False
-            self.keep_valid_columns(
-                acc_S, n_block, thr_mma, aux_data.tensors[0], _log2_tile(kv_tile)
-            )
+            valid_sizes = aux_data.tensors[0] if aux_data.tensors else None
+            if getattr(mask_mod, VALID_IN_LIST_ATTR, False):
+                from flash_attn_vsa.valid_in_list_sm90 import entry_valid_size
+
+                valid_sizes = entry_valid_size()
+            self.keep_valid_columns(acc_S, n_block, thr_mma, valid_sizes, _log2_tile(kv_tile))
             return True
 
         @cute.jit

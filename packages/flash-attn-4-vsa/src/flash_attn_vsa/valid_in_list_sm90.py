@@ -1,0 +1,160 @@
+"""Partial key blocks' valid sizes carried in the forward's list entries (sm_90): the fork's
+tenth delta (experimental until measured: issue 20, item 3).
+
+Why (experiment 17, H200, S=32768, 12 heads, 64x64, 87.5%, a quarter of the key blocks
+partial): the two-CTA forward costs +6.0% over the same lists all full; with the column
+limit's one input, ``valid_sizes[block]``, replaced by a constant it costs +2.0%. That load is
+issued after the step's QK^T, right before the mask, and its latency is exposed on every
+partial step (every step masked: +17.8%). The block index itself is read at the top of the
+step (upstream's ``consume_block_sparse_loads``), its latency hidden under QK^T. So the
+partial list's entries here are ``block | valid << 16`` (`pack_valid_sizes`): one load gives
+both, and the mask reads the size the consumer already holds.
+
+`with_valid_sizes_in_list(base)` subclasses a sm_90 forward kernel class:
+
+- its producer (``load``) and consumer (``mma``) see the partial list through `PackedEntries`,
+  whose element reads answer ``entry & 0xFFFF`` (the block) and, for the consumer, keep
+  ``entry >> 16`` (the valid size) in a trace-time holder (`build_scope.traced`);
+- the column limit (`mask_sm90.mask_class` with `mask_sm90.valid_in_list_mask_mod`) takes the
+  size from that holder (`entry_valid_size`): the value of the entry read at the top of the
+  same step (upstream reads a step's index, then runs that step's QK^T and mask).
+
+The full list is untouched. Key block ids must be below 2^16 and sizes at most the tile.
+
+Upstream internals this relies on (fingerprinted): ``FlashAttentionForwardSm90.load`` and
+``mma`` taking ``blocksparse_tensors`` (a ``BlockSparseTensors`` named tuple), the block-sparse
+loops reading list entries by element (``idx[i]``) after slicing a query block's row
+(``idx[b, h, m, None]``), and the consumer reading a partial step's entry before that step's
+mask call.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from flash_attn_vsa import build_scope, sm90_operands
+
+__all__ = ["PackedEntries", "entry_valid_size", "pack_valid_sizes", "with_valid_sizes_in_list"]
+
+_STACK = "valid_in_list"
+BLOCK_BITS = 16
+
+
+class _HeldValidSize:
+    """Trace-time holder: the valid size of the partial-list entry the consumer read last."""
+
+    value: Any = None
+
+
+class _ValidSizeView:
+    """Stands in for the valid-size tensor inside the column limit: any index answers the held
+    size (the limit asks for the block of the step it masks, whose entry was read last)."""
+
+    def __init__(self, held: _HeldValidSize) -> None:
+        self._held = held
+
+    def __getitem__(self, index: Any) -> Any:
+        if self._held.value is None:
+            raise RuntimeError(
+                "the column limit ran before the consumer read a partial-list entry; "
+                "valid_in_list_sm90 needs a review against this upstream version"
+            )
+        return self._held.value
+
+
+def entry_valid_size() -> _ValidSizeView:
+    """For `mask_sm90`'s column limit: the held valid size, as a tensor stand-in."""
+    stack = build_scope.trace_stack(_STACK)
+    if not stack:
+        raise RuntimeError(
+            "valid_in_list_mask_mod needs a forward built with valid sizes in its lists "
+            "(flash_attn_vsa.valid_in_list_sm90)"
+        )
+    return _ValidSizeView(stack[-1])
+
+
+class PackedEntries:
+    """A partial-list tensor whose entries are ``block | valid << 16``: slicing keeps the
+    wrapper, an element read answers the block and (with a holder) keeps the size. Carried
+    through upstream's loops as the wrapped tensor's values, like `sm90_operands`' stand-ins."""
+
+    def __init__(self, inner: Any, held: _HeldValidSize | None) -> None:
+        self._inner = inner
+        self._held = held
+
+    def __extract_mlir_values__(self) -> Any:
+        import cutlass
+
+        return cutlass.extract_mlir_values(self._inner)
+
+    def __new_from_mlir_values__(self, values: Any) -> PackedEntries:
+        import cutlass
+
+        return PackedEntries(cutlass.new_from_mlir_values(self._inner, values), self._held)
+
+    def __getitem__(self, index: Any) -> Any:
+        result = self._inner[index]
+        if isinstance(index, tuple) and any(i is None for i in index):
+            return PackedEntries(result, self._held)  # a row of the list
+        if self._held is not None:
+            self._held.value = result >> BLOCK_BITS
+        return result & ((1 << BLOCK_BITS) - 1)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def _with_packed(blocksparse_tensors: Any, held: _HeldValidSize | None) -> Any:
+    if blocksparse_tensors is None:
+        raise ValueError("valid sizes in the lists need block-sparse tensors")
+    packed = PackedEntries(blocksparse_tensors.mask_block_idx, held)
+    return blocksparse_tensors._replace(mask_block_idx=packed)
+
+
+@functools.cache
+def with_valid_sizes_in_list(base: type) -> type:
+    """A subclass of the sm_90 forward kernel class ``base`` whose partial list carries each
+    entry's valid size (see the module doc)."""
+    import inspect
+
+    from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90
+
+    load_signature = inspect.signature(FlashAttentionForwardSm90.load)
+
+    class ValidSizesInList(base):  # type: ignore[misc, valid-type]
+        """``base`` reading partial-list entries as ``block | valid << 16``."""
+
+        def load(self, *args: Any, **kwargs: Any) -> Any:
+            bound = load_signature.bind(self, *args, **kwargs)
+            bound.arguments["blocksparse_tensors"] = _with_packed(
+                bound.arguments["blocksparse_tensors"], None
+            )
+            return base.load(*bound.args, **bound.kwargs)
+
+        def mma(self, *args: Any, **kwargs: Any) -> Any:
+            bound = sm90_operands.upstream_mma_arguments(self, args, kwargs)
+            held = _HeldValidSize()
+            bound.arguments["blocksparse_tensors"] = _with_packed(
+                bound.arguments["blocksparse_tensors"], held
+            )
+            with build_scope.traced(_STACK, held):
+                return base.mma(*bound.args, **bound.kwargs)
+
+    ValidSizesInList.__name__ = ValidSizesInList.__qualname__ = f"{base.__name__}ValidInList"
+    return ValidSizesInList
+
+
+def pack_valid_sizes(mask_block_idx: Any, kv_valid_sizes: Any) -> Any:
+    """A partial list [..., W] int32 with each entry's valid size in its high bits (torch ops;
+    vsa-fa4's list kernel writes them directly). Unused entries (block 0) get block 0's size,
+    which no step reads."""
+    import torch
+
+    if kv_valid_sizes.shape[0] > 1 << BLOCK_BITS:
+        raise ValueError(
+            f"valid sizes in the lists need fewer than {1 << BLOCK_BITS} key blocks, got "
+            f"{kv_valid_sizes.shape[0]}"
+        )
+    valid = kv_valid_sizes.to(torch.int32)[mask_block_idx.long()]
+    return (mask_block_idx.to(torch.int32) | (valid << BLOCK_BITS)).contiguous()
