@@ -29,9 +29,9 @@ Arms, all on the same lists and inputs, interleaved call by call (kernels only, 
   ``all_full``, the fix needs no kernel change (only how vsa-fa4 builds the forward's lists);
 - ``valid_in_list`` (session 19, the fix the first run pointed to: the load was 4.1 of the
   6.0%): the shipped lists with each partial entry ``block | valid << 16`` and the fork's
-  delta 10 (`flash_attn_vsa.valid_in_list_sm90`), whose mask takes the size from the entry the
-  consumer read at the top of the step; correct results (checked against ``partial``). The
-  backward is the shipped one.
+  delta 10 (`flash_attn_vsa.experimental.valid_in_list_sm90`), whose mask takes the size
+  from the entry the consumer read at the top of the step; correct results (checked against
+  ``partial``). The backward is the shipped one.
 
 Predictions: if the load's latency is what costs, ``partial_no_load`` is within ~2% of
 ``partial_unmasked``, and the fix is to have the valid size before the mask (prefetched with
@@ -137,7 +137,7 @@ def run(args) -> int:
     original_lists = ops._forward_lists
 
     def lists_valid_in_list(kv_indices, kv_counts, kv_valid_sizes, kv_tile, masked):
-        from flash_attn_vsa.valid_in_list_sm90 import pack_valid_sizes
+        from flash_attn_vsa.experimental.valid_in_list_sm90 import pack_valid_sizes
 
         lists = original_lists(kv_indices, kv_counts, kv_valid_sizes, kv_tile, masked)
         packed = pack_valid_sizes(lists.mask_block_idx, kv_valid_sizes)

@@ -186,6 +186,16 @@ DELTAS: tuple[Delta, ...] = (
         "(`vsa_fa4.ops.attention_combined`; on an H200 the epilogue costs nothing measurable and "
         "saves the 0.09 / 0.88 ms combine pass at Wan 480p / 720p)",
     ),
+    Delta(
+        10,
+        "experimental.valid_in_list_sm90",
+        "Partial key blocks' valid sizes in the forward's list entries",
+        _FWD,
+        "experimental",
+        "not routed yet: the fork's `block_sparse_forward_q64` with "
+        "`mask_sm90.valid_in_list_mask_mod` and lists from `pack_valid_sizes` (compiled for "
+        "sm_90a; not yet run on a GPU: experiment 17's `valid_in_list` arm)",
+    ),
 )
 """Every kernel delta, by number."""
 

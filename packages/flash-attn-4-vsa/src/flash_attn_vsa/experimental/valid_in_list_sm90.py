@@ -42,36 +42,30 @@ BLOCK_BITS = 16
 
 
 class _HeldValidSize:
-    """Trace-time holder: the valid size of the partial-list entry the consumer read last."""
+    """Trace-time holder of the valid size of the partial-list entry the consumer read last;
+    inside the column limit it stands in for the valid-size tensor: any index answers the held
+    size (the limit asks for the block of the step it masks, whose entry was read last)."""
 
     value: Any = None
 
-
-class _ValidSizeView:
-    """Stands in for the valid-size tensor inside the column limit: any index answers the held
-    size (the limit asks for the block of the step it masks, whose entry was read last)."""
-
-    def __init__(self, held: _HeldValidSize) -> None:
-        self._held = held
-
     def __getitem__(self, index: Any) -> Any:
-        if self._held.value is None:
+        if self.value is None:
             raise RuntimeError(
                 "the column limit ran before the consumer read a partial-list entry; "
                 "valid_in_list_sm90 needs a review against this upstream version"
             )
-        return self._held.value
+        return self.value
 
 
-def entry_valid_size() -> _ValidSizeView:
-    """For `mask_sm90`'s column limit: the held valid size, as a tensor stand-in."""
+def entry_valid_size() -> _HeldValidSize:
+    """For `mask_sm90`'s column limit: the consumer's holder, as a valid-size tensor."""
     stack = build_scope.trace_stack(_STACK)
     if not stack:
         raise RuntimeError(
             "valid_in_list_mask_mod needs a forward built with valid sizes in its lists "
-            "(flash_attn_vsa.valid_in_list_sm90)"
+            "(flash_attn_vsa.experimental.valid_in_list_sm90)"
         )
-    return _ValidSizeView(stack[-1])
+    return stack[-1]
 
 
 class PackedEntries:
