@@ -45,12 +45,14 @@ per-entry flags. ::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import statistics
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 ARMS = ("all_full", "partial", "partial_no_load", "partial_unmasked", "all_masked", "valid_in_list")
 ABLATED_ATTR = "vsa_research_constant_valid_size"
@@ -165,30 +167,24 @@ def run(args) -> int:
                 out.backward(dout)
             return out
 
-        def patched():
-            if name == "valid_in_list":
-                from flash_attn_vsa.mask_sm90 import valid_in_list_mask_mod
+        from flash_attn_vsa.mask_sm90 import valid_in_list_mask_mod
 
-                ops._forward_lists = lists_valid_in_list
-                launch._masking = masking_with(valid_in_list_mask_mod(64))
-                try:
-                    return call()
-                finally:
-                    ops._forward_lists = original_lists
-                    launch._masking = original_masking
-            if name == "all_masked":
-                ops._forward_lists = lists_all_masked
-                try:
-                    return call()
-                finally:
-                    ops._forward_lists = original_lists
-            if name != "partial_no_load":
+        # what each arm swaps in for the call (lists, masking), restored after it
+        swaps = {
+            "valid_in_list": {
+                "_forward_lists": lists_valid_in_list,
+                "_masking": masking_with(valid_in_list_mask_mod(64)),
+            },
+            "all_masked": {"_forward_lists": lists_all_masked},
+            "partial_no_load": {"_masking": masking_with(ablated_mask_mod(64))},
+        }.get(name, {})
+
+        def patched():
+            with contextlib.ExitStack() as stack:
+                for attr, value in swaps.items():
+                    module = ops if attr == "_forward_lists" else launch
+                    stack.enter_context(mock.patch.object(module, attr, value))
                 return call()
-            launch._masking = masking_with(ablated_mask_mod(64))
-            try:
-                return call()
-            finally:
-                launch._masking = original_masking
 
         return patched
 
