@@ -192,9 +192,10 @@ DELTAS: tuple[Delta, ...] = (
         "Partial key blocks' valid sizes in the forward's list entries",
         _FWD,
         "experimental",
-        "not routed yet: the fork's `block_sparse_forward_q64` with "
-        "`mask_sm90.valid_in_list_mask_mod` and lists from `pack_valid_sizes` (compiled for "
-        "sm_90a; not yet run on a GPU: experiment 17's `valid_in_list` arm)",
+        "not routed: the fork's `block_sparse_forward_q64` with "
+        "`mask_sm90.valid_in_list_mask_mod` and lists from `pack_valid_sizes` (on an H200 "
+        "bitwise the shipped output, +6.1% over all-full blocks against the shipped +6.8%: "
+        "experiment 17)",
     ),
 )
 """Every kernel delta, by number."""

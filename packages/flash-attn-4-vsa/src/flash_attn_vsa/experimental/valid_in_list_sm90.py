@@ -1,5 +1,7 @@
 """Partial key blocks' valid sizes carried in the forward's list entries (sm_90): the fork's
-tenth delta (experimental until measured: issue 20, item 3).
+tenth delta, experimental: measured on an H200 it is correct (bitwise the shipped output) but
+wins only 0.6 of the partial blocks' 6.8 points (+6.1% over all-full blocks), not the ~4 its
+design predicted, so vsa-fa4 does not route it (issue 20, item 3; NOTES.md, session 19).
 
 Why (experiment 17, H200, S=32768, 12 heads, 64x64, 87.5%, a quarter of the key blocks
 partial): the two-CTA forward costs +6.0% over the same lists all full; with the column
