@@ -189,6 +189,13 @@ def run(args) -> int:
 
         return patched
 
+    if args.profile_arms:  # one forward call of each arm inside the profiler's window
+        from .counters_one_call import profile_once
+
+        with torch.no_grad():
+            for name in args.profile_arms:
+                profile_once(name, arm(name, False))
+        return 0
     rows = []
     for direction in ("fwd", "fwd+bwd"):
         # delta 10 changes the forward only: its mask_mod must not reach the backward
@@ -233,6 +240,14 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--out")
+    parser.add_argument(
+        "--profile-arms",
+        nargs="*",
+        choices=ARMS,
+        default=[],
+        help="instead of timing, run one forward call of each arm between cudaProfilerStart "
+        "and Stop (for ncu --profile-from-start off; experiment 18)",
+    )
     return run(parser.parse_args(argv))
 
 

@@ -1,0 +1,128 @@
+"""Host time of each piece of the whole op's inference forward, on a GPU, without a profiler.
+
+`op_host_profile` (cProfile) shows where the Python goes but inflates every call ~2-3x, and
+`diagnose_op_host` times only the whole call. This times, after a synchronize each time, how
+long each piece takes to *return* (its launches queued, not run), with the op's own tensors:
+the whole `video_sparse_attn`, then the pieces it calls in order (pooling, coarse attention,
+selection, layout, the fine backend's combined forward and, inside it, vsa-fa4's list kernel),
+and yardsticks: an empty Triton kernel's launch, ``torch.empty``, dense FA4 on the same tokens.
+Medians over ``--reps`` calls; one JSON line per (shape, piece). ::
+
+    python3 -m research.op_host_pieces --shapes wan480p wan720p --out $OUT/pieces.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+SHAPES = {"wan480p": ((21, 30, 52), 12), "wan720p": ((21, 45, 80), 40)}
+
+
+def host_us(fn, reps: int) -> float:
+    """Median microseconds for ``fn()`` to return, each call right after a synchronize."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def _empty_triton_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def nothing(x_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n), mask=offs < n)
+
+    return nothing
+
+
+def pieces(shape: str, backend: str):
+    """name -> callable, every piece on the tensors the op itself would make."""
+    import vsa_core.ops as ops
+    from vsa_core import VideoTiling, video_sparse_attn
+    from vsa_core.coarse import coarse_stage, layout_from_selection
+    from vsa_fa4 import ops as fa4_ops
+
+    latent, heads = SHAPES[shape]
+    tiling = VideoTiling(latent, (4, 4, 4))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    dims = (1, tiling.padded_len, heads, 128)
+    q, k, v, gate = (
+        torch.randn(dims, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(4)
+    )
+    topk = max(1, round(0.125 * tiling.num_tiles))
+    scale = 128**-0.5
+    valid = tiling.valid_sizes(q.device)
+    stage = coarse_stage("auto", q)
+    chosen = ops._backend_for(q, k, v, (64, 64), 1, False, backend, False)
+    clean = ops._inputs_to_clean(False, False, chosen.key_padding_safe)
+    padding = ops._padding_index(tiling, q.device)
+    pooled = stage.pool_and_clean(q, k, v, valid, clean, padding)
+    coarse = ops._coarse_attention(*pooled[:3], valid, scale, False, False)
+    selection = stage.select(pooled[0], pooled[1], valid, topk)
+    layout = layout_from_selection(selection, valid, 64, all_full=False)
+    nothing, scratch = _empty_triton_kernel(), torch.zeros(1024, device="cuda")
+    calls = {
+        "op": lambda: video_sparse_attn(
+            q, k, v, topk=topk, tiling=tiling, coarse_gate=gate, backend=backend
+        ),
+        "pool_and_clean": lambda: stage.pool_and_clean(q, k, v, valid, clean, padding),
+        "coarse_attention": lambda: ops._coarse_attention(*pooled[:3], valid, scale, False, False),
+        "select": lambda: stage.select(pooled[0], pooled[1], valid, topk),
+        "layout_from_selection": lambda: layout_from_selection(
+            selection, valid, 64, all_full=False
+        ),
+        "fine_forward_combined": lambda: chosen.forward_combined(
+            *pooled[3:], layout, scale, coarse, gate
+        ),
+        "yardstick_empty_triton_launch": lambda: nothing[(1,)](scratch, 1024, BLOCK=1024),
+        "yardstick_torch_empty": lambda: torch.empty(dims, device="cuda", dtype=torch.bfloat16),
+    }
+    if backend == "fa4":
+        from flash_attn.cute import flash_attn_func
+
+        lists_args = (layout.kv_indices, layout.kv_counts, layout.kv_valid_sizes, 64, True)
+        calls["fa4_list_split"] = lambda: fa4_ops._forward_lists(*lists_args)
+        calls["yardstick_dense_fa4"] = lambda: flash_attn_func(q, k, v)
+    return calls
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--backends", nargs="*", default=["fa4", "triton"])
+    parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--out")
+    args = parser.parse_args(argv)
+    lines = []
+    with torch.no_grad():
+        for shape in args.shapes:
+            for backend in args.backends:
+                for name, fn in pieces(shape, backend).items():
+                    row = {"shape": shape, "backend": backend, "piece": name,
+                           "host_us": round(host_us(fn, args.reps), 1)}  # fmt: skip
+                    print(json.dumps(row), flush=True)
+                    lines.append(json.dumps(row))
+                torch.cuda.empty_cache()
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
