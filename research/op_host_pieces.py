@@ -24,13 +24,23 @@ import torch
 SHAPES = {"wan480p": ((21, 30, 52), 12), "wan720p": ((21, 45, 80), 40)}
 
 
-def host_us(fn, reps: int) -> float:
-    """Median microseconds for ``fn()`` to return, each call right after a synchronize."""
+BUSY_CYCLES = 6_000_000
+"""``torch.cuda._sleep`` cycles queued before a call in the busy view (~3 ms at the H200's
+~1.98 GHz): longer than any piece's host time, so a piece that waits for the device (an
+implicit synchronization, a blocking allocation) shows it as milliseconds."""
+
+
+def host_us(fn, reps: int, busy: bool = False) -> float:
+    """Median microseconds for ``fn()`` to return, each call right after a synchronize; with
+    ``busy``, also after queueing `BUSY_CYCLES` of device sleep (the device still working, as
+    inside the op, where each piece is issued while the previous ones run)."""
     fn()
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
         torch.cuda.synchronize()
+        if busy:
+            torch.cuda._sleep(BUSY_CYCLES)
         start = time.perf_counter()
         fn()
         times.append((time.perf_counter() - start) * 1e6)
@@ -97,8 +107,27 @@ def pieces(shape: str, backend: str):
 
         lists_args = (layout.kv_indices, layout.kv_counts, layout.kv_valid_sizes, 64, True)
         calls["fa4_list_split"] = lambda: fa4_ops._forward_lists(*lists_args)
+        calls.update(_fa4_launch_pieces(pooled[3:], layout, coarse, gate, scale))
         calls["yardstick_dense_fa4"] = lambda: flash_attn_func(q, k, v)
     return calls
+
+
+def _fa4_launch_pieces(qkv, layout, coarse, gate, scale):
+    """The combined forward below vsa-fa4's list kernel: `launch.run_forward` on prebuilt
+    lists (the fork's entry point and its replayed launch)."""
+    from vsa_fa4 import launch
+    from vsa_fa4 import ops as fa4_ops
+
+    q, k, v = qkv
+    valid = layout.kv_valid_sizes.contiguous()
+    lists = fa4_ops._forward_lists(layout.kv_indices, layout.kv_counts, valid, 64, True)
+    out = torch.empty_like(q)
+
+    def run_forward():
+        launch.run_forward(q, k, v, out, None, lists, valid, scale, (64, 64), True,
+                           combine=(coarse, gate))  # fmt: skip
+
+    return {"fa4_run_forward": run_forward}
 
 
 def main(argv=None) -> int:
@@ -114,7 +143,8 @@ def main(argv=None) -> int:
             for backend in args.backends:
                 for name, fn in pieces(shape, backend).items():
                     row = {"shape": shape, "backend": backend, "piece": name,
-                           "host_us": round(host_us(fn, args.reps), 1)}  # fmt: skip
+                           "host_us": round(host_us(fn, args.reps), 1),
+                           "host_us_busy": round(host_us(fn, args.reps, busy=True), 1)}  # fmt: skip
                     print(json.dumps(row), flush=True)
                     lines.append(json.dumps(row))
                 torch.cuda.empty_cache()

@@ -9,11 +9,12 @@
 # stall samples (where), for the arms all_full, partial and partial_no_load of experiment 17
 # (one forward call each, `partial_block_cost --profile-arms`).
 # Usage on the H200, after `source .gpu/b/env.sh`:
-#   bash research/fa4_fork/experiments/partial_step_stalls.sh $OUT
+#   bash research/fa4_fork/experiments/partial_step_stalls.sh $OUT [ARM...]
 set -u
-out=${1:?usage: partial_step_stalls.sh OUT_DIR}
+out=${1:?usage: partial_step_stalls.sh OUT_DIR [ARM...]}
+shift
 cd "$(dirname "$0")/../../.." || exit 1  # the repository root: experiments run as modules
-arms="all_full partial partial_no_load"
+arms=${*:-all_full partial partial_no_load}
 ncu --clock-control none --profile-from-start off --kernel-name regex:'[Ff]lash' \
   --section WarpStateStats --section SourceCounters --section SchedulerStats \
   --section LaunchStats --section Occupancy --import-source no \
