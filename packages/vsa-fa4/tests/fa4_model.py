@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from vsa_fa4.lists import PackedSparseLists
+
 
 def _keep_keys(block: int, kv_tile: int, kv_len: int, valid: torch.Tensor | None) -> torch.Tensor:
     keep = torch.zeros(kv_len, dtype=torch.bool)
@@ -31,8 +33,9 @@ def _keep_keys(block: int, kv_tile: int, kv_len: int, valid: torch.Tensor | None
     return keep
 
 
-def forward_pairs(lists, valid, block_size, q_len, kv_len) -> torch.Tensor:
-    """[B, H, Sq, Skv] bool: the (query, key) token pairs the forward lists select."""
+def forward_pairs(lists, valid, block_size, q_len, kv_len, packed=False) -> torch.Tensor:
+    """[B, H, Sq, Skv] bool: the (query, key) token pairs the forward lists select
+    (``packed``: partial entries ``block | valid << 16``, `vsa_fa4.lists.PackedSparseLists`)."""
     q_tile, kv_tile = block_size
     cnt_m, idx_m, cnt_f, idx_f = (t.cpu() for t in lists)
     batch, heads, rows = cnt_m.shape
@@ -44,9 +47,14 @@ def forward_pairs(lists, valid, block_size, q_len, kv_len) -> torch.Tensor:
                 for i in range(int(cnt_f[b, h, m])):
                     pairs[b, h, q_rows] |= _keep_keys(int(idx_f[b, h, m, i]), kv_tile, kv_len, None)
                 for i in range(int(cnt_m[b, h, m])):
-                    pairs[b, h, q_rows] |= _keep_keys(
-                        int(idx_m[b, h, m, i]), kv_tile, kv_len, valid
-                    )
+                    entry = int(idx_m[b, h, m, i])
+                    if packed:  # block | valid << 16: the kernel masks by the entry's size
+                        block, size = entry & 0xFFFF, entry >> 16
+                        sizes = torch.zeros(block + 1, dtype=torch.int32)
+                        sizes[block] = size
+                        pairs[b, h, q_rows] |= _keep_keys(block, kv_tile, kv_len, sizes)
+                    else:
+                        pairs[b, h, q_rows] |= _keep_keys(entry, kv_tile, kv_len, valid)
     return pairs
 
 
@@ -115,7 +123,9 @@ def run_forward(
     block]`` in float64 before rounding, and lse is not written (the launch requires None)."""
     _check_contiguous(lists)
     valid = kv_valid_sizes.cpu() if masked else None
-    pairs = forward_pairs(lists, valid, block_size, q.shape[1], k.shape[1])
+    packed = isinstance(lists, PackedSparseLists)
+    assert not packed or (masked and tuple(block_size) == (64, 64)), "run_forward refuses it"
+    pairs = forward_pairs(lists, valid, block_size, q.shape[1], k.shape[1], packed)
     qd, kd, vd = (t.double().permute(0, 2, 1, 3) for t in (q, k, v))  # [B, H, S, D]
     scores = torch.matmul(qd, kd.transpose(-1, -2)) * scale
     scores = scores.masked_fill(~pairs, float("-inf"))

@@ -23,6 +23,7 @@ import torch
 
 from vsa_core import BlockSparseLayout
 from vsa_fa4.metadata import (
+    PackedSparseLists,
     backward_lists,
     forward_lists,
     paired_forward_lists,
@@ -67,7 +68,9 @@ CASES = [  # (num_q, num_kv, width)
     (9, 150, 130),  # forward: list slots past two 64-slot chunks
     (6, 10, 9),  # paired: the mask list clipped to num_kv / 2 tiles
 ]
-CHECKS_PER_CASE = 2 * (4 + 1 + 1)  # per key tile: 4 backward variants, rotated, forward split
+CHECKS_PER_CASE = 2 * (
+    4 + 1 + 2
+)  # per key tile: 4 backward variants, rotated, forward split, packed
 PAIRED_CHECKS = 2 * sum(1 for _, num_kv, width in CASES if width < num_kv and num_kv % 2 == 0)
 """The paired lists' checks (masked and unmasked lists, 64-token key tiles): only where the
 layout can be paired."""
@@ -114,9 +117,28 @@ def compare_on(device: str) -> int:
             listed = (slots < cnt.unsqueeze(-1)) & (valid[idx.long()] > 0)
             assert torch.equal(got.full_block_cnt + got.mask_block_cnt, listed.sum(-1).to(I32))
             checked += 1
+            checked += compare_packed(got, idx, cnt, valid, kv_tile, where)
             if kv_tile == 64 and width < num_kv and num_kv % 2 == 0:
                 checked += compare_paired(idx, cnt, valid, where)
     return checked
+
+
+def compare_packed(plain, idx, cnt, valid, kv_tile, where: str) -> int:
+    """Forward lists with valid sizes in the partial entries: the kernel's equal the torch
+    path's, and decode to ``plain`` (the same lists without sizes) and each entry's size."""
+    args = (idx, cnt, valid, kv_tile)
+    got = forward_lists(*args, impl="triton", pack_valid=True)
+    assert isinstance(got, PackedSparseLists)
+    assert_same_lists(forward_lists(*args, impl="torch", pack_valid=True), got, f"packed {where}")
+    entries = got.mask_block_idx.long()
+    used = torch.arange(entries.shape[-1], device=entries.device) < got.mask_block_cnt[..., None]
+    blocks = entries & 0xFFFF
+    assert torch.equal(blocks.to(I32), plain.mask_block_idx), f"packed blocks: {where}"
+    sizes = torch.where(used, valid.long()[blocks], 0)
+    assert torch.equal(entries >> 16, sizes), f"packed sizes: {where}"
+    for name in ("mask_block_cnt", "full_block_cnt", "full_block_idx"):
+        assert torch.equal(getattr(got, name), getattr(plain, name)), f"packed {name}: {where}"
+    return 1
 
 
 def compare_paired(idx, cnt, valid, where: str) -> int:

@@ -402,3 +402,19 @@ def test_combined_launch_refuses_what_its_kernel_cannot_run():
         launch.run_forward(q, k, v, out, None, *common, combine=(coarse, None))
     with pytest.raises(ValueError, match="lse must be None"):
         launch.run_forward(q, k, v, out, torch.empty(1), *common, combine=(coarse, None))
+
+
+@pytest.mark.parametrize(("block_size", "masked"), [((128, 128), True), ((64, 64), False)])
+def test_run_forward_refuses_valid_sizes_in_lists_where_no_kernel_reads_them(block_size, masked):
+    """`PackedSparseLists` read as plain block ids would attend to wrong blocks: the launch
+    refuses them outside the two-CTA 64x64 forward (masked), before any kernel runs."""
+    lay = counted_layout(block_size)
+    q, k, v = (t.detach().float() for t in inputs(lay))
+    lists = metadata.forward_lists(
+        lay.kv_indices, lay.kv_counts, lay.kv_valid_sizes, block_size[1], pack_valid=True
+    )
+    out, lse = torch.empty_like(q), torch.empty(1, HEADS, q.shape[1])
+    with pytest.raises(ValueError, match="PackedSparseLists"):
+        launch.run_forward(
+            q, k, v, out, lse, lists, lay.kv_valid_sizes, DIM**-0.5, block_size, masked
+        )

@@ -27,11 +27,11 @@ Arms, all on the same lists and inputs, interleaved call by call (kernels only, 
   load) on every step; correct results. Against ``partial`` it prices the split into two
   loops; against ``all_full`` the mask with its load on every step. If it is within ~3% of
   ``all_full``, the fix needs no kernel change (only how vsa-fa4 builds the forward's lists);
-- ``valid_in_list`` (session 19, the fix the first run pointed to: the load was 4.1 of the
-  6.0%): the shipped lists with each partial entry ``block | valid << 16`` and the fork's
-  delta 10 (`flash_attn_vsa.experimental.valid_in_list_sm90`), whose mask takes the size
-  from the entry the consumer read at the top of the step; correct results (checked against
-  ``partial``). The backward is the shipped one.
+- ``partial_unpacked`` (session 20): the partial lists without valid sizes in their entries,
+  the mask loading ``valid_sizes[block]`` (what was shipped until session 20, when delta 10,
+  `flash_attn_vsa.valid_in_list_sm90`, became ``partial``: session 19 ran it as the arm
+  ``valid_in_list``); correct results (checked against ``partial``). The ablation arms above
+  run on these lists too (their masks read plain block ids).
 
 Predictions: if the load's latency is what costs, ``partial_no_load`` is within ~2% of
 ``partial_unmasked``, and the fix is to have the valid size before the mask (prefetched with
@@ -54,8 +54,9 @@ import time
 from pathlib import Path
 from unittest import mock
 
-ARMS = ("all_full", "partial", "partial_no_load", "partial_unmasked", "all_masked", "valid_in_list")
-FORWARD_ONLY = ("valid_in_list",)
+ARMS = (
+    "all_full", "partial", "partial_no_load", "partial_unmasked", "all_masked", "partial_unpacked"
+)  # fmt: skip
 ABLATED_ATTR = "vsa_research_constant_valid_size"
 
 
@@ -139,16 +140,12 @@ def run(args) -> int:
     original_masking = launch._masking
     original_lists = ops._forward_lists
 
-    def lists_valid_in_list(kv_indices, kv_counts, kv_valid_sizes, kv_tile, masked):
-        from flash_attn_vsa.experimental.valid_in_list_sm90 import pack_valid_sizes
-
-        lists = original_lists(kv_indices, kv_counts, kv_valid_sizes, kv_tile, masked)
-        packed = pack_valid_sizes(lists.mask_block_idx, kv_valid_sizes)
-        return lists._replace(mask_block_idx=packed)
-
-    def lists_all_masked(kv_indices, kv_counts, kv_valid_sizes, kv_tile, masked):
+    def lists_all_masked(kv_indices, kv_counts, kv_valid_sizes, kv_tile, masked, pack=False):
         # a threshold past the tile: no block counts as full, every listed one is masked
         return original_lists(kv_indices, kv_counts, kv_valid_sizes, kv_tile + 1, masked)
+
+    def unpacked(*args):  # the lists without sizes in their entries (mask loads them)
+        return False
 
     def masking_with(mask_mod):
         def masking(_, kv_valid_sizes, block_size, masked):
@@ -168,16 +165,14 @@ def run(args) -> int:
                 out.backward(dout)
             return out
 
-        from flash_attn_vsa.mask_sm90 import valid_in_list_mask_mod
-
         # what each arm swaps in for the call (lists, masking), restored after it
         swaps = {
-            "valid_in_list": {
-                "_forward_lists": lists_valid_in_list,
-                "_masking": masking_with(valid_in_list_mask_mod(64)),
+            "partial_unpacked": {"takes_valid_in_list": unpacked},
+            "all_masked": {"_forward_lists": lists_all_masked, "takes_valid_in_list": unpacked},
+            "partial_no_load": {
+                "_masking": masking_with(ablated_mask_mod(64)),
+                "takes_valid_in_list": unpacked,
             },
-            "all_masked": {"_forward_lists": lists_all_masked},
-            "partial_no_load": {"_masking": masking_with(ablated_mask_mod(64))},
         }.get(name, {})
 
         def patched():
@@ -198,16 +193,14 @@ def run(args) -> int:
         return 0
     rows = []
     for direction in ("fwd", "fwd+bwd"):
-        # delta 10 changes the forward only: its mask_mod must not reach the backward
-        arms = [n for n in ARMS if direction == "fwd" or n not in FORWARD_ONLY]
-        fns = {name: arm(name, direction != "fwd") for name in arms}
+        fns = {name: arm(name, direction != "fwd") for name in ARMS}
         with torch.enable_grad() if direction != "fwd" else torch.no_grad():
             for fn in fns.values():
                 for _ in range(3):
                     fn()
             if direction == "fwd":  # the one reordered arm that must stay correct
                 shipped = fns["partial"]().float()
-                for other in ("all_masked", "valid_in_list"):
+                for other in ("all_masked", "partial_unpacked"):
                     diff = (fns[other]().float() - shipped).abs().max().item()
                     print(json.dumps({f"{other}_vs_partial_max_abs": diff}), flush=True)
             times = {name: [] for name in fns}
@@ -219,8 +212,7 @@ def run(args) -> int:
         row["load_share"] = (row["partial"] - row["partial_no_load"]) / row["all_full"]
         row["split_and_mask_share"] = (row["partial"] - row["partial_unmasked"]) / row["all_full"]
         row["all_masked_over_full"] = row["all_masked"] / row["all_full"] - 1
-        if "valid_in_list" in row:
-            row["valid_in_list_over_full"] = row["valid_in_list"] / row["all_full"] - 1
+        row["unpacked_over_full"] = row["partial_unpacked"] / row["all_full"] - 1
         print(json.dumps(row), flush=True)
         rows.append(row)
     if args.out:

@@ -15,13 +15,12 @@ block-sparse forward, two CTAs per SM), ``flash_attn_vsa.q_regs_sm90`` (Q in reg
 QK^T, in that two-CTA forward), ``flash_attn_vsa.mask_sm90`` (partial key blocks masked as one
 column limit per tile), ``flash_attn_vsa.fwd_sm90_paired`` (128x64 blocks over pairs of
 64-token key blocks) and ``flash_attn_vsa.combine_sm90`` (VSA's combine in the two-CTA
-forward's epilogue, for inference). Experimental, in ``flash_attn_vsa.experimental``
-(correct on an H200 but measured slower; only on request, a ``vsa_fa4.launch.ForwardVariant``
-passed down):
+forward's epilogue, for inference) and ``flash_attn_vsa.valid_in_list_sm90`` (partial key
+blocks' valid sizes carried in the two-CTA forward's list entries). Experimental, in
+``flash_attn_vsa.experimental`` (correct on an H200 but measured slower; only on request, a
+``vsa_fa4.launch.ForwardVariant`` passed down):
 ``flash_attn_vsa.experimental.fwd_sm90_streams`` (two 64-row query streams per 128-row tile)
-and ``flash_attn_vsa.experimental.persistent_sm90`` (persistent CTAs walking the tiles), and
-``flash_attn_vsa.experimental.valid_in_list_sm90`` (partial key blocks' valid sizes carried in
-the forward's list entries: correct, 0.6 points of the partial blocks' 6.8% won); the
+and ``flash_attn_vsa.experimental.persistent_sm90`` (persistent CTAs walking the tiles); the
 backward's configurations under measurement are there too
 (``flash_attn_vsa.experimental.bwd_configs``, passed as ``config=`` to
 ``bwd_sm90.block_sparse_backward_kv64``).

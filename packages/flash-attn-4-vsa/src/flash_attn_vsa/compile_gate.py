@@ -122,7 +122,7 @@ CONFIGS: tuple[GateConfig, ...] = (
         (64, 64),
         "FlashAttentionForwardSm90TwoCtasQInRegistersValidInList",
         "the same with partial key blocks whose valid sizes ride in the list entries "
-        "(flash_attn_vsa.experimental.valid_in_list_sm90, experimental)",
+        "(flash_attn_vsa.valid_in_list_sm90; what vsa-fa4 runs for partial key blocks)",
     ),
     GateConfig(
         "fwd-sparse-q128-kv64-paired",

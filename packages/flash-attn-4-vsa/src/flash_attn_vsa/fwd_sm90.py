@@ -190,7 +190,7 @@ class ForwardKernel:
 
             cls = with_persistent_tiles(cls)
         if self.valid_in_list:
-            from flash_attn_vsa.experimental.valid_in_list_sm90 import with_valid_sizes_in_list
+            from flash_attn_vsa.valid_in_list_sm90 import with_valid_sizes_in_list
 
             cls = with_valid_sizes_in_list(cls)
         if self.combine:

@@ -91,18 +91,18 @@ def valid_size_mask_mod(kv_tile: int) -> Any:
 
 VALID_IN_LIST_ATTR = "vsa_valid_size_in_list"
 """Attribute of `valid_in_list_mask_mod`'s functions: the partial list's entries carry each key
-block's valid size (``block | valid << 16``, `flash_attn_vsa.experimental.valid_in_list_sm90`)."""
+block's valid size (``block | valid << 16``, `flash_attn_vsa.valid_in_list_sm90`)."""
 
 
 @functools.cache
 def valid_in_list_mask_mod(kv_tile: int) -> Any:
     """The marker mask_mod of a forward whose partial-list entries carry their key block's
-    valid size (`flash_attn_vsa.experimental.valid_in_list_sm90`): the column limit then takes
+    valid size (`flash_attn_vsa.valid_in_list_sm90`): the column limit then takes
     the size from the entry the consumer read at the top of the step instead of loading it
-    after the step's QK^T (experiment 17: that load's latency was two thirds of a partial
-    block's cost). It has no per-element meaning (a column index does not say which entry it
-    came from): only `mask_class`'s column limit applies it, and tracing it anywhere else
-    fails."""
+    after the step's QK^T (experiment 18: with that load, ptxas made each masked step wait for
+    the previous step's P V product too). It has no per-element meaning (a column index does
+    not say which entry it came from): only `mask_class`'s column limit applies it, and
+    tracing it anywhere else fails."""
     import cutlass.cute as cute
 
     _log2_tile(kv_tile)
@@ -174,7 +174,7 @@ def mask_class() -> type:
             ):
                 return False
             if getattr(mask_mod, VALID_IN_LIST_ATTR, False):  # sizes in the list entries
-                from flash_attn_vsa.experimental.valid_in_list_sm90 import entry_valid_size
+                from flash_attn_vsa.valid_in_list_sm90 import entry_valid_size
 
                 valid_sizes = entry_valid_size()
             else:

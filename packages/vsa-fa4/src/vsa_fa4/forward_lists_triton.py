@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vsa_fa4.lists import SparseLists, empty_lists
+from vsa_fa4.lists import PackedSparseLists, SparseLists, empty_lists
 
 BLOCK_R = 16
 BLOCK_W = 64
@@ -46,6 +46,7 @@ def _split_full_partial(
     kv_tile,
     BLOCK_R: tl.constexpr,
     BLOCK_W: tl.constexpr,
+    PACK_VALID: tl.constexpr,  # partial entries as block | valid << 16 (PackedSparseLists)
 ):
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = r < num_rows
@@ -64,7 +65,8 @@ def _split_full_partial(
         full_slot = n_full[:, None] + tl.cumsum(full, axis=1) - 1
         partial_slot = n_partial[:, None] + tl.cumsum(partial, axis=1) - 1
         tl.store(full_idx_ptr + rows[:, None] * keep + full_slot, kv, mask=full > 0)
-        tl.store(mask_idx_ptr + rows[:, None] * keep + partial_slot, kv, mask=partial > 0)
+        entry = kv | (valid << 16) if PACK_VALID else kv
+        tl.store(mask_idx_ptr + rows[:, None] * keep + partial_slot, entry, mask=partial > 0)
         n_full += tl.sum(full, axis=1)
         n_partial += tl.sum(partial, axis=1)
         w0 += BLOCK_W
@@ -86,9 +88,10 @@ def forward_lists_triton(
     kv_counts: torch.Tensor,
     kv_valid_sizes: torch.Tensor,
     kv_tile: int,
+    pack_valid: bool = False,
 ) -> SparseLists:
     """`vsa_fa4.metadata.forward_lists` in one launch (same tensors, same values; a list
-    width of 0 is the caller's case)."""
+    width of 0 is the caller's case); ``pack_valid``: `PackedSparseLists`."""
     lead, width = kv_indices.shape[:-1], kv_indices.shape[-1]
     keep = min(width, kv_valid_sizes.shape[0])
     lists = empty_lists(lead, keep, keep, kv_indices.device)
@@ -109,5 +112,6 @@ def forward_lists_triton(
             kv_tile,
             BLOCK_R=BLOCK_R,
             BLOCK_W=BLOCK_W,
+            PACK_VALID=pack_valid,
         )
-    return lists
+    return PackedSparseLists(*lists) if pack_valid else lists

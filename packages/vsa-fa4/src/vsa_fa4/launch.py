@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vsa_fa4.metadata import SparseLists, paired_forward_lists
+from vsa_fa4.metadata import PackedSparseLists, SparseLists, paired_forward_lists
 
 if TYPE_CHECKING:
     from flash_attn_vsa.bwd_sm90 import TileConfig
@@ -223,6 +223,14 @@ def run_forward(
     written (``lse`` must be None); only where `combines_in_epilogue` holds."""
     if not isinstance(variant, ForwardVariant):
         raise ValueError(f"variant must be a ForwardVariant, got {variant!r}")
+    valid_in_list = isinstance(lists, PackedSparseLists)  # partial entries carry valid sizes
+    if valid_in_list and not (
+        masked and takes_valid_in_list(q, kv_valid_sizes, block_size, variant)
+    ):
+        raise ValueError(
+            "lists with valid sizes in their entries (PackedSparseLists) go to the fork's "
+            "two-CTA 64x64 forward only, masked (takes_valid_in_list)"
+        )
     epilogue = {}  # the combine's operands for the two-CTA 64x64 forward
     if combine is not None:
         if lse is not None:
@@ -257,6 +265,10 @@ def run_forward(
         )
         return
     tensors_cls, mask_mod = _upstream()
+    if valid_in_list:
+        from flash_attn_vsa.mask_sm90 import valid_in_list_mask_mod
+
+        mask_mod = valid_in_list_mask_mod
     masking = _masking(mask_mod, kv_valid_sizes, block_size, masked)
     tensors = _block_sparse(tensors_cls, lists, block_size)
     with _on_device(q.device):
@@ -275,6 +287,25 @@ def run_forward(
             launch_replay.UPSTREAM_KERNELS, launch_replay.no_scope, q, k, v, tensors,
             softmax_scale=scale, **masking, out=out, lse=lse, replay=True,
         )  # fmt: skip
+
+
+def takes_valid_in_list(
+    q: torch.Tensor,
+    kv_valid_sizes: torch.Tensor,
+    block_size: tuple[int, int],
+    variant: ForwardVariant = SHIPPED_FORWARD,
+) -> bool:
+    """Whether `run_forward`'s kernel for this call reads `PackedSparseLists` (partial entries
+    ``block | valid << 16``, `flash_attn_vsa.valid_in_list_sm90`): the fork's two-CTA 64x64
+    forward, for fewer than 2^16 key blocks. It drops the masked steps' extra wait for the
+    previous P V product (NOTES.md, experiment 18): bitwise the same output."""
+    from flash_attn_vsa.valid_in_list_sm90 import BLOCK_BITS
+
+    return (
+        tuple(block_size) == (64, 64)
+        and kv_valid_sizes.shape[0] <= 1 << BLOCK_BITS
+        and not (variant.two_streams and _runs_two_streams(q, kv_valid_sizes, block_size))
+    )
 
 
 def combines_in_epilogue(

@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["SparseLists", "empty_lists"]
+__all__ = ["PackedSparseLists", "SparseLists", "empty_lists"]
 
 
 class SparseLists(NamedTuple):
@@ -36,6 +36,13 @@ class SparseLists(NamedTuple):
         """``(full_idx, full_cnt, partial_idx, partial_cnt)``: the argument order of the fork's
         list packers (``pair_lists``, ``stream_lists``)."""
         return self.full_block_idx, self.full_block_cnt, self.mask_block_idx, self.mask_block_cnt
+
+
+class PackedSparseLists(SparseLists):
+    """Forward `SparseLists` whose partial entries are ``block | valid << 16`` (the key block's
+    valid size in the high bits, `flash_attn_vsa.valid_in_list_sm90`); the full list holds plain
+    block indices. Only the fork's two-CTA 64x64 forward reads this format
+    (`vsa_fa4.launch.run_forward` refuses it elsewhere)."""
 
 
 def empty_lists(

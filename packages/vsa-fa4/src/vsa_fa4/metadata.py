@@ -36,7 +36,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from vsa_core.layout import BlockSparseLayout, transpose_kv_lists
 from vsa_core.rotation import rotate_lists, rotation_starts
-from vsa_fa4.lists import SparseLists
+from vsa_fa4.lists import PackedSparseLists, SparseLists
 from vsa_fa4.lists import empty_lists as empty_lists  # re-exported (its home before lists.py)
 from vsa_fa4.schedule import Plan
 
@@ -76,13 +76,15 @@ def forward_lists(
     kv_valid_sizes: torch.Tensor,
     kv_tile: int,
     impl: str = "auto",
+    pack_valid: bool = False,
 ) -> SparseLists:
     """Per query block: selected full key blocks and selected partial key blocks, apart.
 
     Physical lists in, ascending order kept, empty key blocks dropped, unused entries zero (a
     valid block index). ``impl``: ``"triton"`` (one kernel, no transients,
     `vsa_fa4.forward_lists_triton`), ``"torch"`` (tensor ops) or ``"auto"``, as for
-    `backward_lists`. Both give identical tensors.
+    `backward_lists`. Both give identical tensors. ``pack_valid``: `PackedSparseLists`, each
+    used partial entry ``block | valid << 16`` (unused ones stay zero).
 
     The tensor ops: one scatter places every slot, full blocks at the start of the first third
     of a [B, H, NQ, 3W] buffer, partial ones at the start of the second, the rest (unused
@@ -96,11 +98,13 @@ def forward_lists(
     if width == 0:  # a layout that can select nothing: one unused slot keeps FA4's shapes
         zero = torch.zeros(lead, dtype=torch.int32, device=device)
         idx = torch.zeros(*lead, 1, dtype=torch.int32, device=device)
-        return SparseLists(zero, idx, zero.clone(), idx.clone())
+        return (PackedSparseLists if pack_valid else SparseLists)(
+            zero, idx, zero.clone(), idx.clone()
+        )
     if use_triton:
         from vsa_fa4.forward_lists_triton import forward_lists_triton
 
-        return forward_lists_triton(kv_indices, kv_counts, kv_valid_sizes, kv_tile)
+        return forward_lists_triton(kv_indices, kv_counts, kv_valid_sizes, kv_tile, pack_valid)
     slots = torch.arange(width, device=device, dtype=torch.int32)
     used = slots < kv_counts.unsqueeze(-1)
     valid = kv_valid_sizes[kv_indices.long()]
@@ -116,12 +120,22 @@ def forward_lists(
     packed = torch.zeros(*lead, 3 * width, dtype=torch.int32, device=device)
     packed.scatter_(-1, dest.long(), kv_indices.to(torch.int32))
     keep = min(width, num_kv)  # FA4: a list's width must not exceed the number of key blocks
-    return SparseLists(
+    lists = SparseLists(
         mask_block_cnt=n_partial[..., -1].contiguous(),
         mask_block_idx=packed[..., width : width + keep].contiguous(),
         full_block_cnt=n_full[..., -1].contiguous(),
         full_block_idx=packed[..., :keep].contiguous(),
     )
+    return _with_valid_sizes(lists, kv_valid_sizes) if pack_valid else lists
+
+
+def _with_valid_sizes(lists: SparseLists, kv_valid_sizes: torch.Tensor) -> PackedSparseLists:
+    """``lists`` with each used partial entry ``block | valid << 16`` (tensor ops)."""
+    idx, cnt = lists.mask_block_idx, lists.mask_block_cnt
+    used = torch.arange(idx.shape[-1], device=idx.device) < cnt.unsqueeze(-1)
+    sizes = kv_valid_sizes.to(torch.int32)[idx.long()]
+    packed = torch.where(used, idx | (sizes << 16), torch.zeros_like(idx))
+    return PackedSparseLists(*lists._replace(mask_block_idx=packed.contiguous()))
 
 
 def unmasked_forward_lists(

@@ -50,11 +50,19 @@ def _lse(q: torch.Tensor) -> torch.Tensor:
     return q.new_empty((batch, heads, seq), dtype=torch.float32)
 
 
-def _forward_lists(kv_indices, kv_counts, kv_valid_sizes, kv_tile, masked):
-    """FA4's forward lists: full and partial key blocks apart (``masked``), or all as full."""
+def _forward_lists(kv_indices, kv_counts, kv_valid_sizes, kv_tile, masked, pack_valid=False):
+    """FA4's forward lists: full and partial key blocks apart (``masked``; with ``pack_valid``
+    the partial entries carry their valid sizes, `PackedSparseLists`), or all as full."""
     if masked:
-        return forward_lists(kv_indices, kv_counts, kv_valid_sizes, kv_tile)
+        return forward_lists(kv_indices, kv_counts, kv_valid_sizes, kv_tile, pack_valid=pack_valid)
     return unmasked_forward_lists(kv_indices, kv_counts, kv_valid_sizes.shape[0])
+
+
+def _lists_for(q, kv_indices, kv_counts, kv_valid_sizes, block_size, masked, variant):
+    """The forward's lists for `launch.run_forward` on ``block_size`` blocks: with valid sizes in
+    the partial entries wherever the kernel it runs reads them (`launch.takes_valid_in_list`)."""
+    pack = masked and launch.takes_valid_in_list(q, kv_valid_sizes, block_size, variant)
+    return _forward_lists(kv_indices, kv_counts, kv_valid_sizes, block_size[1], masked, pack)
 
 
 def forward_impl(
@@ -78,8 +86,9 @@ def forward_impl(
     for the shipped ones). The body of ``torch.ops.vsa_fa4.fwd`` (`block_sparse_fwd`); the
     compile gate calls it directly, since under a fake tensor mode the op would run its fake."""
     out, lse = _bshd(q, v.shape[-1]), _lse(q)
-    lists = _forward_lists(kv_indices, kv_counts, kv_valid_sizes, kv_tile, masked)
     variant = launch.KernelChoice.decode(kernels).forward
+    lists = _lists_for(q, kv_indices, kv_counts, kv_valid_sizes, (q_tile, kv_tile), masked,
+                       variant)  # fmt: skip
     launch.run_forward(
         q, k, v, out, lse, lists, kv_valid_sizes.contiguous(), scale, (q_tile, kv_tile), masked,
         variant=variant,
@@ -117,10 +126,11 @@ def forward_combined_impl(
     other arguments as `forward_impl`'s at 64x64 physical blocks. The body of
     ``torch.ops.vsa_fa4.fwd_combined``."""
     out = _bshd(q, v.shape[-1])
-    lists = _forward_lists(kv_indices, kv_counts, kv_valid_sizes, 64, masked)
+    variant = launch.KernelChoice.decode(kernels).forward
+    lists = _lists_for(q, kv_indices, kv_counts, kv_valid_sizes, (64, 64), masked, variant)
     launch.run_forward(
         q, k, v, out, None, lists, kv_valid_sizes.contiguous(), scale, (64, 64), masked,
-        variant=launch.KernelChoice.decode(kernels).forward, combine=(coarse, gate),
+        variant=variant, combine=(coarse, gate),
     )  # fmt: skip
     return out
 

@@ -188,14 +188,15 @@ DELTAS: tuple[Delta, ...] = (
     ),
     Delta(
         10,
-        "experimental.valid_in_list_sm90",
+        "valid_in_list_sm90",
         "Partial key blocks' valid sizes in the forward's list entries",
         _FWD,
-        "experimental",
-        "not routed: the fork's `block_sparse_forward_q64` with "
-        "`mask_sm90.valid_in_list_mask_mod` and lists from `pack_valid_sizes` (on an H200 "
-        "bitwise the shipped output, +6.1% over all-full blocks against the shipped +6.8%: "
-        "experiment 17)",
+        "shipped",
+        "every 64x64 forward with partial key blocks (`vsa_fa4.lists.PackedSparseLists` from "
+        "the list kernel, `mask_sm90.valid_in_list_mask_mod`): on an H200 bitwise the output of "
+        "the lists without sizes, and it drops the masked steps' extra wait for the previous "
+        "P V product (Nsight: +1.0% over all-full blocks against +3.0%; timed back to back "
+        "+6.5% against +7.7%: experiments 17 and 18)",
     ),
 )
 """Every kernel delta, by number."""

@@ -1,16 +1,19 @@
 """Partial key blocks' valid sizes carried in the forward's list entries (sm_90): the fork's
-tenth delta, experimental: measured on an H200 it is correct (bitwise the shipped output) but
-wins only 0.6 of the partial blocks' 6.8 points (+6.1% over all-full blocks), not the ~4 its
-design predicted, so vsa-fa4 does not route it (issue 20, item 3; NOTES.md, session 19).
+tenth delta, which vsa-fa4 runs for every 64x64 forward with partial key blocks.
 
-Why (experiment 17, H200, S=32768, 12 heads, 64x64, 87.5%, a quarter of the key blocks
-partial): the two-CTA forward costs +6.0% over the same lists all full; with the column
-limit's one input, ``valid_sizes[block]``, replaced by a constant it costs +2.0%. That load is
-issued after the step's QK^T, right before the mask, and its latency is exposed on every
-partial step (every step masked: +17.8%). The block index itself is read at the top of the
-step (upstream's ``consume_block_sparse_loads``), its latency hidden under QK^T. So the
-partial list's entries here are ``block | valid << 16`` (`pack_valid_sizes`): one load gives
-both, and the mask reads the size the consumer already holds.
+Why (experiments 17 and 18, NOTES.md sessions 19-20; H200, S=32768, 12 heads, 64x64, 87.5%, a
+quarter of the key blocks partial): with the column limit's input loaded as
+``valid_sizes[block]`` after the step's QK^T (`mask_sm90`), ptxas puts a second
+``WARPGROUP.DEPBAR.LE gsb0, 0x0`` in each masked step, before the mask: the step waits for the
+previous step's P V product as well as its own QK^T, so the softmax no longer overlaps it.
+Nsight Compute puts 4,000 of the kernel's 154,000 stall samples on that wait (the barrier
+stalls triple) and the kernel at +3.0% over the same lists all full. Here the partial list's
+entries are ``block | valid << 16`` (`pack_valid_sizes`; vsa-fa4's list kernel writes them):
+the consumer reads a step's entry at the top of the step, as upstream does, and the mask uses
+the size it holds. The extra wait is gone (+1.0% under Nsight; timed back to back, +6.5%
+against +7.7%: what the back-to-back run still pays is not measured apart, beside the masked
+steps' other instructions: the kernel executes 6.2% more than on all-full lists, 32 FSEL a
+masked step and warp among them); the output is bitwise the same.
 
 `with_valid_sizes_in_list(base)` subclasses a sm_90 forward kernel class:
 
@@ -65,7 +68,7 @@ def entry_valid_size() -> _HeldValidSize:
     if not stack:
         raise RuntimeError(
             "valid_in_list_mask_mod needs a forward built with valid sizes in its lists "
-            "(flash_attn_vsa.experimental.valid_in_list_sm90)"
+            "(flash_attn_vsa.valid_in_list_sm90)"
         )
     return stack[-1]
 
