@@ -9,6 +9,9 @@ run (the before and after of a change, at the same clock).
   reads raster rows (``copy_to_tiles=False``), then combines in a separate in-place pass.
 - ``fa4_unfused``: the fa4 backend without its fused combine (the 64x64 forward's combined
   epilogue, `flash_attn_vsa.combine_sm90`): the forward, then the coarse stage's combine pass.
+- ``fa4_unpacked``: the fa4 backend whose 64x64 forward lists hold plain block ids, the mask
+  loading the valid sizes (``ForwardVariant(valid_in_list=False)``: what ran before delta 10,
+  `flash_attn_vsa.valid_in_list_sm90`, was shipped).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 COPYING_TRITON = "triton_copies"
 UNFUSED_TRITON = "triton_unfused"
 UNFUSED_FA4 = "fa4_unfused"
+UNPACKED_FA4 = "fa4_unpacked"
 _SWITCHED_OFF = {
     COPYING_TRITON: ("triton", {"reads_raster": False, "fuses_combine": False}),
     UNFUSED_TRITON: ("triton", {"fuses_combine": False}),
@@ -25,9 +29,18 @@ _SWITCHED_OFF = {
 
 def register_variant(name: str) -> bool:
     """Register the variant called ``name`` (True), or do nothing for any other name (False)."""
+    from vsa_core.backends import register_backend
+
+    if name == UNPACKED_FA4:  # a kernel choice: the backend's argument
+        from vsa_fa4.backend import FA4Backend
+        from vsa_fa4.launch import ForwardVariant, KernelChoice
+
+        unpacked = KernelChoice(ForwardVariant(valid_in_list=False))
+        variant = type(name, (FA4Backend,), {"name": name, "priority": -1})
+        register_backend(variant(kernels=unpacked))
+        return True
     if name not in _SWITCHED_OFF:
         return False
-    from vsa_core.backends import register_backend
 
     base_name, switched_off = _SWITCHED_OFF[name]
     if base_name == "triton":

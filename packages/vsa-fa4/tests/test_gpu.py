@@ -122,7 +122,7 @@ def check_backward(grads, ref_grads):
 @pytest.mark.parametrize(
     "forward,backward",
     [("streams+qregs", "kv64-staged"), ("persistent", "kv64-dq-2parts-two-ctas"),
-     ("no-qregs", None)],
+     ("no-qregs", None), ("no-valid-in-list", None)],
 )  # fmt: skip
 def test_explicit_kernel_choices_match_the_reference(forward, backward):
     """A backend carrying a `KernelChoice` (forward variant, backward tile configuration) runs
@@ -132,10 +132,7 @@ def test_explicit_kernel_choices_match_the_reference(forward, backward):
     from vsa_core.backends import register_backend, unregister_backend
     from vsa_fa4.launch import ForwardVariant, KernelChoice
 
-    if forward == "no-qregs":
-        variant = ForwardVariant(q_in_registers=False)
-    else:
-        variant = ForwardVariant.from_names(forward.split("+"))
+    variant = ForwardVariant.from_names(forward.split("+"))
     config = None if backward is None else EXPERIMENTAL_CONFIGS[backward]
     name = f"fa4-test-{forward}-{backward}"
     register_backend(FA4Backend(kernels=KernelChoice(variant, config), name=name))

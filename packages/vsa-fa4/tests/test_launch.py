@@ -171,6 +171,7 @@ def test_kernel_choice_round_trips_through_its_string():
         launch.KernelChoice(launch.ForwardVariant(two_streams=True, persistent=True)),
         launch.KernelChoice(backward=EXPERIMENTAL_CONFIGS["kv64-dq-1part-2buffers"]),
         launch.KernelChoice(launch.ForwardVariant(True), ABLATIONS["kv64-no-dq"]),
+        launch.KernelChoice(launch.ForwardVariant(valid_in_list=False)),
     ]
     keys = [c.encode() for c in choices]
     assert len(set(keys)) == len(keys) and "" not in keys
@@ -179,6 +180,22 @@ def test_kernel_choice_round_trips_through_its_string():
         launch.KernelChoice("streams")
     with pytest.raises(ValueError, match="TileConfig"):
         launch.KernelChoice(backward="kv64-staged")
+
+
+def test_forward_variant_labels_read_back_as_the_variant():
+    variants = [
+        launch.SHIPPED_FORWARD,
+        launch.ForwardVariant(q_in_registers=False),
+        launch.ForwardVariant(valid_in_list=False),
+        launch.ForwardVariant(q_in_registers=False, valid_in_list=False, persistent=True),
+        launch.ForwardVariant(q_in_registers=True, two_streams=True),
+    ]
+    labels = [v.label for v in variants]
+    assert labels[:3] == ["shipped", "no-qregs", "no-valid-in-list"]
+    assert len(set(labels)) == len(labels)
+    assert [launch.ForwardVariant.from_names(lab.split("+")) for lab in labels[1:]] == variants[1:]
+    with pytest.raises(ValueError, match="no-valid-in-list"):
+        launch.ForwardVariant.from_names(["no-streams"])
 
 
 def test_two_threads_run_their_own_explicit_kernels_at_once(monkeypatch):
@@ -252,3 +269,14 @@ def test_no_thread_local_or_global_kernel_selector_comes_back(module):
     for gone in ("forward_variant", "current_forward_variant", "configs_scope"):
         assert not hasattr(launch, gone)
         assert f"{gone}(" not in source
+
+
+def test_valid_sizes_ride_in_the_lists_of_the_two_cta_64x64_forward_only():
+    q = torch.empty(1, 128, 2, 128)
+    valid = torch.full((2,), 64, dtype=torch.int32)
+    takes = launch.takes_valid_in_list
+    assert takes(q, valid, (64, 64))
+    assert not takes(q, valid, (64, 64), launch.ForwardVariant(valid_in_list=False))
+    assert not takes(q, valid, (128, 128)) and not takes(q, valid, (128, 64))
+    too_many = torch.full(((1 << 16) + 1,), 64, dtype=torch.int32)  # ids past 16 bits
+    assert not takes(q, too_many, (64, 64))

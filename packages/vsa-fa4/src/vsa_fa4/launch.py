@@ -54,14 +54,18 @@ class ForwardVariant:
     forwards run two 64-row query blocks per 128-row tile, one per warpgroup, each with its own
     list (`flash_attn_vsa.experimental.fwd_sm90_streams`, delta 6; head dim 128, an even number
     of query blocks, sm_90). ``persistent``: the fork's forwards walk their tiles on persistent
-    CTAs (`flash_attn_vsa.experimental.persistent_sm90`, delta 7). The last two are off in
-    `SHIPPED_FORWARD`: the H200 measured them slower (experiment 10); benchmarks compare them
-    by passing a variant (`run_forward`'s ``variant``, a `KernelChoice`, or an fa4 backend
-    registered with one: `vsa_fa4.backend.variant_backend`)."""
+    CTAs (`flash_attn_vsa.experimental.persistent_sm90`, delta 7). Those two are off in
+    `SHIPPED_FORWARD`: the H200 measured them slower (experiment 10). ``valid_in_list``
+    (shipped on): the 64x64 forward's partial entries carry their valid sizes (delta 10,
+    `takes_valid_in_list`); off, the lists hold plain block ids and the mask loads the sizes
+    (what ran before; the same output). Benchmarks compare variants by passing one
+    (`run_forward`'s ``variant``, a `KernelChoice`, or an fa4 backend registered with one:
+    `vsa_fa4.backend.variant_backend`)."""
 
     q_in_registers: bool | None = None
     two_streams: bool = False
     persistent: bool = False
+    valid_in_list: bool = True
 
     def kernel_options(self, kernel: str) -> dict[str, bool]:
         """The keyword arguments the fork's forward entry point ``kernel`` (``"two_ctas"``,
@@ -74,26 +78,33 @@ class ForwardVariant:
     @classmethod
     def from_names(cls, names: Sequence[str]) -> ForwardVariant:
         """The variant with the named options on (`VARIANT_NAMES`: the short names benchmarks
-        and tools take, e.g. ``["streams", "qregs"]``); ValueError for an unknown name."""
-        unknown = [n for n in names if n not in VARIANT_NAMES]
+        and tools take, e.g. ``["streams", "qregs"]``) or, for ``no-NAME``
+        (`NEGATED_NAMES`), off; ValueError for an unknown name."""
+        known = {**{n: (f, True) for n, f in VARIANT_NAMES.items()}, **NEGATED_NAMES}
+        unknown = [n for n in names if n not in known]
         if unknown or not names:
             raise ValueError(
-                f"forward variant options must be among {sorted(VARIANT_NAMES)}, got {list(names)}"
+                f"forward variant options must be among {sorted(known)}, got {list(names)}"
             )
-        return cls(**{VARIANT_NAMES[n]: True for n in names})
+        return cls(**dict(known[n] for n in names))
 
     @property
     def label(self) -> str:
         """The variant as `from_names` takes it, joined by ``+`` (``"shipped"`` for
-        `SHIPPED_FORWARD`; ``q_in_registers=False`` reads ``"no-qregs"``)."""
+        `SHIPPED_FORWARD`; a shipped option turned off reads ``no-NAME``)."""
         names = [short for short, field in VARIANT_NAMES.items() if getattr(self, field) is True]
-        if self.q_in_registers is False:
-            names.insert(0, "no-qregs")
-        return "+".join(names) or "shipped"
+        off = [n for n, (field, value) in NEGATED_NAMES.items() if getattr(self, field) is value]
+        return "+".join(off + names) or "shipped"
 
 
 VARIANT_NAMES = {"qregs": "q_in_registers", "streams": "two_streams", "persistent": "persistent"}
 """Short names of `ForwardVariant`'s fields, as benchmarks and tools take them."""
+
+NEGATED_NAMES = {
+    "no-qregs": ("q_in_registers", False),
+    "no-valid-in-list": ("valid_in_list", False),
+}
+"""Short names that turn a shipped option off (field, value)."""
 
 
 SHIPPED_FORWARD = ForwardVariant()
@@ -297,12 +308,14 @@ def takes_valid_in_list(
 ) -> bool:
     """Whether `run_forward`'s kernel for this call reads `PackedSparseLists` (partial entries
     ``block | valid << 16``, `flash_attn_vsa.valid_in_list_sm90`): the fork's two-CTA 64x64
-    forward, for fewer than 2^16 key blocks. It drops the masked steps' extra wait for the
-    previous P V product (NOTES.md, experiment 18): bitwise the same output."""
+    forward, for fewer than 2^16 key blocks, unless the variant turns it off. It drops the
+    masked steps' extra wait for the previous P V product (NOTES.md, experiment 18): bitwise
+    the same output."""
     from flash_attn_vsa.valid_in_list_sm90 import BLOCK_BITS
 
     return (
-        tuple(block_size) == (64, 64)
+        variant.valid_in_list
+        and tuple(block_size) == (64, 64)
         and kv_valid_sizes.shape[0] <= 1 << BLOCK_BITS
         and not (variant.two_streams and _runs_two_streams(q, kv_valid_sizes, block_size))
     )
