@@ -721,12 +721,14 @@ def resolve_fine_backend(
 ) -> tuple[str | None, str | None]:
     """(backend that will run the fine attention, None) or (None, why it cannot). The call is
     described as the op describes it: key blocks all full when the latent needs no padding,
-    ``query_rows`` = batch x heads x padded tokens (auto's rule depends on the size),
+    ``query_rows`` = batch x heads x padded tokens and the padded tokens as the query length
+    (auto's rule depends on the size),
     ``deterministic`` as asked."""
     tile = tiling.tile_tokens
     call = AttentionCall(device, dtype, head_dim, (tile, tile), mode != "fwd",
                          kv_blocks_full=not tiling.has_padding,
-                         query_rows=query_rows, deterministic=deterministic)  # fmt: skip
+                         query_rows=query_rows, query_len=tiling.padded_len,
+                         deterministic=deterministic)  # fmt: skip
     try:
         if name == "auto":
             return select_backend(call, "auto").name, None

@@ -231,8 +231,8 @@ def test_forward_refuses_what_supports_refuses():
 
 def test_auto_ranks_fa4_below_triton_for_large_training_unpaired_64_row_blocks_on_sm90(gpu):
     backend = gpu((9, 0))
-    rows = backend_module.TRITON_FIRST_FROM_QUERY_ROWS
-    unpaired = dataclasses.replace(call((64, 64), grad=True), query_rows=rows)
+    tokens = backend_module.TRITON_FIRST_FROM_QUERY_LEN
+    unpaired = dataclasses.replace(call((64, 64), grad=True), query_len=tokens)
     paired = dataclasses.replace(unpaired, q_group_size=4)
     assert backend.priority_for(unpaired) == 5 < 10 < backend.priority_for(paired) == 20
     assert "below triton" in backend.ranking_note(unpaired)
@@ -240,7 +240,10 @@ def test_auto_ranks_fa4_below_triton_for_large_training_unpaired_64_row_blocks_o
     assert backend.priority_for(dataclasses.replace(unpaired, q_group_size=3)) == 5
     # measured faster on fa4: all key blocks full (aligned latents), smaller problems
     assert backend.priority_for(dataclasses.replace(unpaired, kv_blocks_full=True)) == 20
-    assert backend.priority_for(dataclasses.replace(unpaired, query_rows=rows - 1)) == 20
+    assert backend.priority_for(dataclasses.replace(unpaired, query_len=tokens - 1)) == 20
+    # the rule reads a head's tokens, not the call's rows (HunyuanVideo vs Wan 720p)
+    many_rows = dataclasses.replace(unpaired, query_len=tokens - 1, query_rows=10**8)
+    assert backend.priority_for(many_rows) == 20
     # inference: fa4's two-CTA forward is ahead, with or without partial key blocks
     for full in (False, True):
         inference = dataclasses.replace(unpaired, requires_grad=False, kv_blocks_full=full)

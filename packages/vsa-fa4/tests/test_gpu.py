@@ -27,7 +27,7 @@ from vsa_core import (
 from vsa_core.backends import select_backend
 from vsa_fa4 import block_sparse_attn as fa4_attn
 from vsa_fa4 import ops
-from vsa_fa4.backend import TRITON_FIRST_FROM_QUERY_ROWS, FA4Backend
+from vsa_fa4.backend import TRITON_FIRST_FROM_QUERY_LEN, FA4Backend
 from vsa_fa4.schedule import BLOCK_SHAPES, make_plan
 
 pytestmark = [
@@ -281,8 +281,8 @@ def test_sm90_kv64_backward_runs_on_the_fork(block_shape, head_dim):
     call = AttentionCall.describe(q, k, v, layout)
     assert FA4Backend().supports(call) is None
     # auto keeps fa4 first: TRAINING_RULE puts triton ahead only from
-    # TRITON_FIRST_FROM_QUERY_ROWS query rows, far above this call's
-    assert call.query_rows < TRITON_FIRST_FROM_QUERY_ROWS
+    # TRITON_FIRST_FROM_QUERY_LEN query tokens a head, far above this call's
+    assert 0 < call.query_len < TRITON_FIRST_FROM_QUERY_LEN
     assert select_backend(call).name == "fa4"
     out, _ = block_sparse_attn(q, k, v, layout, backend="fa4")
     dout = torch.randn_like(out)

@@ -197,20 +197,23 @@ def _verdicts(call: AttentionCall, **changes) -> dict:
     return {"verdicts": verdicts, "auto_picks": pick}
 
 
-WAN_480P_ROWS = 12 * 39_936  # 12 heads x Wan 2.1 480p's padded tile-order tokens
-WAN_720P_ROWS = 40 * 92_160  # 40 heads x Wan 2.1 720p's
-INFO_SHAPES: tuple[tuple[tuple[int, int], int, bool, int], ...] = (
-    ((64, 64), 1, False, WAN_480P_ROWS),
-    ((64, 64), 1, False, WAN_720P_ROWS),
-    ((64, 64), 1, True, WAN_720P_ROWS),
-    ((64, 64), 2, False, WAN_720P_ROWS),
-    ((128, 64), 1, False, WAN_720P_ROWS),
-    ((128, 128), 1, False, WAN_720P_ROWS),
-    ((256, 256), 1, False, WAN_720P_ROWS),
+WAN_480P = (12 * 39_936, 39_936)  # (query rows, query length): 12 heads x Wan 2.1 480p's
+WAN_720P = (40 * 92_160, 92_160)  # 40 heads x Wan 2.1 720p's padded tile-order tokens
+HUNYUAN_720P = (24 * 138_240, 138_240)  # 24 heads x HunyuanVideo 720p's
+INFO_SHAPES: tuple[tuple[tuple[int, int], int, bool, tuple[int, int]], ...] = (
+    ((64, 64), 1, False, WAN_480P),
+    ((64, 64), 1, False, WAN_720P),
+    ((64, 64), 1, False, HUNYUAN_720P),
+    ((64, 64), 1, True, WAN_720P),
+    ((64, 64), 2, False, WAN_720P),
+    ((128, 64), 1, False, WAN_720P),
+    ((128, 128), 1, False, WAN_720P),
+    ((256, 256), 1, False, WAN_720P),
 )
-"""(block shape, q_group_size, kv_blocks_full, query rows) rows of ``vsa info``'s table: 64x64
-at two problem sizes, and with pairs sharing key lists (refined from a coarser layout) or all
-key blocks full (a tile-aligned latent), since backends may rank those differently."""
+"""(block shape, q_group_size, kv_blocks_full, (query rows, query length)) rows of ``vsa
+info``'s table: 64x64 at three problem sizes, and with pairs sharing key lists (refined from a
+coarser layout) or all key blocks full (a tile-aligned latent), since backends may rank those
+differently."""
 
 
 def _usable_backends() -> dict:
@@ -227,11 +230,12 @@ def _shape_table(device: torch.device) -> list[dict]:
     bf16, head dim 128 call on ``device`` (None = runs it, else its reason) and auto's pick."""
     usable = _usable_backends()
     rows = []
-    for block_shape, group, full, query_rows in INFO_SHAPES:
+    for block_shape, group, full, (query_rows, query_len) in INFO_SHAPES:
         for grad in (False, True):
             call = AttentionCall(
-                device, torch.bfloat16, 128, block_shape, grad, group, full, query_rows=query_rows
-            )
+                device, torch.bfloat16, 128, block_shape, grad, group, full,
+                query_rows=query_rows, query_len=query_len,
+            )  # fmt: skip
             notes = {name: b.ranking_note(call) for name, b in usable.items()}
             rows.append(
                 {
@@ -239,6 +243,7 @@ def _shape_table(device: torch.device) -> list[dict]:
                     "q_group_size": group,
                     "kv_blocks_full": full,
                     "query_rows": query_rows,
+                    "query_len": query_len,
                     "requires_grad": grad,
                     "verdicts": {name: b.supports(call) for name, b in usable.items()},
                     "auto_picks": select_backend(call).name,
@@ -254,7 +259,9 @@ def _print_shape_table(rows: list[dict]) -> None:
     reasons: dict[str, int] = {}
     by_shape: dict[str, list[dict]] = {}
     for r in rows:
-        label = "x".join(map(str, r["block_shape"])) + f" ({r['query_rows'] / 1e6:.1f} M rows)"
+        label = "x".join(map(str, r["block_shape"])) + (
+            f" ({r['query_rows'] / 1e6:.1f} M rows, {r['query_len']:,} tokens a head)"
+        )
         if r["q_group_size"] > 1:
             label += f" (pairs share lists, q_group_size {r['q_group_size']})"
         if r["kv_blocks_full"]:

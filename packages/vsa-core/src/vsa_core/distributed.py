@@ -642,6 +642,7 @@ def _resolve_backend(
         1,
         not tiling.has_padding,
         query_rows=query_rows,
+        query_len=tiling.padded_len,
         deterministic=deterministic,
         raster_inputs=raster_inputs,
     )

@@ -289,7 +289,7 @@ def _backend_for(q, k, v, block_shape, q_group_size, kv_blocks_full, backend, de
     return _fine_backend(
         backend, backend_override(), registry_generation(),
         q.device, q.dtype, q.shape[-1], block_shape, requires_grad,
-        q_group_size, kv_blocks_full, q.shape[0] * q_len * q.shape[2], deterministic,
+        q_group_size, kv_blocks_full, q.shape[0] * q_len * q.shape[2], q_len, deterministic,
         raster_inputs,
     )  # fmt: skip
 
@@ -326,13 +326,14 @@ def _inputs_to_clean(padding_is_zero: bool, training: bool, key_padding_safe: bo
 @resolved_once
 def _fine_backend(
     backend, _override, _generation, device, dtype, head_dim, block_shape, requires_grad,
-    q_group_size, kv_blocks_full, query_rows, deterministic, raster_inputs,
+    q_group_size, kv_blocks_full, query_rows, query_len, deterministic, raster_inputs,
 ):  # fmt: skip
     """The backend `select_backend` picks for a call so described (decided once per
     description; the override variable and the registered backends are part of the key)."""
     call = AttentionCall(
         device, dtype, head_dim, block_shape, requires_grad, q_group_size, kv_blocks_full,
-        query_rows=query_rows, deterministic=deterministic, raster_inputs=raster_inputs,
+        query_rows=query_rows, query_len=query_len, deterministic=deterministic,
+        raster_inputs=raster_inputs,
     )  # fmt: skip
     return select_backend(call, backend)
 

@@ -84,29 +84,32 @@ def _shape(block_shape: tuple[int, int]) -> str:
     return f"{block_shape[0]}x{block_shape[1]}"
 
 
-TRITON_FIRST_FROM_QUERY_ROWS = 1_000_000
+TRITON_FIRST_FROM_QUERY_LEN = 115_000
 TRAINING_RULE = """Where ``backend="auto"`` puts Triton ahead of fa4: training (forward+backward)
 with 64-token query blocks that cannot pair onto 128-row tiles (the coarse stage's own
 layouts), partial key blocks (a latent whose sides are not multiples of the tile), on sm_90,
-from `TRITON_FIRST_FROM_QUERY_ROWS` query rows (batch x heads x tokens). Everywhere else fa4.
+from `TRITON_FIRST_FROM_QUERY_LEN` query tokens a (batch, head) sequence. Everywhere else fa4.
 
-Measured on an H200 (2026-12-02, session 16: whole op `video_sparse_attn`, 87.5%, coarse
-gate, every arm called once and waited for, in alternation with dense FA4; `bench_video.py
---arms auto fa4 triton fastvideo`,
-benchmarks/results/2026-12-02-h200-bench_video-four-latents-balanced.json), speedup over
-dense, forward+backward, fa4 / triton (back to back within 3% of these but Wan 480p, where
-fa4 leads by more: 3.45x / 2.77x):
+Measured on an H200 (whole op `video_sparse_attn`, 87.5%, coarse gate, every arm called once
+and waited for, in alternation with dense FA4; `bench_video.py --arms auto fa4 triton
+fastvideo`), speedup over dense, forward+backward, fa4 / triton. Session 20 (2026-12-02,
+benchmarks/results/2026-12-02-h200-bench_video-train-delta10.json, 5 rounds, with fa4's
+forward reading partial blocks' valid sizes from its lists, the fork's delta 10), and the
+aligned latent from session 16 (2026-12-02-h200-bench_video-four-latents-balanced.json):
 
-| latent, heads | query rows | partial tiles | fa4 | triton |
-|---|---|---|---|---|
-| Wan 480p 21x30x52, 12 | 0.48 M | yes | **2.99x** | 2.69x |
-| HunyuanVideo 33x45x80, 24 | 3.3 M | yes | 3.15x | **3.60x** |
-| Wan 720p 21x45x80, 40 | 3.7 M | yes | 3.38x | **3.39x** (within run-to-run noise) |
-| aligned 20x44x80, 40 | 3.5 M | no | **5.52x** | 4.55x |
+| latent, heads | tokens a head | query rows | partial tiles | fa4 | triton |
+|---|---|---|---|---|---|
+| Wan 480p 21x30x52, 12 | 39,936 | 0.48 M | yes | **2.94x** | 2.55x |
+| Wan 720p 21x45x80, 40 | 92,160 | 3.7 M | yes | **3.52x** | 3.39x |
+| HunyuanVideo 33x45x80, 24 | 138,240 | 3.3 M | yes | 3.24x | **3.51x** |
+| aligned 20x44x80, 40 | 70,400 | 2.8 M | no | **5.52x** | 4.55x |
 
-The threshold lies between the measured 0.48 M and 3.3 M rows. Inference (forward) runs
-faster on fa4 in every measured cell. Regenerate with the command in benchmarks/README.md
-("Auto's rule") and move the threshold if the crossing moves."""
+Query rows (batch x heads x tokens) no longer separate the columns: HunyuanVideo has fewer rows
+than Wan 720p and is the one Triton wins; the tokens of one head do. Session 16, before delta
+10, had Wan 720p at 3.38x / 3.39x (a tie) and the threshold at a million query rows. The
+threshold lies between the measured 92,160 and 138,240 tokens. Inference (forward) runs faster
+on fa4 in every measured cell. Regenerate with the command in benchmarks/README.md ("Auto's
+rule") and move the threshold if the crossing moves."""
 
 
 DETERMINISTIC_BACKWARD_REFUSAL = (
@@ -186,11 +189,11 @@ class FA4Backend(Backend):
             and unpaired_q64
             and call.requires_grad
             and not call.kv_blocks_full
-            and call.query_rows >= TRITON_FIRST_FROM_QUERY_ROWS
+            and call.query_len >= TRITON_FIRST_FROM_QUERY_LEN
         ):
             return (
                 "below triton: training with unpaired 64-row query blocks, partial key blocks "
-                f"and >= {TRITON_FIRST_FROM_QUERY_ROWS:,} query rows on sm_90 "
+                f"and >= {TRITON_FIRST_FROM_QUERY_LEN:,} query tokens a head on sm_90 "
                 "(whole op measured faster on triton; vsa_fa4.backend.TRAINING_RULE)"
             )
         return None

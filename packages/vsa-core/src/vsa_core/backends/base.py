@@ -52,6 +52,10 @@ class AttentionCall:
     """Query token rows of the call (batch x heads x query length), for backends whose
     ranking depends on the problem size; 0 when unknown."""
 
+    query_len: int = 0
+    """Query tokens per (batch, head) sequence (the layout's ``q_len``), for backends whose
+    ranking depends on the sequence length; 0 when unknown."""
+
     deterministic: bool = False
     """The caller asks for bitwise-reproducible results (forward, and backward when
     ``requires_grad``): see the module doc."""
@@ -88,6 +92,7 @@ class AttentionCall:
             q_group_size=layout.q_group_size,
             kv_blocks_full=layout.kv_blocks_full,
             query_rows=q.shape[0] * q.shape[1] * q.shape[2],
+            query_len=q.shape[1],
             deterministic=deterministic,
         )
 
