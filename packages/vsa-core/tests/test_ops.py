@@ -611,3 +611,46 @@ def test_op_asks_a_fusing_backend_for_the_combined_forward_only_in_tile_order_in
         want = video_sparse_attn(q, k, v, backend="reference", **kwargs)
     assert backend.calls == [expected]
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("latent", "grad", "asks"),
+    [((5, 6, 7), False, True), ((5, 6, 7), True, False), ((4, 6, 8), False, False)],
+)
+def test_op_asks_the_coarse_stage_for_the_split_lists_a_backend_reads(
+    fresh_registry, monkeypatch, latent, grad, asks
+):
+    """A backend that reads a layout's `ForwardSplit` (``reads_forward_split``) gets it from
+    the coarse stage's own selection pass (`CoarseStage.select_split`) in inference on a
+    latent with partial tiles; in training, or on a tile-aligned latent (no partial blocks),
+    the op selects as before and attaches none."""
+    from vsa_core.backends import register_backend
+    from vsa_core.coarse import TorchCoarse
+    from vsa_core.layout import ForwardSplit
+
+    backend = _FusingRecorder.make()
+    type(backend).reads_forward_split = True
+    seen, asked = [], []
+    forward_combined = backend.forward_combined
+
+    def recording(q, k, v, layout, *rest):
+        seen.append(layout.forward_split)
+        return forward_combined(q, k, v, layout, *rest)
+
+    def select_split(self, q_pooled, k_pooled, valid_sizes, topk, kv_tile):
+        asked.append(kv_tile)
+        indices = self.select(q_pooled, k_pooled, valid_sizes, topk)
+        return indices, ForwardSplit(indices, indices[..., 0], indices, indices[..., 0])
+
+    monkeypatch.setattr(backend, "forward_combined", recording)
+    monkeypatch.setattr(TorchCoarse, "select_split", select_split)
+    register_backend(backend)
+    tiling = VideoTiling(latent, tile_shape=(2, 2, 2))
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (tiling.to_tiles(torch.randn(1, tiling.seq_len, 2, 8, generator=gen)) for _ in "qkv")
+    with torch.set_grad_enabled(grad):
+        leaves = [t.clone().requires_grad_(grad) for t in (q, k, v)]
+        video_sparse_attn(*leaves, tiling=tiling, topk=3, backend="fusing_recorder",
+                          coarse_backend="torch")  # fmt: skip
+    assert asked == ([8] if asks else [])
+    assert [s is not None for s in seen] == ([True] if asks else [False] * len(seen))

@@ -418,3 +418,41 @@ def test_run_forward_refuses_valid_sizes_in_lists_where_no_kernel_reads_them(blo
         launch.run_forward(
             q, k, v, out, lse, lists, lay.kv_valid_sizes, DIM**-0.5, block_size, masked
         )
+
+
+def test_combined_forward_reads_the_coarse_stages_split_lists(fa4_model, monkeypatch):
+    """With a layout's `ForwardSplit` (written by the coarse stage while it selects) the
+    combined 64x64 forward hands the kernel those very tensors as its packed lists (no split
+    of its own) and the output stays the reference's; a variant that reads plain lists splits
+    them itself."""
+    from vsa_core.layout import ForwardSplit
+
+    seen = []
+    original = fa4_model.run_forward
+
+    def spy(*args, **kwargs):
+        seen.append(args[5])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(launch, "run_forward", spy)
+    layout = counted_layout((64, 64))
+    packed = metadata.forward_lists(
+        layout.kv_indices, layout.kv_counts, layout.kv_valid_sizes, 64, pack_valid=True
+    )
+    split = ForwardSplit(packed.full_block_idx, packed.full_block_cnt, packed.mask_block_idx,
+                         packed.mask_block_cnt)  # fmt: skip
+    plan = make_plan(layout.block_shape, layout.q_group_size, layout.num_q_blocks)
+    q, k, v, coarse, gate = combined_inputs(layout, "token")
+    scale = DIM**-0.5
+    fine, _ = reference_block_sparse_attn(q, k, v, layout, scale)
+    want = fine + gate * coarse.repeat_interleave(layout.q_block, dim=1)
+    plain = launch.KernelChoice(launch.ForwardVariant(valid_in_list=False))
+    for kernels in (launch.SHIPPED, plain):
+        got = ops.attention_combined(
+            q, k, v, layout.kv_indices, layout.kv_counts, layout.kv_valid_sizes, scale, plan,
+            coarse, gate, layout.q_group_size, layout.kv_blocks_full, kernels, split,
+        )  # fmt: skip
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    shipped, unpacked = seen
+    assert shipped.mask_block_idx is split.partial_idx and shipped.full_block_idx is split.full_idx
+    assert not isinstance(unpacked, metadata.PackedSparseLists)

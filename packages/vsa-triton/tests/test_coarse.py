@@ -137,6 +137,41 @@ def test_select_is_an_exact_topk(case, config, dtype):
         assert torch.equal(got, select_topk(qp, kp, valid, topk)), "differs from the shipped"
 
 
+def _split64(indices, valid, tile_tokens):
+    """The `ForwardSplit` of ``indices``, written independently of the kernel: per row, full
+    tiles then partial ones packed with their sizes, empty ones dropped, zeros after."""
+    idx, sizes = indices.long().cpu(), valid.long().cpu()
+    full_idx, part_idx = torch.zeros_like(idx), torch.zeros_like(idx)
+    full_cnt = torch.zeros(idx.shape[:-1], dtype=torch.long)
+    part_cnt = torch.zeros_like(full_cnt)
+    for row in torch.cartesian_prod(*(torch.arange(n) for n in idx.shape[:-1])):
+        at = tuple(row.tolist())
+        full = [t for t in idx[at].tolist() if sizes[t] >= tile_tokens]
+        part = [t | int(sizes[t]) << 16 for t in idx[at].tolist() if 0 < sizes[t] < tile_tokens]
+        full_idx[at][: len(full)] = torch.tensor(full, dtype=torch.long)
+        part_idx[at][: len(part)] = torch.tensor(part, dtype=torch.long)
+        full_cnt[at], part_cnt[at] = len(full), len(part)
+    return full_idx, full_cnt, part_idx, part_cnt
+
+
+def test_select_split_writes_the_lists_split_by_tile_fullness():
+    """`TritonCoarse.select_split`: the same indices as `select`, and their `ForwardSplit`
+    (full, partial with sizes, empty dropped) equal to one built from them independently;
+    tilings with partial tiles and user sizes with empty tiles."""
+    gen = torch.Generator().manual_seed(5)
+    stage = TritonCoarse()
+    tiling = VideoTiling((5, 6, 7), (2, 2, 2))
+    user = torch.tensor([8, 3, 0, 8, 1, 7, 0, 8, 5, 8], dtype=torch.int32)
+    for valid in (tiling.valid_sizes(DEVICE), user.to(DEVICE)):
+        n = valid.shape[0]
+        qp, kp = (torch.randn(2, n, 3, 16, generator=gen).to(DEVICE) for _ in range(2))
+        for topk in sorted({1, n // 3, n}):
+            indices, split = stage.select_split(qp, kp, valid, topk, 8)
+            assert torch.equal(indices, stage.select(qp, kp, valid, topk))
+            for got, want in zip(split, _split64(indices, valid, 8), strict=True):
+                assert got.dtype == torch.int32 and torch.equal(got.long().cpu(), want), topk
+
+
 @pytest.mark.parametrize("config", list(SEARCHES.values()), ids=list(SEARCHES))
 def test_select_ranks_empty_tiles_last_and_breaks_ties_low(config):
     gen = torch.Generator().manual_seed(4)

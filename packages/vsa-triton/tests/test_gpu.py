@@ -123,7 +123,7 @@ def test_cuda_graph_replay_with_changing_inputs():
 
 def test_coarse_ops_pass_torch_library_opcheck():
     from vsa_core import VideoTiling
-    from vsa_triton.coarse import combine_op, pool_clean_op, pool_qkv, select_op
+    from vsa_triton.coarse import combine_op, pool_clean_op, pool_qkv, select_op, select_split_op
 
     tiling = VideoTiling((5, 6, 7), (2, 2, 2))
     valid = tiling.valid_sizes("cuda")
@@ -138,6 +138,7 @@ def test_coarse_ops_pass_torch_library_opcheck():
     torch.library.opcheck(pool_clean_op, (q, k, v, valid, False, False, False))
     qp, kp, vp = pool_qkv(q.detach(), k.detach(), v.detach(), valid)
     torch.library.opcheck(select_op, (qp, kp, valid, 5))
+    torch.library.opcheck(select_split_op, (qp, kp, valid, 5, 8))
     coarse = vp.detach().clone().requires_grad_()
     torch.library.opcheck(combine_op, (q, coarse, k, valid, True))
     torch.library.opcheck(combine_op, (q, coarse, None, valid, False))

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from vsa_core.host_cache import resolved_once
-from vsa_core.layout import BlockSparseLayout, _full_on_host
+from vsa_core.layout import BlockSparseLayout, ForwardSplit, _full_on_host
 from vsa_core.tiling import VideoTiling
 
 # Scores of the torch path's top-k selection are computed a group of heads at a time, within
@@ -64,6 +64,20 @@ class CoarseStage:
         topk: int,
     ) -> torch.Tensor:
         raise NotImplementedError
+
+    def select_split(
+        self,
+        q_pooled: torch.Tensor,
+        k_pooled: torch.Tensor,
+        valid_sizes: torch.Tensor,
+        topk: int,
+        kv_tile: int,
+    ) -> tuple[torch.Tensor, ForwardSplit | None]:
+        """`select`, and the same lists split by key-block fullness for ``kv_tile``-token key
+        blocks (`vsa_core.layout.ForwardSplit`) where the stage writes them in the same pass
+        (the op asks when its fine backend reads them, ``Backend.reads_forward_split``); None
+        from a stage that does not (the default), and the backend splits them itself."""
+        return self.select(q_pooled, k_pooled, valid_sizes, topk), None
 
     def pool_and_clean(
         self,
@@ -315,20 +329,28 @@ def select_topk(
 
 
 def layout_from_selection(
-    indices: torch.Tensor, valid_sizes: torch.Tensor, tile_tokens: int, *, all_full: bool | None
+    indices: torch.Tensor,
+    valid_sizes: torch.Tensor,
+    tile_tokens: int,
+    *,
+    all_full: bool | None,
+    forward_split: ForwardSplit | None = None,
 ) -> BlockSparseLayout:
     """The layout of a `CoarseStage.select` result (ascending, every slot used): no sort, no
     device sync. ``all_full``: whether every tile is full, when the caller knows (a tiling
     does); None reads CPU valid sizes (never under torch.compile, where that would be a
-    data-dependent branch) and otherwise assumes partial tiles, which is always correct."""
+    data-dependent branch) and otherwise assumes partial tiles, which is always correct.
+    ``forward_split``: the same selection split by key-block fullness
+    (`CoarseStage.select_split`), attached as the layout's ``forward_split``."""
     counts = torch.full(
         indices.shape[:-1], indices.shape[-1], dtype=torch.int32, device=indices.device
     )
     if all_full is None:
         all_full = not torch.compiler.is_compiling() and _full_on_host(valid_sizes, tile_tokens)
     return BlockSparseLayout(
-        indices, counts, valid_sizes.to(torch.int32), (tile_tokens, tile_tokens), 1, all_full
-    )
+        indices, counts, valid_sizes.to(torch.int32), (tile_tokens, tile_tokens), 1, all_full,
+        forward_split,
+    )  # fmt: skip
 
 
 def combine_tiles(

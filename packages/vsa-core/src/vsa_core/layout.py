@@ -16,12 +16,17 @@ that attend to it. `BlockSparseLayout.kv_to_q` derives it on first use (and cach
 compressed-row form whose size does not depend on the data, so neither building nor
 transposing a layout makes the host wait for the device, and nothing is ever O(NQ x NKV).
 Boolean block maps (`from_block_mask` / `to_block_mask`) are for compatibility and tests only.
+
+A coarse stage that can write it while it selects attaches the lists' split by key-block
+fullness (`ForwardSplit`, ``forward_split``): kernels that mask partial blocks only (fa4's)
+then need no pass of their own to split them.
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -33,6 +38,24 @@ from vsa_core.validation import (
     check_range,
     check_valid_sizes,
 )
+
+PACKED_BLOCK_BITS = 16
+"""`ForwardSplit`'s partial entries are ``block | valid << PACKED_BLOCK_BITS``."""
+
+
+class ForwardSplit(NamedTuple):
+    """A layout's key lists with full and partial key blocks apart, int32, as a coarse stage
+    wrote them while selecting (`vsa_core.coarse.CoarseStage.select_split`): per (batch, head,
+    query block) the first ``full_cnt`` entries of ``full_idx`` [B, H, NQ, W] are the selected
+    full key blocks (valid size == ``kv_block``), the first ``partial_cnt`` of ``partial_idx``
+    the partial ones (``0 < valid < kv_block``), each ``block | valid << 16``; empty blocks
+    are dropped, both ascending, unused entries 0. Only for layouts of fewer than 2^16 key
+    blocks."""
+
+    full_idx: torch.Tensor
+    full_cnt: torch.Tensor
+    partial_idx: torch.Tensor
+    partial_cnt: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -105,6 +128,10 @@ class BlockSparseLayout:
     may skip per-token key masking. The constructors set it when the valid sizes are on the
     CPU (checked there, no device sync) or when told (``all_full=True``); `to` and `refine`
     keep it. False means "not known": masking stays on, which is always correct."""
+    forward_split: ForwardSplit | None = None
+    """The same lists split by key-block fullness, when the coarse stage wrote them
+    (`ForwardSplit`); None otherwise. Derived data: every layout made from this one (`to`,
+    `refine`, ...) leaves it out, so it never describes other lists."""
 
     # ---- shape ---------------------------------------------------------------------------
     @property

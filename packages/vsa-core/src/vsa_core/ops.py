@@ -233,16 +233,24 @@ def video_sparse_attn(
         q_pooled, k_pooled, v_pooled, q_fine, k_fine, v_fine = stage.pool_and_clean(
             q, k, v, valid_sizes, clean, _padding_index(tiling, q.device)
         )
+    combined = not training and chosen.fuses_combine and (slot_rows is not None or not raster)
+    reads_split = combined and chosen.reads_forward_split and not all_full
     # every tile of a VideoTiling holds a real token; user valid sizes may hold 0
     coarse = _coarse_attention(
         q_pooled, k_pooled, v_pooled, valid_sizes, scale, tiling is None, deterministic
     )
     with torch.no_grad():
-        selection = stage.select(q_pooled, k_pooled, valid_sizes, topk)
-    layout = layout_from_selection(selection, valid_sizes, tile_tokens, all_full=all_full)
-    del q_pooled, k_pooled, v_pooled, selection  # in inference, memory free for the fine stage
-    if not training and chosen.fuses_combine and (slot_rows is not None or not raster):
-        # inference: the combine runs in the fine kernel's epilogue, no second pass
+        if reads_split:  # the fine backend's split of the lists, written in the same pass
+            selection, split = stage.select_split(
+                q_pooled, k_pooled, valid_sizes, topk, tile_tokens
+            )
+        else:
+            selection, split = stage.select(q_pooled, k_pooled, valid_sizes, topk), None
+    layout = layout_from_selection(
+        selection, valid_sizes, tile_tokens, all_full=all_full, forward_split=split
+    )
+    del q_pooled, k_pooled, v_pooled, selection, split  # in inference: memory for the fine stage
+    if combined:  # inference: the combine runs in the fine kernel's epilogue, no second pass
         out = chosen.forward_combined(q_fine, k_fine, v_fine, layout, scale, coarse, gate,
                                       slot_rows)  # fmt: skip
     elif slot_rows is not None:

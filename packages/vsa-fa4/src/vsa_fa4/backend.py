@@ -142,6 +142,7 @@ class FA4Backend(Backend):
     key_padding_safe: ClassVar[bool] = False  # see the module doc
     handles_deterministic: ClassVar[bool] = True  # forward only: see the module doc
     fuses_combine: ClassVar[bool] = True  # in the 64x64 forward's epilogue, else a second pass
+    reads_forward_split: ClassVar[bool] = True  # the combined 64x64 forward (inference)
 
     def __init__(
         self, schedule: str = "auto", kernels: KernelChoice | None = None, name: str | None = None
@@ -260,6 +261,7 @@ class FA4Backend(Backend):
         return attention_combined(
             q, k, v, layout.kv_indices, layout.kv_counts, layout.kv_valid_sizes, scale, plan,
             coarse, gate, layout.q_group_size, layout.kv_blocks_full, self.kernels,
+            layout.forward_split,
         )  # fmt: skip
 
 

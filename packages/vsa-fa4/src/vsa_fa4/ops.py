@@ -29,9 +29,11 @@ from vsa_core.backends.custom_ops import (
     register_block_sparse_autograd,
 )
 from vsa_core.coarse import combine_tiles
+from vsa_core.layout import ForwardSplit
 from vsa_core.rotation import rotation_width
 from vsa_fa4 import launch
 from vsa_fa4.metadata import (
+    PackedSparseLists,
     backward_lists,
     forward_lists,
     physical_lists,
@@ -119,15 +121,32 @@ def forward_combined_impl(
     scale: float,
     masked: bool = True,
     kernels: str = "",
+    split_full_idx: torch.Tensor | None = None,
+    split_full_cnt: torch.Tensor | None = None,
+    split_partial_idx: torch.Tensor | None = None,
+    split_partial_cnt: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """VSA's output ``fine + gate * coarse[query block]`` from the 64x64 forward with the
     combine in its epilogue (`vsa_fa4.launch.combines_in_epilogue`), no gradients and no lse:
     ``coarse`` [B, Sq / 64, H, D], ``gate`` like the output (any stride 0) or None (1); the
-    other arguments as `forward_impl`'s at 64x64 physical blocks. The body of
-    ``torch.ops.vsa_fa4.fwd_combined``."""
+    other arguments as `forward_impl`'s at 64x64 physical blocks. ``split_*``: the lists'
+    `vsa_core.layout.ForwardSplit` where the coarse stage wrote it (all four or none): the
+    forward reads it as its `PackedSparseLists` instead of splitting the lists itself. The
+    body of ``torch.ops.vsa_fa4.fwd_combined``."""
     out = _bshd(q, v.shape[-1])
     variant = launch.KernelChoice.decode(kernels).forward
-    lists = _lists_for(q, kv_indices, kv_counts, kv_valid_sizes, (64, 64), masked, variant)
+    split = (split_full_idx, split_full_cnt, split_partial_idx, split_partial_cnt)
+    if any(t is None for t in split) and any(t is not None for t in split):
+        raise ValueError("give all four split_* tensors or none")
+    if (
+        split_full_idx is not None
+        and masked
+        and launch.takes_valid_in_list(q, kv_valid_sizes, (64, 64), variant)
+    ):
+        lists = PackedSparseLists(split_partial_cnt, split_partial_idx, split_full_cnt,
+                                  split_full_idx)  # fmt: skip
+    else:
+        lists = _lists_for(q, kv_indices, kv_counts, kv_valid_sizes, (64, 64), masked, variant)
     launch.run_forward(
         q, k, v, out, None, lists, kv_valid_sizes.contiguous(), scale, (64, 64), masked,
         variant=variant, combine=(coarse, gate),
@@ -142,7 +161,8 @@ block_sparse_fwd_combined = torch.library.custom_op(
 
 @block_sparse_fwd_combined.register_fake
 def _(q, k, v, kv_indices, kv_counts, kv_valid_sizes, coarse, gate, scale, masked=True,
-      kernels=""):  # fmt: skip
+      kernels="", split_full_idx=None, split_full_cnt=None, split_partial_idx=None,
+      split_partial_cnt=None):  # fmt: skip
     return _bshd(q, v.shape[-1])
 
 
@@ -263,20 +283,25 @@ def attention_combined(
     q_group_size: int = 1,
     kv_blocks_full: bool = False,
     kernels: launch.KernelChoice = launch.SHIPPED,
+    forward_split: ForwardSplit | None = None,
 ) -> torch.Tensor:
     """`attention` with VSA's combine, no gradients: ``fine + gate * coarse[query block]``
     (``coarse`` [B, NQ, H, D] of the logical query blocks, ``gate`` like q or None). In the
     forward's epilogue where the plan runs the 64x64 forward that takes it
-    (`vsa_fa4.launch.combines_in_epilogue`), else the forward then one in-place multiply-add."""
+    (`vsa_fa4.launch.combines_in_epilogue`), else the forward then one in-place multiply-add.
+    ``forward_split``: the lists' `ForwardSplit` (a layout's ``forward_split``), read in place
+    of the forward's own split where the plan runs the logical 64x64 blocks as they are."""
     if plan.q_merge == 1 and launch.combines_in_epilogue(
         q, kv_valid_sizes, plan.block_size, kernels.forward
     ):
         kv_indices, kv_counts, kv_valid_sizes = physical_lists(
             kv_indices, kv_counts, kv_valid_sizes, plan, q_group_size
         )
+        as_logical = tuple(plan.logical) == plan.block_size  # the physical lists are these
+        split = tuple(forward_split) if forward_split is not None and as_logical else ()
         return _combined_eager_or_op(
             q, k, v, kv_indices, kv_counts, kv_valid_sizes, coarse, gate, scale,
-            not kv_blocks_full, kernels.encode(),
+            not kv_blocks_full, kernels.encode(), *split,
         )  # fmt: skip
     out, _ = attention(
         q, k, v, kv_indices, kv_counts, kv_valid_sizes, scale, plan, q_group_size,

@@ -29,6 +29,7 @@ import torch
 
 from vsa_core.backends.custom_ops import EagerOrOp
 from vsa_core.coarse import CoarseStage
+from vsa_core.layout import PACKED_BLOCK_BITS, ForwardSplit
 from vsa_triton.environment import interpreting
 from vsa_triton.tensor_args import bshd_strides, gate_strides, head_dim_contiguous
 
@@ -305,30 +306,54 @@ def select_with(
     valid_sizes: torch.Tensor,
     topk: int,
     config: SelectConfig,
-) -> torch.Tensor:
-    """`_select` with an explicit `SelectConfig` (for sweeps; the op uses ``SELECT``)."""
+    split_tile: int | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """`_select` with an explicit `SelectConfig` (for sweeps; the op uses ``SELECT``); with
+    ``split_tile`` (the key tiles' token count) also the same lists split by tile fullness,
+    written in the same launch: ``(indices, *ForwardSplit)`` (`_select_split`)."""
     q_pooled, k_pooled = (head_dim_contiguous(t) for t in (q_pooled, k_pooled))
     if q_pooled.stride() != k_pooled.stride():
         q_pooled, k_pooled = q_pooled.contiguous(), k_pooled.contiguous()
     batch, num_tiles, heads, dim = q_pooled.shape
     out = torch.empty(batch, heads, num_tiles, topk, dtype=torch.int32, device=q_pooled.device)
+    split = _split_like(out) if split_tile is not None else ()
     if out.numel() == 0:
-        return out
+        return (out, *split) if split else out
     scores = torch.empty(
         batch * heads, num_tiles, num_tiles, dtype=torch.float32, device=q_pooled.device
     )
     tiles_p2 = _next_pow2(num_tiles)
     rows = max(1, min(config.block_m, config.elements_per_step // tiles_p2))
     _kernels().select_topk_kernel[(-(-num_tiles // config.block_m), batch * heads)](
-        q_pooled, k_pooled, valid_sizes, scores, out,
+        q_pooled, k_pooled, valid_sizes, scores, out, *(split or (out,) * 4),
         *bshd_strides(q_pooled),
-        num_tiles, heads, topk,
+        num_tiles, heads, topk, split_tile or 0,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEAD_DIM=dim, DIM_P2=_next_pow2(dim),
         TILES_P2=tiles_p2, ROWS=rows, IEEE=q_pooled.dtype == torch.float32,
-        INTERPRET=interpreting(), EARLY_EXIT=config.early_exit,
+        INTERPRET=interpreting(), EARLY_EXIT=config.early_exit, SPLIT=bool(split),
         num_warps=config.num_warps,
     )  # fmt: skip
-    return out
+    return (out, *split) if split else out
+
+
+def _split_like(indices: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Uninitialized `ForwardSplit` tensors (full idx, full cnt, partial idx, partial cnt) for
+    [B, H, N, topk] ``indices``: the kernel writes every element."""
+    counts = indices.new_empty(indices.shape[:-1])
+    return indices.new_empty(indices.shape), counts, indices.new_empty(indices.shape), \
+        torch.empty_like(counts)  # fmt: skip
+
+
+def _select_split(
+    q_pooled: torch.Tensor,
+    k_pooled: torch.Tensor,
+    valid_sizes: torch.Tensor,
+    topk: int,
+    kv_tile: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`_select`'s indices and the same lists split by key-tile fullness for ``kv_tile``-token
+    tiles (`vsa_core.layout.ForwardSplit`'s four tensors), in one launch."""
+    return select_with(q_pooled, k_pooled, valid_sizes, topk, SELECT, kv_tile)
 
 
 select_op = torch.library.custom_op("vsa_triton::select_topk", _select, mutates_args=())
@@ -341,6 +366,20 @@ def _(q_pooled, k_pooled, valid_sizes, topk):
 
 
 select_topk = EagerOrOp(select_op, _select)
+
+select_split_op = torch.library.custom_op(
+    "vsa_triton::select_topk_split", _select_split, mutates_args=()
+)
+
+
+@select_split_op.register_fake
+def _(q_pooled, k_pooled, valid_sizes, topk, kv_tile):
+    batch, num_tiles, heads, _ = q_pooled.shape
+    out = q_pooled.new_empty((batch, heads, num_tiles, topk), dtype=torch.int32)
+    return (out, *_split_like(out))
+
+
+select_topk_split = EagerOrOp(select_split_op, _select_split)
 
 
 def _combine_launch(fine, coarse, gate, valid_sizes, gate_padding_as_zero, out, raster_rows,
@@ -560,6 +599,14 @@ class TritonCoarse(CoarseStage):
 
     def select(self, q_pooled, k_pooled, valid_sizes, topk):
         return select_topk(q_pooled, k_pooled, valid_sizes, topk)
+
+    def select_split(self, q_pooled, k_pooled, valid_sizes, topk, kv_tile):
+        """`select` and its `ForwardSplit` from the same launch (fewer than 2^16 tiles; more
+        and the backend splits the lists itself)."""
+        if valid_sizes.shape[0] > 1 << PACKED_BLOCK_BITS:
+            return self.select(q_pooled, k_pooled, valid_sizes, topk), None
+        indices, *split = select_topk_split(q_pooled, k_pooled, valid_sizes, topk, kv_tile)
+        return indices, ForwardSplit(*split)
 
     def combine(
         self, fine, coarse, gate, valid_sizes, gate_padding_as_zero=False, padding_index=None
