@@ -9,6 +9,10 @@ run (the before and after of a change, at the same clock).
   reads raster rows (``copy_to_tiles=False``), then combines in a separate in-place pass.
 - ``fa4_unfused``: the fa4 backend without its fused combine (the 64x64 forward's combined
   epilogue, `flash_attn_vsa.combine_sm90`): the forward, then the coarse stage's combine pass.
+- ``fa4_presplit``: the fa4 backend with ``reads_forward_split`` on: in inference the coarse
+  stage's selection kernel also writes the lists split by key-tile fullness
+  (`vsa_core.layout.ForwardSplit`), which the combined forward reads instead of launching its
+  own list kernel (one launch and four allocations fewer a call; not yet measured).
 - ``fa4_unpacked``: the fa4 backend whose 64x64 forward lists hold plain block ids, the mask
   loading the valid sizes (``ForwardVariant(valid_in_list=False)``: what ran before delta 10,
   `flash_attn_vsa.valid_in_list_sm90`, was shipped).
@@ -20,10 +24,12 @@ COPYING_TRITON = "triton_copies"
 UNFUSED_TRITON = "triton_unfused"
 UNFUSED_FA4 = "fa4_unfused"
 UNPACKED_FA4 = "fa4_unpacked"
+PRESPLIT_FA4 = "fa4_presplit"
 _SWITCHED_OFF = {
     COPYING_TRITON: ("triton", {"reads_raster": False, "fuses_combine": False}),
     UNFUSED_TRITON: ("triton", {"fuses_combine": False}),
     UNFUSED_FA4: ("fa4", {"fuses_combine": False}),
+    PRESPLIT_FA4: ("fa4", {"reads_forward_split": True}),
 }
 
 
