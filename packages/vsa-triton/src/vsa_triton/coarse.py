@@ -331,9 +331,24 @@ def select_with(
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEAD_DIM=dim, DIM_P2=_next_pow2(dim),
         TILES_P2=tiles_p2, ROWS=rows, IEEE=q_pooled.dtype == torch.float32,
         INTERPRET=interpreting(), EARLY_EXIT=config.early_exit, SPLIT=bool(split),
+        **(_split_constants(topk, config) if split else {}),
         num_warps=config.num_warps,
     )  # fmt: skip
     return (out, *split) if split else out
+
+
+SPLIT_ELEMENTS = 512
+"""List entries the split phase of the selection kernel handles a step (rows x ``TOPK_P2``):
+compiled for sm_90 (`research.coarse_stage.compile_select`), a step of 2048 took the kernel
+from 139 to 196 registers at Wan 480p."""
+
+
+def _split_constants(topk: int, config: SelectConfig) -> dict[str, int]:
+    """The split phase's compile-time sizes: lists ``TOPK_P2`` wide, rows a step to hold
+    `SPLIT_ELEMENTS` entries."""
+    topk_p2 = _next_pow2(topk)
+    rows = max(1, min(config.block_m, SPLIT_ELEMENTS // topk_p2))
+    return {"TOPK_P2": topk_p2, "SPLIT_ROWS": rows}
 
 
 def _split_like(indices: torch.Tensor) -> tuple[torch.Tensor, ...]:

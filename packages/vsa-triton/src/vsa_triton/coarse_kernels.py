@@ -195,30 +195,36 @@ def _kth_keys(key, done, topk, EARLY_EXIT: tl.constexpr):
 
 
 @triton.jit
-def _store_split(full_idx_ptr, full_cnt_ptr, part_idx_ptr, part_cnt_ptr, flat_row, row_ok,
-                 chosen, col_full, col_partial, cols, col_valid, topk,
-                 ROWS: tl.constexpr, TILES_P2: tl.constexpr):
-    """ROWS rows' selection (``chosen`` [ROWS, TILES_P2]) as `ForwardSplit` lists: each class
-    ranked by a prefix sum (ascending kept), stored at its slot, the tails past each count
-    zeroed, the counts stored."""
-    full = chosen & col_full
-    partial = chosen & col_partial
-    n_full = tl.sum(full.to(tl.int32), axis=1)
-    n_part = tl.sum(partial.to(tl.int32), axis=1)
-    at = flat_row[:, None] * topk
-    ok = row_ok[:, None]
-    zero = tl.zeros([ROWS, TILES_P2], dtype=tl.int32)
-    full_slot = tl.cumsum(full.to(tl.int32), axis=1) - 1
-    part_slot = tl.cumsum(partial.to(tl.int32), axis=1) - 1
-    tl.store(full_idx_ptr + at + full_slot, cols[None, :] + zero, mask=full & ok)
-    tl.store(part_idx_ptr + at + part_slot, (cols | (col_valid << 16))[None, :] + zero,
-             mask=partial & ok)
-    slot = cols[None, :]
-    tail = ok & (slot < topk)  # slot c of each list, zeroed past its count
-    tl.store(full_idx_ptr + at + slot, zero, mask=tail & (slot >= n_full[:, None]))
-    tl.store(part_idx_ptr + at + slot, zero, mask=tail & (slot >= n_part[:, None]))
-    tl.store(full_cnt_ptr + flat_row, n_full, mask=row_ok)
-    tl.store(part_cnt_ptr + flat_row, n_part, mask=row_ok)
+def _store_split(out_ptr, full_idx_ptr, full_cnt_ptr, part_idx_ptr, part_cnt_ptr, valid_ptr,
+                 first_row, num_tiles, bh, topk, kv_tile,
+                 BLOCK_M: tl.constexpr, TOPK_P2: tl.constexpr, SPLIT_ROWS: tl.constexpr):
+    """This program's rows of ``out`` (their top-k lists, read back) as `ForwardSplit` lists,
+    SPLIT_ROWS rows at a time: each class ranked by a prefix sum (ascending kept), stored at
+    its slot, the tails past each count zeroed, the counts stored. Read back rather than kept
+    from the selection, whose [rows, tiles] masks are TILES_P2 wide: these are TOPK_P2 wide."""
+    slot = tl.arange(0, TOPK_P2)
+    for r in range(0, BLOCK_M, SPLIT_ROWS):
+        row = first_row + r + tl.arange(0, SPLIT_ROWS)
+        row_ok = row < num_tiles
+        flat_row = bh.to(tl.int64) * num_tiles + row
+        at = flat_row[:, None] * topk + slot[None, :]
+        used = row_ok[:, None] & (slot < topk)[None, :]
+        tile = tl.load(out_ptr + at, mask=used, other=0)
+        valid = tl.load(valid_ptr + tile, mask=used, other=0)
+        full = used & (valid >= kv_tile)
+        partial = used & (valid > 0) & (valid < kv_tile)
+        n_full = tl.sum(full.to(tl.int32), axis=1)
+        n_part = tl.sum(partial.to(tl.int32), axis=1)
+        base = flat_row[:, None] * topk
+        full_slot = tl.cumsum(full.to(tl.int32), axis=1) - 1
+        part_slot = tl.cumsum(partial.to(tl.int32), axis=1) - 1
+        tl.store(full_idx_ptr + base + full_slot, tile, mask=full)
+        tl.store(part_idx_ptr + base + part_slot, tile | (valid << 16), mask=partial)
+        zero = tl.zeros([SPLIT_ROWS, TOPK_P2], dtype=tl.int32)
+        tl.store(full_idx_ptr + at, zero, mask=used & (slot[None, :] >= n_full[:, None]))
+        tl.store(part_idx_ptr + at, zero, mask=used & (slot[None, :] >= n_part[:, None]))
+        tl.store(full_cnt_ptr + flat_row, n_full, mask=row_ok)
+        tl.store(part_cnt_ptr + flat_row, n_part, mask=row_ok)
 
 
 @triton.jit
@@ -230,6 +236,7 @@ def select_topk_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     DIM_P2: tl.constexpr, TILES_P2: tl.constexpr, ROWS: tl.constexpr, IEEE: tl.constexpr,
     INTERPRET: tl.constexpr, EARLY_EXIT: tl.constexpr, SPLIT: tl.constexpr = False,
+    TOPK_P2: tl.constexpr = 1, SPLIT_ROWS: tl.constexpr = 1,
 ):
     """BLOCK_M query tiles of one (batch, head): their scores against every key tile, then
     each row's top-k as an ascending list.
@@ -237,11 +244,11 @@ def select_topk_kernel(
     Phase 1 writes the rows' float32 scores (pooled q . pooled k; the softmax scale does not
     change the order) to this program's rows of ``scores_ptr`` ([B, H, N, N]); after a barrier,
     phase 2 reads them back ROWS rows at a time, finds each row's k-th largest key
-    (`_kth_keys`), and writes the selected columns in ascending order. With SPLIT it also
-    writes them split by key-tile fullness (`vsa_core.layout.ForwardSplit`, ``kv_tile``-token
-    tiles): full tiles to ``full_idx``, partial ones as ``tile | valid << 16`` to
-    ``part_idx``, empty ones dropped, each list ascending, unused slots zeroed, and both
-    counts."""
+    (`_kth_keys`), and writes the selected columns in ascending order. With SPLIT a third
+    phase reads those lists back and writes them split by key-tile fullness
+    (`vsa_core.layout.ForwardSplit`, ``kv_tile``-token tiles, `_store_split`): full tiles to
+    ``full_idx``, partial ones as ``tile | valid << 16`` to ``part_idx``, empty ones dropped,
+    each list ascending, unused slots zeroed, and both counts."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // heads
@@ -267,10 +274,6 @@ def select_topk_kernel(
 
     cols = tl.arange(0, TILES_P2)
     col_ok = cols < num_tiles
-    if SPLIT:
-        col_valid = tl.load(valid_ptr + cols, mask=col_ok, other=0)
-        col_full = (col_valid >= kv_tile)[None, :]
-        col_partial = ((col_valid > 0) & (col_valid < kv_tile))[None, :]
     for r in range(0, BLOCK_M, ROWS):
         row = pid_m * BLOCK_M + r + tl.arange(0, ROWS)
         live = (row < num_tiles)[:, None] & col_ok[None, :]
@@ -287,10 +290,11 @@ def select_topk_kernel(
         dst = out_ptr + (bh.to(tl.int64) * num_tiles + row[:, None]) * topk + slot
         tl.store(dst, cols[None, :] + tl.zeros([ROWS, TILES_P2], dtype=tl.int32),
                  mask=chosen & (row < num_tiles)[:, None])
-        if SPLIT:
-            _store_split(full_idx_ptr, full_cnt_ptr, part_idx_ptr, part_cnt_ptr,
-                         bh.to(tl.int64) * num_tiles + row, row < num_tiles, chosen,
-                         col_full, col_partial, cols, col_valid, topk, ROWS, TILES_P2)
+    if SPLIT:
+        tl.debug_barrier()  # the split reads back lists other threads of this program wrote
+        _store_split(out_ptr, full_idx_ptr, full_cnt_ptr, part_idx_ptr, part_cnt_ptr,
+                     valid_ptr, pid_m * BLOCK_M, num_tiles, bh, topk, kv_tile, BLOCK_M,
+                     TOPK_P2, SPLIT_ROWS)
 
 
 @triton.jit

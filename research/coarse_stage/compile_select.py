@@ -1,0 +1,75 @@
+"""The Triton selection kernel compiled for sm_90 on a CPU, with and without its split outputs.
+
+`TritonCoarse.select_split` has `select_topk_kernel` also write the lists split by key-tile
+fullness (``SPLIT``; `vsa_core.layout.ForwardSplit`) so that fa4's combined forward needs no
+list kernel of its own. Before a GPU times it, ptxas says what it costs the kernel: registers,
+spills, SASS instructions and global stores, per latent (the tile count sets ``TILES_P2`` and
+``ROWS``, as `vsa_triton.coarse.select_with` picks them; 12.5% of the tiles kept),
+``SPLIT`` off and on. ::
+
+    uv run python -m research.coarse_stage.compile_select --out DIR/compile_select.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from research.triton_kernels.compile_sm90 import _resources
+
+LATENT_TILES = {"wan480p": 624, "wan720p": 1440, "hunyuan720p": 2160}
+POINTERS = {"qp": "*bf16", "kp": "*bf16", "valid_ptr": "*i32", "scores_ptr": "*fp32"}
+
+
+def compile_select(num_tiles: int, split: bool) -> dict:
+    from vsa_triton import coarse, coarse_kernels
+
+    config = coarse.SELECT
+    tiles_p2 = coarse._next_pow2(num_tiles)
+    constexprs = {
+        "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "HEAD_DIM": 128, "DIM_P2": 128,
+        "TILES_P2": tiles_p2, "ROWS": max(1, min(config.block_m, config.elements_per_step
+                                                 // tiles_p2)),
+        "IEEE": False, "INTERPRET": False, "EARLY_EXIT": config.early_exit, "SPLIT": split,
+        **(coarse._split_constants(round(0.125 * num_tiles), config) if split else {}),
+    }  # fmt: skip
+    kernel = coarse_kernels.select_topk_kernel
+    signature, attrs = {}, {}
+    for i, name in enumerate(kernel.arg_names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name.endswith("_ptr") or name in POINTERS:
+            signature[name] = POINTERS.get(name, "*i32")
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            signature[name] = "i32"
+    src = ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": config.num_warps})  # fmt: skip
+    resources = _resources(compiled.asm["cubin"])
+    return {"shared_bytes": compiled.metadata.shared, **resources,
+            "stg_in_ptx": compiled.asm["ptx"].count("st.global")}  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    rows = []
+    for latent, tiles in LATENT_TILES.items():
+        for split in (False, True):
+            row = {"latent": latent, "tiles": tiles, "split": split, **compile_select(tiles, split)}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"command": "python -m research.coarse_stage.compile_select",
+                       "triton": triton.__version__, "rows": rows}, f, indent=1)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
