@@ -67,7 +67,9 @@ def _resources(cubin: bytes) -> dict:
                               check=True).stdout  # fmt: skip
     regs = re.search(r"REG:(\d+)", usage)
     stack = re.search(r"STACK:(\d+)", usage)
-    lines = [m.group(1).strip() for m in re.finditer(r"/\*[0-9a-f]{4}\*/\s+([^;]*);", sass)]
+    # addresses past 0xffff print with five digits and more: until session 20 the pattern took
+    # four, so counts and fingerprints of larger kernels covered their first 4,096 lines only
+    lines = [m.group(1).strip() for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+([^;]*);", sass)]
     body = "\n".join(re.sub(r"0x[0-9a-f]+", "#", line) for line in lines)
     return {
         "registers": int(regs.group(1)) if regs else None,
