@@ -50,8 +50,21 @@ session19)
     "step spread 200 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 benchmarks/bench_video.py --shapes wan720p --sparsities 0.875 --modes fwd --arms auto fa4 fa4_unfused triton --warmup 3 --reps 15 --no-pieces --out \$OUT/video720-expandable.json" \
     "step ncu 240 ncu --clock-control none --section MemoryWorkloadAnalysis --section SpeedOfLight --kernel-name regex:fwd_kernel --launch-count 4 --csv --page details python3 -m research.triton_kernels.raster_rows_bench --shapes wan480p --rounds 1 --reps 1"
   ;;
+session21)
+  # Prepared in session 20 (the CuTe bundle unpacked first; carry .whl for FastVideo and
+  # diffusers): the GPU tests session 20 could not run (vsa-core's whole suite, the new
+  # packed-vs-plain and select_topk_split opcheck tests), the coarse stage's split lists
+  # against fa4's own list kernel through the whole op (fa4_presplit: turn
+  # FA4Backend.reads_forward_split on if it wins in both views), and auto's rule regenerated
+  # with the rule on query tokens a head.
+  bash benchmarks/gpu_sitting.sh \
+    "step gpu_core 480 bash -c 'source .gpu/b/extras.sh && python3 -m pytest -q -m gpu packages/vsa-core/tests packages/vsa-triton/tests/test_gpu.py'" \
+    "step gpu_fa4 60 python3 -m pytest -q -m gpu packages/vsa-fa4/tests/test_gpu.py -k 'same_bits or kernel_choices'" \
+    "step presplit 300 python3 benchmarks/bench_video.py --shapes wan480p wan720p --sparsities 0.875 --modes fwd --arms fa4 fa4_presplit --warmup 2 --reps 10 --no-pieces --time-budget-min 4.5 --out \$OUT/bench_video-presplit.json" \
+    "step pieces 120 python3 -m research.op_host_pieces --shapes wan480p --backends fa4 --reps 30 --out \$OUT/pieces.jsonl"
+  ;;
 *)
-  echo "usage: $0 grid | bwd-counters | bwd-split | session19" >&2
+  echo "usage: $0 grid | bwd-counters | bwd-split | session19 | session21" >&2
   exit 2
   ;;
 esac
