@@ -64,16 +64,19 @@ class VideoTiling:
             self, "latent_shape", check_positive_triple("latent_shape", self.latent_shape)
         )
         object.__setattr__(self, "tile_shape", check_positive_triple("tile_shape", self.tile_shape))
+        # the sizes, computed once (the op reads them on every call); not fields, so equality,
+        # hashing and repr stay those of the two shapes
+        pairs = zip(self.latent_shape, self.tile_shape, strict=True)
+        object.__setattr__(self, "_grid", tuple(math.ceil(n / t) for n, t in pairs))
 
     @property
     def grid_shape(self) -> tuple[int, int, int]:
         """Number of tiles along T, H and W."""
-        pairs = zip(self.latent_shape, self.tile_shape, strict=True)
-        return tuple(math.ceil(n / t) for n, t in pairs)  # type: ignore[return-value]
+        return self._grid  # type: ignore[attr-defined]
 
     @property
     def num_tiles(self) -> int:
-        return math.prod(self.grid_shape)
+        return math.prod(self._grid)  # type: ignore[attr-defined]
 
     @property
     def tile_tokens(self) -> int:

@@ -199,29 +199,28 @@ def check_qkv(
         if t.dtype not in FLOAT_DTYPES:
             raise ValueError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
     seq_dim, head_dim_ = (1, 2) if qkv_format == "bshd" else (2, 1)
-    for name, t in (("k", k), ("v", v)):
+    qs, ks, vs = q.shape, k.shape, v.shape  # read once: each .shape builds a torch.Size
+    for name, t, ts in (("k", k, ks), ("v", v, vs)):
         if t.dtype != q.dtype:
             raise ValueError(f"{name} must have q's dtype {q.dtype}, got {t.dtype}")
         if t.device != q.device:
             raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
-        if t.shape[0] != q.shape[0]:
-            raise ValueError(f"{name} must have q's batch size {q.shape[0]}, got {t.shape[0]}")
-        if t.shape[head_dim_] != q.shape[head_dim_]:
+        if ts[0] != qs[0]:
+            raise ValueError(f"{name} must have q's batch size {qs[0]}, got {ts[0]}")
+        if ts[head_dim_] != qs[head_dim_]:
             raise ValueError(
-                f"{name} must have q's number of heads {q.shape[head_dim_]} "
-                f"(dim {head_dim_} of {qkv_format.upper()}), got {t.shape[head_dim_]}"
+                f"{name} must have q's number of heads {qs[head_dim_]} "
+                f"(dim {head_dim_} of {qkv_format.upper()}), got {ts[head_dim_]}"
             )
-    if k.shape[3] != q.shape[3]:
-        raise ValueError(f"k must have q's head dim {q.shape[3]}, got {k.shape[3]}")
-    if v.shape[seq_dim] != k.shape[seq_dim]:
-        raise ValueError(
-            f"v must have k's sequence length {k.shape[seq_dim]}, got {v.shape[seq_dim]}"
-        )
-    if v.shape[3] != q.shape[3]:
-        raise ValueError(f"v must have q's head dim {q.shape[3]}, got {v.shape[3]}")
-    if 0 in (q.shape[head_dim_], q.shape[3], q.shape[seq_dim], k.shape[seq_dim]):
+    if ks[3] != qs[3]:
+        raise ValueError(f"k must have q's head dim {qs[3]}, got {ks[3]}")
+    if vs[seq_dim] != ks[seq_dim]:
+        raise ValueError(f"v must have k's sequence length {ks[seq_dim]}, got {vs[seq_dim]}")
+    if vs[3] != qs[3]:
+        raise ValueError(f"v must have q's head dim {qs[3]}, got {vs[3]}")
+    if 0 in (qs[head_dim_], qs[3], qs[seq_dim], ks[seq_dim]):
         _refuse_degenerate(q, k, seq_dim, head_dim_, qkv_format.upper())
-    return q.shape[0], q.shape[seq_dim], k.shape[seq_dim], q.shape[head_dim_], q.shape[3]
+    return qs[0], qs[seq_dim], ks[seq_dim], qs[head_dim_], qs[3]
 
 
 def _refuse_degenerate(q, k, seq_dim: int, head_dim_: int, fmt: str) -> None:
