@@ -315,9 +315,21 @@ def takes_valid_in_list(
 
     return (
         variant.valid_in_list
-        and tuple(block_size) == (64, 64)
         and kv_valid_sizes.shape[0] <= 1 << BLOCK_BITS
-        and not (variant.two_streams and _runs_two_streams(q, kv_valid_sizes, block_size))
+        and _runs_two_ctas(q, kv_valid_sizes, block_size, variant)
+    )
+
+
+def _runs_two_ctas(
+    q: torch.Tensor,
+    kv_valid_sizes: torch.Tensor,
+    block_size: tuple[int, int],
+    variant: ForwardVariant,
+) -> bool:
+    """Whether `run_forward` runs this call on the fork's two-CTA 64x64 forward (not the
+    two-stream kernel a variant may ask for), the kernel deltas 9 and 10 extend."""
+    return tuple(block_size) == (64, 64) and not (
+        variant.two_streams and _runs_two_streams(q, kv_valid_sizes, block_size)
     )
 
 
@@ -330,11 +342,7 @@ def combines_in_epilogue(
     """Whether `run_forward` can add VSA's combine in the forward's epilogue for this call: the
     fork's two-CTA 64x64 kernel runs it (`flash_attn_vsa.combine_sm90`), not on persistent
     CTAs and not where the variant runs the two-stream kernel instead."""
-    return (
-        tuple(block_size) == (64, 64)
-        and not variant.persistent
-        and not (variant.two_streams and _runs_two_streams(q, kv_valid_sizes, block_size))
-    )
+    return not variant.persistent and _runs_two_ctas(q, kv_valid_sizes, block_size, variant)
 
 
 def _pairs_keys(

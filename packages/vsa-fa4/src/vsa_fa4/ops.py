@@ -60,10 +60,16 @@ def _forward_lists(kv_indices, kv_counts, kv_valid_sizes, kv_tile, masked, pack_
     return unmasked_forward_lists(kv_indices, kv_counts, kv_valid_sizes.shape[0])
 
 
-def _lists_for(q, kv_indices, kv_counts, kv_valid_sizes, block_size, masked, variant):
+def _lists_for(q, kv_indices, kv_counts, kv_valid_sizes, block_size, masked, variant,
+               split=None):  # fmt: skip
     """The forward's lists for `launch.run_forward` on ``block_size`` blocks: with valid sizes in
-    the partial entries wherever the kernel it runs reads them (`launch.takes_valid_in_list`)."""
+    the partial entries wherever the kernel it runs reads them (`launch.takes_valid_in_list`),
+    there taken as they are from ``split`` (a `ForwardSplit`'s tensors, the same format) when
+    the coarse stage wrote one."""
     pack = masked and launch.takes_valid_in_list(q, kv_valid_sizes, block_size, variant)
+    if pack and split is not None:
+        full_idx, full_cnt, partial_idx, partial_cnt = split
+        return PackedSparseLists(partial_cnt, partial_idx, full_cnt, full_idx)
     return _forward_lists(kv_indices, kv_counts, kv_valid_sizes, block_size[1], masked, pack)
 
 
@@ -136,17 +142,11 @@ def forward_combined_impl(
     out = _bshd(q, v.shape[-1])
     variant = launch.KernelChoice.decode(kernels).forward
     split = (split_full_idx, split_full_cnt, split_partial_idx, split_partial_cnt)
-    if any(t is None for t in split) and any(t is not None for t in split):
+    given = sum(t is not None for t in split)
+    if given not in (0, 4):
         raise ValueError("give all four split_* tensors or none")
-    if (
-        split_full_idx is not None
-        and masked
-        and launch.takes_valid_in_list(q, kv_valid_sizes, (64, 64), variant)
-    ):
-        lists = PackedSparseLists(split_partial_cnt, split_partial_idx, split_full_cnt,
-                                  split_full_idx)  # fmt: skip
-    else:
-        lists = _lists_for(q, kv_indices, kv_counts, kv_valid_sizes, (64, 64), masked, variant)
+    lists = _lists_for(q, kv_indices, kv_counts, kv_valid_sizes, (64, 64), masked, variant,
+                       split if given else None)  # fmt: skip
     launch.run_forward(
         q, k, v, out, None, lists, kv_valid_sizes.contiguous(), scale, (64, 64), masked,
         variant=variant, combine=(coarse, gate),
