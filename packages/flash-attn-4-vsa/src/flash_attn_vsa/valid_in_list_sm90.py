@@ -144,10 +144,11 @@ def with_valid_sizes_in_list(base: type) -> type:
     return ValidSizesInList
 
 
-def pack_valid_sizes(mask_block_idx: Any, kv_valid_sizes: Any) -> Any:
+def pack_valid_sizes(mask_block_idx: Any, kv_valid_sizes: Any, mask_block_cnt: Any = None) -> Any:
     """A partial list [..., W] int32 with each entry's valid size in its high bits (torch ops;
     vsa-fa4's list kernel writes them directly). Unused entries (block 0) get block 0's size,
-    which no step reads."""
+    which no step reads, or, given the lists' counts ``mask_block_cnt`` [...], stay 0 (what
+    vsa-fa4's list kernel writes there)."""
     import torch
 
     if kv_valid_sizes.shape[0] > 1 << BLOCK_BITS:
@@ -156,4 +157,8 @@ def pack_valid_sizes(mask_block_idx: Any, kv_valid_sizes: Any) -> Any:
             f"{kv_valid_sizes.shape[0]}"
         )
     valid = kv_valid_sizes.to(torch.int32)[mask_block_idx.long()]
-    return (mask_block_idx.to(torch.int32) | (valid << BLOCK_BITS)).contiguous()
+    packed = mask_block_idx.to(torch.int32) | (valid << BLOCK_BITS)
+    if mask_block_cnt is not None:
+        slots = torch.arange(packed.shape[-1], device=packed.device)
+        packed = torch.where(slots < mask_block_cnt.unsqueeze(-1), packed, 0)
+    return packed.contiguous()

@@ -130,12 +130,11 @@ def forward_lists(
 
 
 def _with_valid_sizes(lists: SparseLists, kv_valid_sizes: torch.Tensor) -> PackedSparseLists:
-    """``lists`` with each used partial entry ``block | valid << 16`` (tensor ops)."""
-    idx, cnt = lists.mask_block_idx, lists.mask_block_cnt
-    used = torch.arange(idx.shape[-1], device=idx.device) < cnt.unsqueeze(-1)
-    sizes = kv_valid_sizes.to(torch.int32)[idx.long()]
-    packed = torch.where(used, idx | (sizes << 16), torch.zeros_like(idx))
-    return PackedSparseLists(*lists._replace(mask_block_idx=packed.contiguous()))
+    """``lists`` with each used partial entry ``block | valid << 16`` (the fork's tensor ops)."""
+    from flash_attn_vsa.valid_in_list_sm90 import pack_valid_sizes
+
+    packed = pack_valid_sizes(lists.mask_block_idx, kv_valid_sizes, lists.mask_block_cnt)
+    return PackedSparseLists(*lists._replace(mask_block_idx=packed))
 
 
 def unmasked_forward_lists(
