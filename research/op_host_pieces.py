@@ -21,7 +21,11 @@ import time
 
 import torch
 
-SHAPES = {"wan480p": ((21, 30, 52), 12), "wan720p": ((21, 45, 80), 40)}
+from research.harness import benchmark_module
+
+bv = benchmark_module("bench_video")
+SHAPES = ("wan480p", "wan720p")
+"""`bench_video.PRESETS` this script times by default."""
 
 
 BUSY_CYCLES = 6_000_000
@@ -67,14 +71,14 @@ def pieces(shape: str, backend: str):
     from vsa_core.coarse import coarse_stage, layout_from_selection
     from vsa_fa4 import ops as fa4_ops
 
-    latent, heads = SHAPES[shape]
+    latent, heads = bv.PRESETS[shape]
     tiling = VideoTiling(latent, (4, 4, 4))
     gen = torch.Generator(device="cuda").manual_seed(0)
     dims = (1, tiling.padded_len, heads, 128)
     q, k, v, gate = (
         torch.randn(dims, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(4)
     )
-    topk = max(1, round(0.125 * tiling.num_tiles))
+    topk = bv.topk_for(0.875, tiling.num_tiles)
     scale = 128**-0.5
     valid = tiling.valid_sizes(q.device)
     stage = coarse_stage("auto", q)
@@ -132,7 +136,7 @@ def _fa4_launch_pieces(qkv, layout, coarse, gate, scale):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(bv.PRESETS))
     parser.add_argument("--backends", nargs="*", default=["fa4", "triton"])
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--out")
