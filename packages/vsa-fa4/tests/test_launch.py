@@ -31,6 +31,7 @@ def lists(width: int) -> SparseLists:
         (90, (128, 64), 128, 5, 16, True),
         (90, (128, 64), 128, 15, 16, True),
         (90, (128, 64), 128, 16, 16, False),  # as wide as the key blocks: pair_lists' bound
+        (90, (128, 64), 128, 1, 3, False),  # an odd number of key blocks cannot be paired
         (90, (128, 64), 64, 5, 16, False),  # the kernel is written for head dim 128
         (90, (64, 64), 128, 5, 16, False),
         (90, (128, 128), 128, 5, 16, False),
