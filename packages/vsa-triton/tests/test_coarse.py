@@ -172,6 +172,45 @@ def test_select_split_writes_the_lists_split_by_tile_fullness():
                 assert got.dtype == torch.int32 and torch.equal(got.long().cpu(), want), topk
 
 
+def _coarse64(qp, kp, vp, valid, scale):
+    """float64 dense attention between pooled tiles, empty key tiles left out, written
+    independently of both implementations."""
+    q, k, v = (t.double().cpu() for t in (qp, kp, vp))
+    scores = torch.einsum("bnhd,bmhd->bhnm", q, k) * scale
+    scores[..., valid.cpu() == 0] = float("-inf")
+    return torch.einsum("bhnm,bmhd->bnhd", scores.softmax(-1), v)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_select_and_attend_is_the_coarse_attention_and_the_selection(dtype):
+    """`TritonCoarse.select_and_attend` (one launch): the coarse output matches float64
+    attention over the non-empty key tiles, the indices and split equal `select` /
+    `select_split`'s; tilings with partial tiles and user sizes with empty tiles, lists of one
+    tile to all, more tiles than one key step (64) reads."""
+    gen = torch.Generator().manual_seed(6)
+    stage = TritonCoarse()
+    user = torch.tensor([8, 3, 0, 8, 1, 7, 0, 8, 5, 8], dtype=torch.int32)
+    long_user = torch.randint(0, 9, (70,), generator=gen, dtype=torch.int32)
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
+    for valid in (VideoTiling((5, 6, 7), (2, 2, 2)).valid_sizes(DEVICE), user, long_user):
+        valid = valid.to(DEVICE)
+        n = valid.shape[0]
+        pooled = [torch.randn(2, n, 3, 16, generator=gen).to(DEVICE, dtype) for _ in range(3)]
+        want = _coarse64(*pooled, valid, 0.3)
+        for topk in sorted({1, n // 3, n}):
+            for kv_tile in (None, 8):
+                coarse, indices, split = stage.select_and_attend(*pooled, valid, topk, 0.3, kv_tile)
+                assert coarse.dtype == dtype and coarse.shape == pooled[0].shape
+                torch.testing.assert_close(coarse.double().cpu(), want, rtol=tol, atol=tol)
+                assert torch.equal(indices, stage.select(pooled[0], pooled[1], valid, topk))
+                if kv_tile is None:
+                    assert split is None
+                    continue
+                _, want_split = stage.select_split(pooled[0], pooled[1], valid, topk, kv_tile)
+                for got, ref in zip(split, want_split, strict=True):
+                    assert torch.equal(got, ref), topk
+
+
 @pytest.mark.parametrize("config", list(SEARCHES.values()), ids=list(SEARCHES))
 def test_select_ranks_empty_tiles_last_and_breaks_ties_low(config):
     gen = torch.Generator().manual_seed(4)

@@ -123,7 +123,14 @@ def test_cuda_graph_replay_with_changing_inputs():
 
 def test_coarse_ops_pass_torch_library_opcheck():
     from vsa_core import VideoTiling
-    from vsa_triton.coarse import combine_op, pool_clean_op, pool_qkv, select_op, select_split_op
+    from vsa_triton.coarse import (
+        combine_op,
+        pool_clean_op,
+        pool_qkv,
+        select_attend_op,
+        select_op,
+        select_split_op,
+    )
 
     tiling = VideoTiling((5, 6, 7), (2, 2, 2))
     valid = tiling.valid_sizes("cuda")
@@ -139,6 +146,8 @@ def test_coarse_ops_pass_torch_library_opcheck():
     qp, kp, vp = pool_qkv(q.detach(), k.detach(), v.detach(), valid)
     torch.library.opcheck(select_op, (qp, kp, valid, 5))
     torch.library.opcheck(select_split_op, (qp, kp, valid, 5, 8))
+    torch.library.opcheck(select_attend_op, (qp, kp, vp, valid, 5, 0.2, 8))
+    torch.library.opcheck(select_attend_op, (qp, kp, vp, valid, 5, 0.2, 0))
     coarse = vp.detach().clone().requires_grad_()
     torch.library.opcheck(combine_op, (q, coarse, k, valid, True))
     torch.library.opcheck(combine_op, (q, coarse, None, valid, False))

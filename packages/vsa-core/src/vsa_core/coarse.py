@@ -79,6 +79,32 @@ class CoarseStage:
         from a stage that does not (the default), and the backend splits them itself."""
         return self.select(q_pooled, k_pooled, valid_sizes, topk), None
 
+    def select_and_attend(
+        self,
+        q_pooled: torch.Tensor,
+        k_pooled: torch.Tensor,
+        v_pooled: torch.Tensor,
+        valid_sizes: torch.Tensor,
+        topk: int,
+        scale: float,
+        kv_tile: int | None = None,
+        *,
+        may_have_empty: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor, ForwardSplit | None]:
+        """Inference (no gradient flows): ``(coarse, indices, split)``, the `coarse_attention`
+        of the pooled tiles (empty key tiles left out; ``may_have_empty`` as there),
+        `select`'s indices and, with ``kv_tile``, `select_split`'s split. The default runs
+        them one after the other; a stage that computes the coarse attention from the
+        selection's own scores (one launch) overrides it. Where every key tile is empty the
+        coarse output is undefined (NaN from SDPA, 0 from the Triton stage); no real token
+        exists then."""
+        coarse = coarse_attention(
+            q_pooled, k_pooled, v_pooled, valid_sizes, scale, may_have_empty=may_have_empty
+        )
+        if kv_tile is None:
+            return coarse, self.select(q_pooled, k_pooled, valid_sizes, topk), None
+        return coarse, *self.select_split(q_pooled, k_pooled, valid_sizes, topk, kv_tile)
+
     def pool_and_clean(
         self,
         q: torch.Tensor,

@@ -235,17 +235,20 @@ def video_sparse_attn(
         )
     combined = not training and chosen.fuses_combine and (slot_rows is not None or not raster)
     reads_split = combined and chosen.reads_forward_split and not all_full
+    split_tile = tile_tokens if reads_split else None  # the backend's split, same pass
     # every tile of a VideoTiling holds a real token; user valid sizes may hold 0
-    coarse = _coarse_attention(
-        q_pooled, k_pooled, v_pooled, valid_sizes, scale, tiling is None, deterministic
-    )
-    with torch.no_grad():
-        if reads_split:  # the fine backend's split of the lists, written in the same pass
-            selection, split = stage.select_split(
-                q_pooled, k_pooled, valid_sizes, topk, tile_tokens
-            )
-        else:
-            selection, split = stage.select(q_pooled, k_pooled, valid_sizes, topk), None
+    if not training and not deterministic:  # no gradient: attention and selection together
+        with torch.no_grad():
+            coarse, selection, split = stage.select_and_attend(
+                q_pooled, k_pooled, v_pooled, valid_sizes, topk, scale, split_tile,
+                may_have_empty=tiling is None,
+            )  # fmt: skip
+    else:
+        coarse = _coarse_attention(
+            q_pooled, k_pooled, v_pooled, valid_sizes, scale, tiling is None, deterministic
+        )
+        with torch.no_grad():
+            selection, split = _select(stage, q_pooled, k_pooled, valid_sizes, topk, split_tile)
     layout = layout_from_selection(
         selection, valid_sizes, tile_tokens, all_full=all_full, forward_split=split
     )
@@ -269,6 +272,13 @@ def video_sparse_attn(
 
 
 # ---- helpers ---------------------------------------------------------------------------------
+def _select(stage, q_pooled, k_pooled, valid_sizes, topk, split_tile):
+    """``(indices, split)``: the stage's selection, with its split where ``split_tile``."""
+    if split_tile is None:
+        return stage.select(q_pooled, k_pooled, valid_sizes, topk), None
+    return stage.select_split(q_pooled, k_pooled, valid_sizes, topk, split_tile)
+
+
 def _coarse_attention(q_pooled, k_pooled, v_pooled, valid_sizes, scale, may_have_empty,
                       deterministic):  # fmt: skip
     """`coarse_attention`; with ``deterministic`` on SDPA's math backend, whose forward and

@@ -311,19 +311,35 @@ def select_with(
     """`_select` with an explicit `SelectConfig` (for sweeps; the op uses ``SELECT``); with
     ``split_tile`` (the key tiles' token count) also the same lists split by tile fullness,
     written in the same launch: ``(indices, *ForwardSplit)`` (`_select_split`)."""
-    q_pooled, k_pooled = (head_dim_contiguous(t) for t in (q_pooled, k_pooled))
-    if q_pooled.stride() != k_pooled.stride():
-        q_pooled, k_pooled = q_pooled.contiguous(), k_pooled.contiguous()
+    out, split, _ = _launch_select(q_pooled, k_pooled, valid_sizes, topk, config, split_tile)
+    return (out, *split) if split else out
+
+
+def _launch_select(q_pooled, k_pooled, valid_sizes, topk, config, split_tile=None,
+                   v_pooled=None, scale=1.0):  # fmt: skip
+    """The selection kernel's launch: ``(indices, split tensors or (), coarse or None)``; with
+    ``v_pooled`` the coarse attention of the pooled tiles at softmax ``scale`` from the same
+    scores (`select_attend`), in q_pooled's dtype and strides."""
+    pooled = [head_dim_contiguous(t) for t in (q_pooled, k_pooled)]
+    if v_pooled is not None:  # contiguous all three, as the coarse output is
+        pooled = [t.contiguous() for t in (*pooled, v_pooled)]
+    elif pooled[0].stride() != pooled[1].stride():
+        pooled = [t.contiguous() for t in pooled]
+    q_pooled, k_pooled = pooled[:2]
     batch, num_tiles, heads, dim = q_pooled.shape
     out = torch.empty(batch, heads, num_tiles, topk, dtype=torch.int32, device=q_pooled.device)
     split = _split_like(out) if split_tile is not None else ()
+    coarse = None if v_pooled is None else torch.empty_like(q_pooled)
     if out.numel() == 0:
-        return (out, *split) if split else out
+        return out, split, coarse
     scores = torch.empty(
         batch * heads, num_tiles, num_tiles, dtype=torch.float32, device=q_pooled.device
     )
     tiles_p2 = _next_pow2(num_tiles)
     rows = max(1, min(config.block_m, config.elements_per_step // tiles_p2))
+    attend = {}
+    if coarse is not None:
+        attend = dict(vp=pooled[2], coarse_ptr=coarse, scale_log2=scale * LOG2_E, ATTEND=True)
     _kernels().select_topk_kernel[(-(-num_tiles // config.block_m), batch * heads)](
         q_pooled, k_pooled, valid_sizes, scores, out, *(split or (out,) * 4),
         *bshd_strides(q_pooled),
@@ -331,10 +347,14 @@ def select_with(
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEAD_DIM=dim, DIM_P2=_next_pow2(dim),
         TILES_P2=tiles_p2, ROWS=rows, IEEE=q_pooled.dtype == torch.float32,
         INTERPRET=interpreting(), EARLY_EXIT=config.early_exit, SPLIT=bool(split),
-        **(_split_constants(topk, config) if split else {}),
+        **(_split_constants(topk, config) if split else {}), **attend,
         num_warps=config.num_warps,
     )  # fmt: skip
-    return (out, *split) if split else out
+    return out, split, coarse
+
+
+LOG2_E = 1.4426950408889634
+"""log2(e): the kernel's softmax runs on exp2 of scores times ``scale * LOG2_E``."""
 
 
 SPLIT_ELEMENTS = 512
@@ -395,6 +415,48 @@ def _(q_pooled, k_pooled, valid_sizes, topk, kv_tile):
 
 
 select_topk_split = EagerOrOp(select_split_op, _select_split)
+
+
+def _select_attend(
+    q_pooled: torch.Tensor,
+    k_pooled: torch.Tensor,
+    v_pooled: torch.Tensor,
+    valid_sizes: torch.Tensor,
+    topk: int,
+    scale: float,
+    kv_tile: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One launch for inference: ``(coarse, indices, *split)``: the coarse attention of the
+    pooled tiles ([B, N, H, D], dense softmax attention at ``scale`` with empty key tiles
+    left out, 0 for a query tile that sees none), `_select`'s indices from the same scores,
+    and with ``kv_tile`` > 0 their `ForwardSplit` for ``kv_tile``-token tiles (four empty
+    tensors for 0). No gradient: the coarse attention's backward is SDPA's, on the other
+    path."""
+    split_tile = kv_tile if kv_tile > 0 else None
+    out, split, coarse = _launch_select(
+        q_pooled, k_pooled, valid_sizes, topk, SELECT, split_tile, v_pooled, scale
+    )
+    return (coarse, out, *(split or _no_split(out)))
+
+
+def _no_split(indices: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return tuple(indices.new_empty(0) for _ in range(4))
+
+
+select_attend_op = torch.library.custom_op(
+    "vsa_triton::select_attend", _select_attend, mutates_args=()
+)
+
+
+@select_attend_op.register_fake
+def _(q_pooled, k_pooled, v_pooled, valid_sizes, topk, scale, kv_tile):
+    batch, num_tiles, heads, _ = q_pooled.shape
+    out = q_pooled.new_empty((batch, heads, num_tiles, topk), dtype=torch.int32)
+    coarse = torch.empty_like(q_pooled, memory_format=torch.contiguous_format)
+    return (coarse, out, *(_split_like(out) if kv_tile > 0 else _no_split(out)))
+
+
+select_attend = EagerOrOp(select_attend_op, _select_attend)
 
 
 def _combine_launch(fine, coarse, gate, valid_sizes, gate_padding_as_zero, out, raster_rows,
@@ -622,6 +684,18 @@ class TritonCoarse(CoarseStage):
             return self.select(q_pooled, k_pooled, valid_sizes, topk), None
         indices, *split = select_topk_split(q_pooled, k_pooled, valid_sizes, topk, kv_tile)
         return indices, ForwardSplit(*split)
+
+    def select_and_attend(self, q_pooled, k_pooled, v_pooled, valid_sizes, topk, scale,
+                          kv_tile=None, *, may_have_empty=True):  # fmt: skip
+        """The coarse attention, the selection and (with ``kv_tile``, fewer than 2^16 tiles)
+        its `ForwardSplit` from one launch of the selection kernel (inference only; empty key
+        tiles are always left out, so ``may_have_empty`` changes nothing here)."""
+        if kv_tile is not None and valid_sizes.shape[0] > 1 << PACKED_BLOCK_BITS:
+            kv_tile = None
+        coarse, indices, *split = select_attend(
+            q_pooled, k_pooled, v_pooled, valid_sizes, topk, scale, kv_tile or 0
+        )
+        return coarse, indices, ForwardSplit(*split) if kv_tile else None
 
     def combine(
         self, fine, coarse, gate, valid_sizes, gate_padding_as_zero=False, padding_index=None

@@ -154,6 +154,27 @@ def _score_block(q, k_base, valid_ptr, score_rows, rows, dims, dim_ok, start, nu
     s = tl.where((size > 0)[None, :], s, float("-inf"))
     tl.store(score_rows + rows[:, None] * num_tiles + cols[None, :], s,
              mask=(rows < num_tiles)[:, None] & col_ok[None, :])
+    return s
+
+
+@triton.jit
+def _attend_block(acc, m, row_sum, s, v_base, start, dims, dim_ok, num_tiles, s_pn,
+                  scale_log2, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    """One step of the coarse attention over key tiles [start, start + BLOCK_N): the online
+    softmax of ``s`` (raw scores, -inf at empty and absent tiles) times the softmax scale, and
+    its product with the tiles' pooled values, accumulated in float32 (``row_sum``: the
+    softmax's running denominator). ``m``, the running maximum, starts finite (-1e30, not
+    -inf) so that a step whose scores are all -inf rescales by 1, not NaN."""
+    cols = start + tl.arange(0, BLOCK_N)
+    vt = tl.load(v_base + cols[:, None] * s_pn + dims[None, :],
+                 mask=(cols < num_tiles)[:, None] & dim_ok[None, :], other=0.0)
+    m_new = tl.maximum(m, tl.max(s, axis=1) * scale_log2)
+    p = tl.exp2(s * scale_log2 - m_new[:, None])
+    alpha = tl.exp2(m - m_new)
+    row_sum = row_sum * alpha + tl.sum(p, axis=1)
+    pv = (tl.dot(p, vt, input_precision="ieee") if IEEE
+          else tl.dot(p.to(vt.dtype), vt))
+    return acc * alpha[:, None] + pv, m_new, row_sum
 
 
 @triton.jit
@@ -237,6 +258,7 @@ def select_topk_kernel(
     DIM_P2: tl.constexpr, TILES_P2: tl.constexpr, ROWS: tl.constexpr, IEEE: tl.constexpr,
     INTERPRET: tl.constexpr, EARLY_EXIT: tl.constexpr, SPLIT: tl.constexpr = False,
     TOPK_P2: tl.constexpr = 1, SPLIT_ROWS: tl.constexpr = 1,
+    vp=None, coarse_ptr=None, scale_log2=1.0, ATTEND: tl.constexpr = False,
 ):
     """BLOCK_M query tiles of one (batch, head): their scores against every key tile, then
     each row's top-k as an ascending list.
@@ -248,7 +270,10 @@ def select_topk_kernel(
     phase reads those lists back and writes them split by key-tile fullness
     (`vsa_core.layout.ForwardSplit`, ``kv_tile``-token tiles, `_store_split`): full tiles to
     ``full_idx``, partial ones as ``tile | valid << 16`` to ``part_idx``, empty ones dropped,
-    each list ascending, unused slots zeroed, and both counts."""
+    each list ascending, unused slots zeroed, and both counts. With ATTEND phase 1 also runs
+    the coarse attention of its rows (`_attend_block`: softmax of the scores times
+    ``scale_log2``, the softmax scale times log2(e), over pooled values ``vp``, strided like
+    the pooled q and k) and stores it to ``coarse_ptr`` (the same strides) in its dtype."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // heads
@@ -260,16 +285,32 @@ def select_topk_kernel(
     q = tl.load(qp + base + rows[:, None] * s_pn + dims[None, :],
                 mask=(rows < num_tiles)[:, None] & dim_ok[None, :], other=0.0)
     score_rows = scores_ptr + bh.to(tl.int64) * num_tiles * num_tiles
+    acc = tl.zeros([BLOCK_M, DIM_P2], dtype=tl.float32)
+    m = tl.full([BLOCK_M], -1e30, tl.float32)
+    row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     if INTERPRET:  # the interpreter cannot take a run-time bound in range()
         start = 0
         while start < num_tiles:
-            _score_block(q, kp + base, valid_ptr, score_rows, rows, dims, dim_ok, start,
-                         num_tiles, s_pn, BLOCK_N, IEEE)
+            s = _score_block(q, kp + base, valid_ptr, score_rows, rows, dims, dim_ok, start,
+                             num_tiles, s_pn, BLOCK_N, IEEE)
+            if ATTEND:
+                acc, m, row_sum = _attend_block(acc, m, row_sum, s, vp + base, start, dims,
+                                                dim_ok, num_tiles, s_pn, scale_log2, BLOCK_N,
+                                                IEEE)
             start += BLOCK_N
     else:
         for start in range(0, num_tiles, BLOCK_N):
-            _score_block(q, kp + base, valid_ptr, score_rows, rows, dims, dim_ok, start,
-                         num_tiles, s_pn, BLOCK_N, IEEE)
+            s = _score_block(q, kp + base, valid_ptr, score_rows, rows, dims, dim_ok, start,
+                             num_tiles, s_pn, BLOCK_N, IEEE)
+            if ATTEND:
+                acc, m, row_sum = _attend_block(acc, m, row_sum, s, vp + base, start, dims,
+                                                dim_ok, num_tiles, s_pn, scale_log2, BLOCK_N,
+                                                IEEE)
+    if ATTEND:  # the coarse output; a row whose key tiles are all empty gets 0
+        o = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
+        tl.store(coarse_ptr + base + rows[:, None] * s_pn + dims[None, :],
+                 o.to(coarse_ptr.dtype.element_ty),
+                 mask=(rows < num_tiles)[:, None] & dim_ok[None, :])
     tl.debug_barrier()  # phase 2 reads scores other threads of this program wrote
 
     cols = tl.arange(0, TILES_P2)
