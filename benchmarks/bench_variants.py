@@ -13,6 +13,10 @@ run (the before and after of a change, at the same clock).
   stage's selection kernel also writes the lists split by key-tile fullness
   (`vsa_core.layout.ForwardSplit`), which the combined forward reads instead of launching its
   own list kernel (one launch and four allocations fewer a call; not yet measured).
+- ``fa4_sdpa_coarse``: the fa4 backend as shipped, with the coarse stage's attention and
+  selection as two launches (SDPA, then the selection kernel: `CoarseStage.select_and_attend`'s
+  default) instead of the Triton stage's one (its ``ATTEND`` phase): the op's path before
+  that phase. The only variant that changes the coarse stage (`coarse_backend_for`).
 - ``fa4_unpacked``: the fa4 backend whose 64x64 forward lists hold plain block ids, the mask
   loading the valid sizes (``ForwardVariant(valid_in_list=False)``: what ran before delta 10,
   `flash_attn_vsa.valid_in_list_sm90`, was shipped).
@@ -25,6 +29,9 @@ UNFUSED_TRITON = "triton_unfused"
 UNFUSED_FA4 = "fa4_unfused"
 UNPACKED_FA4 = "fa4_unpacked"
 PRESPLIT_FA4 = "fa4_presplit"
+SDPA_COARSE_FA4 = "fa4_sdpa_coarse"
+SEPARATE_STAGE = "triton_separate_attention"
+"""The coarse stage `SDPA_COARSE_FA4` runs: the Triton stage without its fused attention."""
 _SWITCHED_OFF = {
     COPYING_TRITON: ("triton", {"reads_raster": False, "fuses_combine": False}),
     UNFUSED_TRITON: ("triton", {"fuses_combine": False}),
@@ -45,6 +52,12 @@ def register_variant(name: str) -> bool:
         variant = type(name, (FA4Backend,), {"name": name, "priority": -1})
         register_backend(variant(kernels=unpacked))
         return True
+    if name == SDPA_COARSE_FA4:
+        _register_separate_stage()
+        from vsa_fa4.backend import FA4Backend
+
+        register_backend(type(name, (FA4Backend,), {"name": name, "priority": -1})())
+        return True
     if name not in _SWITCHED_OFF:
         return False
 
@@ -57,3 +70,24 @@ def register_variant(name: str) -> bool:
     variant = type(name, (base,), {"name": name, "priority": -1, **switched_off})
     register_backend(variant())
     return True
+
+
+def coarse_backend_for(arm: str) -> str:
+    """The ``coarse_backend`` an arm's op calls pass: `SEPARATE_STAGE` for `SDPA_COARSE_FA4`,
+    ``"auto"`` for every other arm."""
+    return SEPARATE_STAGE if arm == SDPA_COARSE_FA4 else "auto"
+
+
+def _register_separate_stage() -> None:
+    """Add `SEPARATE_STAGE` to vsa-core's stages of this process (a benchmark-only entry in
+    the cached table `vsa_core.coarse.coarse_stages` returns; plug-ins come by entry point)."""
+    from vsa_core.coarse import CoarseStage, coarse_stages
+    from vsa_triton.coarse import TritonCoarse
+
+    separate = type(
+        "SeparateAttentionTriton",
+        (TritonCoarse,),
+        {"name": SEPARATE_STAGE, "priority": -1,
+         "select_and_attend": CoarseStage.select_and_attend},
+    )  # fmt: skip
+    coarse_stages()[SEPARATE_STAGE] = separate()

@@ -80,7 +80,7 @@ import bench_run as brun
 import bench_timing as bt
 import bench_vsa
 import fastvideo_arm as fva
-from bench_variants import register_variant
+from bench_variants import coarse_backend_for, register_variant
 
 from vsa_core import BlockSparseLayout, VideoTiling, block_sparse_attn, video_sparse_attn
 from vsa_core.backends import AttentionCall, get_backend, select_backend
@@ -603,7 +603,8 @@ def op_runner(
     deterministic: bool = False,
 ) -> bt.Runner:
     attn = partial(video_sparse_attn, tiling=tiling, topk=topk, backend=backend, validate=False,
-                   deterministic=deterministic)  # fmt: skip
+                   deterministic=deterministic,
+                   coarse_backend=coarse_backend_for(backend))  # fmt: skip
     return attn_runner(inputs, mode, attn, leaves)
 
 

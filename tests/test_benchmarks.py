@@ -138,6 +138,22 @@ def test_cuda_arms_are_skipped_with_reasons_on_cpu(vsa_run):
             assert r["reason"] == backend.supports(call)
 
 
+def test_sdpa_coarse_arm_runs_fa4_with_the_coarse_attention_as_its_own_launch():
+    import bench_variants
+
+    from vsa_core.coarse import CoarseStage, coarse_stages
+    from vsa_triton.coarse import TritonCoarse
+
+    assert bench_variants.register_variant(bench_variants.SDPA_COARSE_FA4)
+    stage = coarse_stages()[bench_variants.SEPARATE_STAGE]
+    assert isinstance(stage, TritonCoarse)
+    assert type(stage).select_and_attend is CoarseStage.select_and_attend
+    assert TritonCoarse.select_and_attend is not CoarseStage.select_and_attend
+    assert get_backend(bench_variants.SDPA_COARSE_FA4).priority < 0  # auto never picks it
+    assert bench_variants.coarse_backend_for("fa4_sdpa_coarse") == bench_variants.SEPARATE_STAGE
+    assert bench_variants.coarse_backend_for("fa4") == "auto"
+
+
 def test_fa4_variant_arms_call_an_fa4_backend_carrying_their_forward_variant():
     from vsa_core.backends import get_backend
     from vsa_fa4 import launch

@@ -5,7 +5,8 @@ fullness (``SPLIT``; `vsa_core.layout.ForwardSplit`) so that fa4's combined forw
 list kernel of its own. Before a GPU times it, ptxas says what it costs the kernel: registers,
 spills, SASS instructions and global stores, per latent (the tile count sets ``TILES_P2`` and
 ``ROWS``, as `vsa_triton.coarse.select_with` picks them; 12.5% of the tiles kept),
-``SPLIT`` off and on. ::
+``SPLIT`` off and on, with and without the coarse attention (``ATTEND``,
+`TritonCoarse.select_and_attend`). ::
 
     uv run python -m research.coarse_stage.compile_select --out DIR/compile_select.json
 """
@@ -22,10 +23,14 @@ from triton.compiler import ASTSource
 from research.triton_kernels.compile_sm90 import _resources
 
 LATENT_TILES = {"wan480p": 624, "wan720p": 1440, "hunyuan720p": 2160}
-POINTERS = {"qp": "*bf16", "kp": "*bf16", "valid_ptr": "*i32", "scores_ptr": "*fp32"}
+POINTERS = {
+    "qp": "*bf16", "kp": "*bf16", "vp": "*bf16", "coarse_ptr": "*bf16", "valid_ptr": "*i32",
+    "scores_ptr": "*fp32",
+}  # fmt: skip
+FLOATS = {"scale_log2"}
 
 
-def compile_select(num_tiles: int, split: bool) -> dict:
+def compile_select(num_tiles: int, split: bool, attend: bool = False) -> dict:
     from vsa_triton import coarse, coarse_kernels
 
     config = coarse.SELECT
@@ -35,6 +40,7 @@ def compile_select(num_tiles: int, split: bool) -> dict:
         "TILES_P2": tiles_p2, "ROWS": max(1, min(config.block_m, config.elements_per_step
                                                  // tiles_p2)),
         "IEEE": False, "INTERPRET": False, "EARLY_EXIT": config.early_exit, "SPLIT": split,
+        "ATTEND": attend,
         **(coarse._split_constants(round(0.125 * num_tiles), config) if split else {}),
     }  # fmt: skip
     kernel = coarse_kernels.select_topk_kernel
@@ -45,6 +51,8 @@ def compile_select(num_tiles: int, split: bool) -> dict:
         elif name.endswith("_ptr") or name in POINTERS:
             signature[name] = POINTERS.get(name, "*i32")
             attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name in FLOATS:
+            signature[name] = "fp32"
         else:
             signature[name] = "i32"
     src = ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs)
@@ -61,8 +69,9 @@ def main() -> None:
     args = ap.parse_args()
     rows = []
     for latent, tiles in LATENT_TILES.items():
-        for split in (False, True):
-            row = {"latent": latent, "tiles": tiles, "split": split, **compile_select(tiles, split)}
+        for split, attend in ((False, False), (True, False), (False, True), (True, True)):
+            row = {"latent": latent, "tiles": tiles, "split": split, "attend": attend,
+                   **compile_select(tiles, split, attend)}  # fmt: skip
             print(json.dumps(row), flush=True)
             rows.append(row)
     if args.out:
