@@ -9,10 +9,10 @@ run (the before and after of a change, at the same clock).
   reads raster rows (``copy_to_tiles=False``), then combines in a separate in-place pass.
 - ``fa4_unfused``: the fa4 backend without its fused combine (the 64x64 forward's combined
   epilogue, `flash_attn_vsa.combine_sm90`): the forward, then the coarse stage's combine pass.
-- ``fa4_presplit``: the fa4 backend with ``reads_forward_split`` on: in inference the coarse
-  stage's selection kernel also writes the lists split by key-tile fullness
-  (`vsa_core.layout.ForwardSplit`), which the combined forward reads instead of launching its
-  own list kernel (one launch and four allocations fewer a call; not yet measured).
+- ``fa4_own_lists``: the fa4 backend with ``reads_forward_split`` off: in inference its
+  combined forward splits the lists by key-tile fullness with its own list kernel instead of
+  reading the `vsa_core.layout.ForwardSplit` the coarse stage's selection kernel writes (the
+  op's path before that was turned on: one launch and four allocations more a call).
 - ``fa4_sdpa_coarse``: the fa4 backend as shipped, with the coarse stage's attention and
   selection as two launches (SDPA, then the selection kernel: `CoarseStage.select_and_attend`'s
   default) instead of the Triton stage's one (its ``ATTEND`` phase): the op's path before
@@ -28,7 +28,7 @@ COPYING_TRITON = "triton_copies"
 UNFUSED_TRITON = "triton_unfused"
 UNFUSED_FA4 = "fa4_unfused"
 UNPACKED_FA4 = "fa4_unpacked"
-PRESPLIT_FA4 = "fa4_presplit"
+OWN_LISTS_FA4 = "fa4_own_lists"
 SDPA_COARSE_FA4 = "fa4_sdpa_coarse"
 SEPARATE_STAGE = "triton_separate_attention"
 """The coarse stage `SDPA_COARSE_FA4` runs: the Triton stage without its fused attention."""
@@ -36,7 +36,7 @@ _SWITCHED_OFF = {
     COPYING_TRITON: ("triton", {"reads_raster": False, "fuses_combine": False}),
     UNFUSED_TRITON: ("triton", {"fuses_combine": False}),
     UNFUSED_FA4: ("fa4", {"fuses_combine": False}),
-    PRESPLIT_FA4: ("fa4", {"reads_forward_split": True}),
+    OWN_LISTS_FA4: ("fa4", {"reads_forward_split": False}),
 }
 
 

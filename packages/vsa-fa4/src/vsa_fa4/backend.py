@@ -142,11 +142,13 @@ class FA4Backend(Backend):
     key_padding_safe: ClassVar[bool] = False  # see the module doc
     handles_deterministic: ClassVar[bool] = True  # forward only: see the module doc
     fuses_combine: ClassVar[bool] = True  # in the 64x64 forward's epilogue, else a second pass
-    # The combined 64x64 forward can read a layout's ForwardSplit (the coarse stage's selection
-    # pass writes it: one list launch fewer a call), but the selection kernel's split outputs
-    # are not yet timed on a GPU, so the op does not ask for them; the benchmark variant
-    # fa4_presplit (benchmarks/bench_variants.py) does, for the comparison that decides.
-    reads_forward_split: ClassVar[bool] = False
+    # The combined 64x64 forward reads a layout's ForwardSplit, written by the coarse stage's
+    # selection pass: one list launch fewer a call. H200, 2026-12-02, bench_video (results
+    # 2026-12-02-h200-bench_video-{presplit,attend}): Wan 480p forward once 2.0% and 3.4%
+    # faster, back to back equal; Wan 720p -1.6% in the first run (before the selection kernel
+    # computed the coarse attention), +0.5% once and equal back to back in the second. The
+    # benchmark variant fa4_own_lists (benchmarks/bench_variants.py) keeps the old path.
+    reads_forward_split: ClassVar[bool] = True
 
     def __init__(
         self, schedule: str = "auto", kernels: KernelChoice | None = None, name: str | None = None
