@@ -4,7 +4,8 @@
 `diagnose_op_host` times only the whole call. This times, after a synchronize each time, how
 long each piece takes to *return* (its launches queued, not run), with the op's own tensors:
 the whole `video_sparse_attn`, then the pieces it calls in order (pooling, coarse attention,
-selection, layout, the fine backend's combined forward and, inside it, vsa-fa4's list kernel),
+selection, the selection with the coarse attention (the op's inference path since session 21),
+layout, the fine backend's combined forward and, inside it, vsa-fa4's list kernel),
 and yardsticks: an empty Triton kernel's launch, ``torch.empty``, dense FA4 on the same tokens.
 Medians over ``--reps`` calls; one JSON line per (shape, piece). ::
 
@@ -97,6 +98,9 @@ def pieces(shape: str, backend: str):
         "pool_and_clean": lambda: stage.pool_and_clean(q, k, v, valid, clean, padding),
         "coarse_attention": lambda: ops._coarse_attention(*pooled[:3], valid, scale, False, False),
         "select": lambda: stage.select(pooled[0], pooled[1], valid, topk),
+        "select_and_attend": lambda: stage.select_and_attend(
+            *pooled[:3], valid, topk, scale, 64, may_have_empty=False
+        ),
         "layout_from_selection": lambda: layout_from_selection(
             selection, valid, 64, all_full=False
         ),

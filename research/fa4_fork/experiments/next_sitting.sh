@@ -63,8 +63,30 @@ session21)
     "step presplit 300 python3 benchmarks/bench_video.py --shapes wan480p wan720p --sparsities 0.875 --modes fwd --arms fa4 fa4_presplit --warmup 2 --reps 10 --no-pieces --time-budget-min 4.5 --out \$OUT/bench_video-presplit.json" \
     "step pieces 120 python3 -m research.op_host_pieces --shapes wan480p --backends fa4 --reps 30 --out \$OUT/pieces.jsonl"
   ;;
+session22)
+  # Prepared in session 21 (the CuTe bundle unpacked first; carry .whl): session 21 shipped
+  # the selection kernel's coarse attention (ATTEND) and fa4 reading its split lists with
+  # only part of the GPU tests run under their limits (3 select_and_attend cases, one NaN
+  # padding property test). Run what did not: the opcheck of select_attend, the inference
+  # op tests and the padding property tests for both backends (in two calls: each call is
+  # limited to 10 minutes), then the before/after in one run (fa4_sdpa_coarse: SDPA +
+  # selection; fa4_own_lists: fa4's own list kernel) at three latents, and the op's pieces.
+  case "${2:-tests}" in
+  tests)
+    bash benchmarks/gpu_sitting.sh \
+      "step triton 150 python3 -m pytest -q -p no:warnings packages/vsa-triton/tests/test_gpu.py packages/vsa-triton/tests/test_coarse.py -k 'opcheck or select_and_attend or split'" \
+      "step ops 150 python3 -m pytest -q -p no:warnings -m gpu packages/vsa-core/tests/test_gpu_ops.py packages/vsa-core/tests/test_gpu_compile.py -k 'cuda_graph or host_sync or fine_attention'" \
+      "step props 260 python3 -m pytest -q -p no:warnings -m gpu packages/vsa-core/tests/test_properties.py -k 'padding_never'"
+    ;;
+  bench)
+    bash benchmarks/gpu_sitting.sh \
+      "step bench 330 python3 benchmarks/bench_video.py --shapes wan480p wan720p hunyuan720p --sparsities 0.875 --modes fwd --arms fa4 fa4_sdpa_coarse fa4_own_lists --warmup 2 --reps 10 --no-pieces --time-budget-min 5 --out \$OUT/bench_video-coarse-two-launches.json" \
+      "step pieces 120 python3 -m research.op_host_pieces --shapes wan480p --backends fa4 --reps 30 --out \$OUT/pieces.jsonl"
+    ;;
+  esac
+  ;;
 *)
-  echo "usage: $0 grid | bwd-counters | bwd-split | session19 | session21" >&2
+  echo "usage: $0 grid | bwd-counters | bwd-split | session19 | session21 | session22 [tests|bench]" >&2
   exit 2
   ;;
 esac
