@@ -332,32 +332,31 @@ ALIGNMENT = 16
 kernels may assume: a misaligned tensor is another description)."""
 
 
-def _full_key(key: Hashable, tensors: Sequence[torch.Tensor | None]) -> Hashable:
+def _full_key(
+    key: Hashable, tensors: Sequence[torch.Tensor | None], devices: frozenset[str] | None = None
+) -> Hashable | None:
     """``key`` and, per tensor, its description, its address's alignment and the earlier
-    tensor it coincides with (pointer and description; None if none)."""
+    tensor it coincides with (pointer and description; None if none). With ``devices``, None
+    instead when the call cannot be replayed: a tensor off those device types or a fake
+    tensor (a compile without a GPU), or torch.compile tracing (one pass over the tensors:
+    this runs on every call)."""
+    if devices is not None and torch.compiler.is_compiling():
+        return None
     first: dict[tuple, int] = {}
     described = []
     for i, t in enumerate(tensors):
         if t is None:
             described.append(None)
             continue
-        pointer, description = t.data_ptr(), _describe(t)
+        if devices is not None and (not isinstance(t, torch.Tensor) or isinstance(t, FakeTensor)):
+            return None
+        device = t.device
+        if devices is not None and device.type not in devices:
+            return None
+        pointer, description = t.data_ptr(), (t.dtype, t.shape, t.stride(), device)
         same_as = first.setdefault((pointer, description), i)
         described.append((description, pointer % ALIGNMENT, None if same_as == i else same_as))
     return (key, tuple(described))
-
-
-def _replayable(tensors: Sequence[torch.Tensor | None], devices: frozenset[str]) -> bool:
-    for t in tensors:
-        if t is None:
-            continue
-        if (
-            not isinstance(t, torch.Tensor)
-            or t.device.type not in devices
-            or isinstance(t, FakeTensor)
-        ):
-            return False
-    return not torch.compiler.is_compiling()
 
 
 class LaunchReplay:
@@ -380,9 +379,9 @@ class LaunchReplay:
         call described by ``key`` (the non-tensor arguments, hashable) and ``tensors`` (every
         tensor the caller passes, outputs included); ``enabled=False`` (an entry point's
         ``replay=False``) always runs ``upstream()``."""
-        if not enabled or not _replayable(tensors, self.devices):
+        full_key = _full_key(key, tensors, self.devices) if enabled else None
+        if full_key is None:
             return upstream()
-        full_key = _full_key(key, tensors)
         calls = self._records.get(full_key, 0)  # calls not recorded so far, or the record
         if isinstance(calls, RecordedLaunch):
             return calls(tensors)
