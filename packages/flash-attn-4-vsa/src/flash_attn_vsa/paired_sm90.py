@@ -29,6 +29,7 @@ __all__ = [
     "pair_lists",
     "pair_mask_mod",
     "paired_widths",
+    "pairing_refusal",
     "two_block_stage_forward",
 ]
 
@@ -83,15 +84,23 @@ def pair_lists(
     )
 
 
-def check_pairable(width: int, num_kv: int) -> None:
-    """ValueError unless lists ``width`` wide over ``num_kv`` key blocks can be paired:
-    ``num_kv`` even and addressable in 16 bits, every list narrower than ``num_kv``."""
+def pairing_refusal(width: int, num_kv: int) -> str | None:
+    """Why lists ``width`` wide over ``num_kv`` key blocks cannot be paired (``num_kv`` even
+    and addressable in 16 bits, every list narrower than ``num_kv``), or None if they can."""
     if not 0 < num_kv < MAX_KEY_BLOCKS or num_kv % 2:
-        raise ValueError(
-            f"num_kv must be even and in [2, {MAX_KEY_BLOCKS - 1}] to pair key blocks, got {num_kv}"
-        )
+        bounds = f"[2, {MAX_KEY_BLOCKS - 1}]"
+        return f"num_kv must be even and in {bounds} to pair key blocks, got {num_kv}"
     if width >= num_kv:
-        raise ValueError(f"lists must be narrower than num_kv={num_kv} to pair, got {width}")
+        return f"lists must be narrower than num_kv={num_kv} to pair, got {width}"
+    return None
+
+
+def check_pairable(width: int, num_kv: int) -> None:
+    """ValueError unless lists ``width`` wide over ``num_kv`` key blocks can be paired
+    (`pairing_refusal`)."""
+    reason = pairing_refusal(width, num_kv)
+    if reason is not None:
+        raise ValueError(reason)
 
 
 def paired_widths(full_width: int, part_width: int, num_kv: int) -> tuple[int, int]:

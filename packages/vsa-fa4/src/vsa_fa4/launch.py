@@ -349,17 +349,15 @@ def _pairs_keys(
     q: torch.Tensor, lists: SparseLists, kv_valid_sizes: torch.Tensor, block_size: tuple[int, int]
 ) -> bool:
     """Whether this forward runs on the fork's paired-key kernel: 128x64 blocks, head dim 128,
-    sm_90 (the arch FA4 compiles for: the device's, or ``FLASH_ATTENTION_ARCH``), lists
-    narrower than the number of key blocks and an even number of key blocks (`pair_lists`'
-    bounds: an odd count, possible when the keys are not the queries' length, runs upstream's
-    kernel)."""
+    sm_90 (the arch FA4 compiles for: the device's, or ``FLASH_ATTENTION_ARCH``), lists and a
+    key count `pair_lists` can pair (`pairing_refusal`: an odd count of key blocks, possible
+    when the keys are not the queries' length, runs upstream's kernel)."""
     from flash_attn_vsa import fwd_sm90_paired as paired
+    from flash_attn_vsa.paired_sm90 import pairing_refusal
 
-    num_kv = kv_valid_sizes.shape[0]
     return (
         tuple(block_size) == (paired.BLOCK_SIZE[0], paired.KEY_BLOCK)
-        and lists.full_block_idx.shape[-1] < num_kv < paired.MAX_KEY_BLOCKS
-        and num_kv % 2 == 0
+        and pairing_refusal(lists.full_block_idx.shape[-1], kv_valid_sizes.shape[0]) is None
         and _two_block_stages_fit(q)
     )
 
