@@ -178,6 +178,21 @@ def _attend_block(acc, m, row_sum, s, v_base, start, dims, dim_ok, num_tiles, s_
 
 
 @triton.jit
+def _score_step(q, kp, vp, base, valid_ptr, score_rows, rows, dims, dim_ok, start, num_tiles,
+                s_pn, scale_log2, acc, m, row_sum, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+                ATTEND: tl.constexpr):
+    """Phase 1's step over key tiles [start, start + BLOCK_N): the scores stored, and with
+    ATTEND the coarse attention's running state advanced (`_attend_block`; ``vp`` is None
+    without it)."""
+    s = _score_block(q, kp + base, valid_ptr, score_rows, rows, dims, dim_ok, start, num_tiles,
+                     s_pn, BLOCK_N, IEEE)
+    if ATTEND:
+        acc, m, row_sum = _attend_block(acc, m, row_sum, s, vp + base, start, dims, dim_ok,
+                                        num_tiles, s_pn, scale_log2, BLOCK_N, IEEE)
+    return acc, m, row_sum
+
+
+@triton.jit
 def _search_pass(key, lo, done, topk, unit):
     """One bisection pass over rows of int32 keys: ``lo`` (int64, one per row) moves up by
     ``unit`` where at least ``topk`` keys lie at or above ``lo + unit``. A row is done once
@@ -291,21 +306,15 @@ def select_topk_kernel(
     if INTERPRET:  # the interpreter cannot take a run-time bound in range()
         start = 0
         while start < num_tiles:
-            s = _score_block(q, kp + base, valid_ptr, score_rows, rows, dims, dim_ok, start,
-                             num_tiles, s_pn, BLOCK_N, IEEE)
-            if ATTEND:
-                acc, m, row_sum = _attend_block(acc, m, row_sum, s, vp + base, start, dims,
-                                                dim_ok, num_tiles, s_pn, scale_log2, BLOCK_N,
-                                                IEEE)
+            acc, m, row_sum = _score_step(q, kp, vp, base, valid_ptr, score_rows, rows,
+                                          dims, dim_ok, start, num_tiles, s_pn, scale_log2, acc,
+                                          m, row_sum, BLOCK_N, IEEE, ATTEND)
             start += BLOCK_N
     else:
         for start in range(0, num_tiles, BLOCK_N):
-            s = _score_block(q, kp + base, valid_ptr, score_rows, rows, dims, dim_ok, start,
-                             num_tiles, s_pn, BLOCK_N, IEEE)
-            if ATTEND:
-                acc, m, row_sum = _attend_block(acc, m, row_sum, s, vp + base, start, dims,
-                                                dim_ok, num_tiles, s_pn, scale_log2, BLOCK_N,
-                                                IEEE)
+            acc, m, row_sum = _score_step(q, kp, vp, base, valid_ptr, score_rows, rows,
+                                          dims, dim_ok, start, num_tiles, s_pn, scale_log2, acc,
+                                          m, row_sum, BLOCK_N, IEEE, ATTEND)
     if ATTEND:  # the coarse output; a row whose key tiles are all empty gets 0
         o = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
         tl.store(coarse_ptr + base + rows[:, None] * s_pn + dims[None, :],
