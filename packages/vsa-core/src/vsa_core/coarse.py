@@ -79,6 +79,20 @@ class CoarseStage:
         from a stage that does not (the default), and the backend splits them itself."""
         return self.select(q_pooled, k_pooled, valid_sizes, topk), None
 
+    def selection(
+        self,
+        q_pooled: torch.Tensor,
+        k_pooled: torch.Tensor,
+        valid_sizes: torch.Tensor,
+        topk: int,
+        kv_tile: int | None = None,
+    ) -> tuple[torch.Tensor, ForwardSplit | None]:
+        """``(indices, split)``: `select`'s indices, and with ``kv_tile`` `select_split`'s
+        (split None without it). Stages override those two, not this."""
+        if kv_tile is None:
+            return self.select(q_pooled, k_pooled, valid_sizes, topk), None
+        return self.select_split(q_pooled, k_pooled, valid_sizes, topk, kv_tile)
+
     def select_and_attend(
         self,
         q_pooled: torch.Tensor,
@@ -101,9 +115,7 @@ class CoarseStage:
         coarse = coarse_attention(
             q_pooled, k_pooled, v_pooled, valid_sizes, scale, may_have_empty=may_have_empty
         )
-        if kv_tile is None:
-            return coarse, self.select(q_pooled, k_pooled, valid_sizes, topk), None
-        return coarse, *self.select_split(q_pooled, k_pooled, valid_sizes, topk, kv_tile)
+        return coarse, *self.selection(q_pooled, k_pooled, valid_sizes, topk, kv_tile)
 
     def pool_and_clean(
         self,

@@ -248,7 +248,7 @@ def video_sparse_attn(
             q_pooled, k_pooled, v_pooled, valid_sizes, scale, tiling is None, deterministic
         )
         with torch.no_grad():
-            selection, split = _select(stage, q_pooled, k_pooled, valid_sizes, topk, split_tile)
+            selection, split = stage.selection(q_pooled, k_pooled, valid_sizes, topk, split_tile)
     layout = layout_from_selection(
         selection, valid_sizes, tile_tokens, all_full=all_full, forward_split=split
     )
@@ -272,13 +272,6 @@ def video_sparse_attn(
 
 
 # ---- helpers ---------------------------------------------------------------------------------
-def _select(stage, q_pooled, k_pooled, valid_sizes, topk, split_tile):
-    """``(indices, split)``: the stage's selection, with its split where ``split_tile``."""
-    if split_tile is None:
-        return stage.select(q_pooled, k_pooled, valid_sizes, topk), None
-    return stage.select_split(q_pooled, k_pooled, valid_sizes, topk, split_tile)
-
-
 def _coarse_attention(q_pooled, k_pooled, v_pooled, valid_sizes, scale, may_have_empty,
                       deterministic):  # fmt: skip
     """`coarse_attention`; with ``deterministic`` on SDPA's math backend, whose forward and

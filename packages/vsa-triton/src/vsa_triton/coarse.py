@@ -319,7 +319,7 @@ def _launch_select(q_pooled, k_pooled, valid_sizes, topk, config, split_tile=Non
                    v_pooled=None, scale=1.0):  # fmt: skip
     """The selection kernel's launch: ``(indices, split tensors or (), coarse or None)``; with
     ``v_pooled`` the coarse attention of the pooled tiles at softmax ``scale`` from the same
-    scores (`select_attend`), in q_pooled's dtype and strides."""
+    scores (`select_attend`), contiguous [B, N, H, D] in q_pooled's dtype."""
     pooled = [head_dim_contiguous(t) for t in (q_pooled, k_pooled)]
     if v_pooled is not None:  # contiguous all three, as the coarse output is
         pooled = [t.contiguous() for t in (*pooled, v_pooled)]
