@@ -16,7 +16,11 @@ run (the before and after of a change, at the same clock).
 - ``fa4_sdpa_coarse``: the fa4 backend as shipped, with the coarse stage's attention and
   selection as two launches (SDPA, then the selection kernel: `CoarseStage.select_and_attend`'s
   default) instead of the Triton stage's one (its ``ATTEND`` phase): the op's path before
-  that phase. The only variant that changes the coarse stage (`coarse_backend_for`).
+  that phase.
+- ``fa4_attend_after``: the fa4 backend as shipped, with the selection kernel's coarse
+  attention run as a pass of its own after the score loop rather than inside it
+  (``TritonCoarse.attend_after_scores``). With ``fa4_sdpa_coarse`` the only variants that change
+  the coarse stage (`coarse_backend_for`).
 - ``fa4_unpacked``: the fa4 backend whose 64x64 forward lists hold plain block ids, the mask
   loading the valid sizes (``ForwardVariant(valid_in_list=False)``: what ran before delta 10,
   `flash_attn_vsa.valid_in_list_sm90`, was shipped).
@@ -30,8 +34,13 @@ UNFUSED_FA4 = "fa4_unfused"
 UNPACKED_FA4 = "fa4_unpacked"
 OWN_LISTS_FA4 = "fa4_own_lists"
 SDPA_COARSE_FA4 = "fa4_sdpa_coarse"
+ATTEND_AFTER_FA4 = "fa4_attend_after"
 SEPARATE_STAGE = "triton_separate_attention"
 """The coarse stage `SDPA_COARSE_FA4` runs: the Triton stage without its fused attention."""
+ATTEND_AFTER_STAGE = "triton_attend_after_scores"
+"""The coarse stage `ATTEND_AFTER_FA4` runs: the Triton stage with its attention after the
+scores."""
+_STAGE_OF = {SDPA_COARSE_FA4: SEPARATE_STAGE, ATTEND_AFTER_FA4: ATTEND_AFTER_STAGE}
 _SWITCHED_OFF = {
     COPYING_TRITON: ("triton", {"reads_raster": False, "fuses_combine": False}),
     UNFUSED_TRITON: ("triton", {"fuses_combine": False}),
@@ -52,8 +61,8 @@ def register_variant(name: str) -> bool:
         variant = type(name, (FA4Backend,), {"name": name, "priority": -1})
         register_backend(variant(kernels=unpacked))
         return True
-    if name == SDPA_COARSE_FA4:
-        _register_separate_stage()
+    if name in _STAGE_OF:  # fa4 as shipped beside a variant of the coarse stage
+        _register_stage(_STAGE_OF[name])
         from vsa_fa4.backend import FA4Backend
 
         register_backend(type(name, (FA4Backend,), {"name": name, "priority": -1})())
@@ -73,21 +82,22 @@ def register_variant(name: str) -> bool:
 
 
 def coarse_backend_for(arm: str) -> str:
-    """The ``coarse_backend`` an arm's op calls pass: `SEPARATE_STAGE` for `SDPA_COARSE_FA4`,
-    ``"auto"`` for every other arm."""
-    return SEPARATE_STAGE if arm == SDPA_COARSE_FA4 else "auto"
+    """The ``coarse_backend`` an arm's op calls pass: its stage variant's name for
+    `SDPA_COARSE_FA4` and `ATTEND_AFTER_FA4`, ``"auto"`` for every other arm."""
+    return _STAGE_OF.get(arm, "auto")
 
 
-def _register_separate_stage() -> None:
-    """Add `SEPARATE_STAGE` to vsa-core's stages of this process (a benchmark-only entry in
-    the cached table `vsa_core.coarse.coarse_stages` returns; plug-ins come by entry point)."""
+def _register_stage(name: str) -> None:
+    """Add the stage variant ``name`` to vsa-core's stages of this process (a benchmark-only
+    entry in the cached table `vsa_core.coarse.coarse_stages` returns; plug-ins come by entry
+    point)."""
     from vsa_core.coarse import CoarseStage, coarse_stages
     from vsa_triton.coarse import TritonCoarse
 
-    separate = type(
-        "SeparateAttentionTriton",
-        (TritonCoarse,),
-        {"name": SEPARATE_STAGE, "priority": -1,
-         "select_and_attend": CoarseStage.select_and_attend},
-    )  # fmt: skip
-    coarse_stages()[SEPARATE_STAGE] = separate()
+    changed = {
+        SEPARATE_STAGE: {"select_and_attend": CoarseStage.select_and_attend},
+        ATTEND_AFTER_STAGE: {"attend_after_scores": True},
+    }[name]
+    variant = type(f"TritonCoarse_{name}", (TritonCoarse,), {"name": name, "priority": -1,
+                                                            **changed})  # fmt: skip
+    coarse_stages()[name] = variant()

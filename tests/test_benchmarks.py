@@ -154,6 +154,23 @@ def test_sdpa_coarse_arm_runs_fa4_with_the_coarse_attention_as_its_own_launch():
     assert bench_variants.coarse_backend_for("fa4") == "auto"
 
 
+def test_attend_after_arm_runs_fa4_with_the_coarse_attention_after_the_scores():
+    import bench_variants
+
+    from vsa_core.coarse import coarse_stages
+    from vsa_triton.coarse import TritonCoarse
+
+    assert bench_variants.register_variant(bench_variants.ATTEND_AFTER_FA4)
+    stage = coarse_stages()[bench_variants.ATTEND_AFTER_STAGE]
+    assert isinstance(stage, TritonCoarse) and stage.attend_after_scores
+    assert not TritonCoarse.attend_after_scores  # the shipped stage keeps its choice
+    assert type(stage).select_and_attend is TritonCoarse.select_and_attend
+    assert get_backend(bench_variants.ATTEND_AFTER_FA4).priority < 0  # auto never picks it
+    assert (
+        bench_variants.coarse_backend_for("fa4_attend_after") == bench_variants.ATTEND_AFTER_STAGE
+    )
+
+
 def test_fa4_variant_arms_call_an_fa4_backend_carrying_their_forward_variant():
     from vsa_core.backends import get_backend
     from vsa_fa4 import launch

@@ -181,14 +181,17 @@ def _coarse64(qp, kp, vp, valid, scale):
     return torch.einsum("bhnm,bmhd->bnhd", scores.softmax(-1), v)
 
 
+@pytest.mark.parametrize("attend_after", [False, True], ids=["in_score_loop", "after_scores"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_select_and_attend_is_the_coarse_attention_and_the_selection(dtype):
+def test_select_and_attend_is_the_coarse_attention_and_the_selection(dtype, attend_after):
     """`TritonCoarse.select_and_attend` (one launch): the coarse output matches float64
     attention over the non-empty key tiles, the indices and split equal `select` /
     `select_split`'s; tilings with partial tiles and user sizes with empty tiles, lists of one
-    tile to all, more tiles than one key step (64) reads."""
+    tile to all, more tiles than one key step (64) reads; the attention inside the score loop
+    and after it (`TritonCoarse.attend_after_scores`)."""
     gen = torch.Generator().manual_seed(6)
     stage = TritonCoarse()
+    stage.attend_after_scores = attend_after
     user = torch.tensor([8, 3, 0, 8, 1, 7, 0, 8, 5, 8], dtype=torch.int32)
     long_user = torch.randint(0, 9, (70,), generator=gen, dtype=torch.int32)
     tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]

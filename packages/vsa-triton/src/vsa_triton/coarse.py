@@ -316,10 +316,12 @@ def select_with(
 
 
 def _launch_select(q_pooled, k_pooled, valid_sizes, topk, config, split_tile=None,
-                   v_pooled=None, scale=1.0):  # fmt: skip
+                   v_pooled=None, scale=1.0, attend_after=False):  # fmt: skip
     """The selection kernel's launch: ``(indices, split tensors or (), coarse or None)``; with
     ``v_pooled`` the coarse attention of the pooled tiles at softmax ``scale`` from the same
-    scores (`select_attend`), contiguous [B, N, H, D] in q_pooled's dtype."""
+    scores (`select_attend`), contiguous [B, N, H, D] in q_pooled's dtype, computed inside the
+    score loop or, with ``attend_after``, in a pass of its own after it (the kernel's
+    ATTEND_AFTER)."""
     pooled = [head_dim_contiguous(t) for t in (q_pooled, k_pooled)]
     if v_pooled is not None:  # contiguous all three, as the coarse output is
         pooled = [t.contiguous() for t in (*pooled, v_pooled)]
@@ -339,7 +341,13 @@ def _launch_select(q_pooled, k_pooled, valid_sizes, topk, config, split_tile=Non
     rows = max(1, min(config.block_m, config.elements_per_step // tiles_p2))
     attend = {}
     if coarse is not None:
-        attend = dict(vp=pooled[2], coarse_ptr=coarse, scale_log2=scale * LOG2_E, ATTEND=True)
+        attend = dict(
+            vp=pooled[2],
+            coarse_ptr=coarse,
+            scale_log2=scale * LOG2_E,
+            ATTEND=True,
+            ATTEND_AFTER=attend_after,
+        )
     _kernels().select_topk_kernel[(-(-num_tiles // config.block_m), batch * heads)](
         q_pooled, k_pooled, valid_sizes, scores, out, *(split or (out,) * 4),
         *bshd_strides(q_pooled),
@@ -425,16 +433,17 @@ def _select_attend(
     topk: int,
     scale: float,
     kv_tile: int,
+    attend_after: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One launch for inference: ``(coarse, indices, *split)``: the coarse attention of the
     pooled tiles ([B, N, H, D], dense softmax attention at ``scale`` with empty key tiles
     left out, 0 for a query tile that sees none), `_select`'s indices from the same scores,
     and with ``kv_tile`` > 0 their `ForwardSplit` for ``kv_tile``-token tiles (four empty
-    tensors for 0). No gradient: the coarse attention's backward is SDPA's, on the other
-    path."""
+    tensors for 0); ``attend_after``: see `_launch_select`. No gradient: the coarse
+    attention's backward is SDPA's, on the other path."""
     split_tile = kv_tile if kv_tile > 0 else None
     out, split, coarse = _launch_select(
-        q_pooled, k_pooled, valid_sizes, topk, SELECT, split_tile, v_pooled, scale
+        q_pooled, k_pooled, valid_sizes, topk, SELECT, split_tile, v_pooled, scale, attend_after
     )
     return (coarse, out, *(split or _no_split(out)))
 
@@ -449,7 +458,7 @@ select_attend_op = torch.library.custom_op(
 
 
 @select_attend_op.register_fake
-def _(q_pooled, k_pooled, v_pooled, valid_sizes, topk, scale, kv_tile):
+def _(q_pooled, k_pooled, v_pooled, valid_sizes, topk, scale, kv_tile, attend_after=False):
     batch, num_tiles, heads, _ = q_pooled.shape
     out = q_pooled.new_empty((batch, heads, num_tiles, topk), dtype=torch.int32)
     coarse = torch.empty_like(q_pooled, memory_format=torch.contiguous_format)
@@ -646,6 +655,11 @@ class TritonCoarse(CoarseStage):
 
     name: ClassVar[str] = "triton"
     priority: ClassVar[int] = 10
+    attend_after_scores: ClassVar[bool] = False
+    """Where `select_and_attend`'s launch runs the coarse attention: inside the selection
+    kernel's score loop (False) or in a pass of its own after it (True: 168 registers against
+    255 on sm_90 at Wan 480p, `research.coarse_stage.compile_select`); ``bench_video``'s arm
+    ``fa4_attend_after`` times the other choice."""
 
     def supports(self, device_type: str, dtype: torch.dtype, head_dim: int) -> str | None:
         import importlib.util
@@ -693,7 +707,14 @@ class TritonCoarse(CoarseStage):
         if kv_tile is not None and valid_sizes.shape[0] > 1 << PACKED_BLOCK_BITS:
             kv_tile = None
         coarse, indices, *split = select_attend(
-            q_pooled, k_pooled, v_pooled, valid_sizes, topk, scale, kv_tile or 0
+            q_pooled,
+            k_pooled,
+            v_pooled,
+            valid_sizes,
+            topk,
+            scale,
+            kv_tile or 0,
+            self.attend_after_scores,
         )
         return coarse, indices, ForwardSplit(*split) if kv_tile else None
 

@@ -193,6 +193,55 @@ def _score_step(q, kp, vp, base, valid_ptr, score_rows, rows, dims, dim_ok, star
 
 
 @triton.jit
+def _store_coarse(coarse_ptr, base, rows, dims, dim_ok, num_tiles, s_pn, acc, row_sum):
+    """The coarse output of the program's rows from the attention's final state; a row whose
+    key tiles are all empty gets 0."""
+    o = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
+    tl.store(coarse_ptr + base + rows[:, None] * s_pn + dims[None, :],
+             o.to(coarse_ptr.dtype.element_ty),
+             mask=(rows < num_tiles)[:, None] & dim_ok[None, :])
+
+
+@triton.jit
+def _attend_stored(vp, coarse_ptr, base, score_rows, rows, dims, dim_ok, num_tiles, s_pn,
+                   scale_log2, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   DIM_P2: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
+    """ATTEND_AFTER: the coarse attention of the program's rows as a pass of its own over the
+    scores phase 1 stored (fewer registers live at once than inside the score loop: 168
+    against 255 on sm_90 at Wan 480p, `research.coarse_stage.compile_select`)."""
+    acc = tl.zeros([BLOCK_M, DIM_P2], dtype=tl.float32)
+    m = tl.full([BLOCK_M], -1e30, tl.float32)
+    row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if INTERPRET:
+        start = 0
+        while start < num_tiles:
+            acc, m, row_sum = _attend_stored_block(vp, base, score_rows, rows, dims, dim_ok,
+                                                   start, num_tiles, s_pn, scale_log2, acc,
+                                                   m, row_sum, BLOCK_N, IEEE)
+            start += BLOCK_N
+    else:
+        for start in range(0, num_tiles, BLOCK_N):
+            acc, m, row_sum = _attend_stored_block(vp, base, score_rows, rows, dims, dim_ok,
+                                                   start, num_tiles, s_pn, scale_log2, acc,
+                                                   m, row_sum, BLOCK_N, IEEE)
+    _store_coarse(coarse_ptr, base, rows, dims, dim_ok, num_tiles, s_pn, acc, row_sum)
+
+
+@triton.jit
+def _attend_stored_block(vp, base, score_rows, rows, dims, dim_ok, start, num_tiles, s_pn,
+                         scale_log2, acc, m, row_sum, BLOCK_N: tl.constexpr,
+                         IEEE: tl.constexpr):
+    """`_attend_block` over key tiles [start, start + BLOCK_N) with the scores read back from
+    the rows' scratch (-inf at empty tiles and past the last)."""
+    cols = start + tl.arange(0, BLOCK_N)
+    s = tl.load(score_rows + rows[:, None] * num_tiles + cols[None, :],
+                mask=(rows < num_tiles)[:, None] & (cols < num_tiles)[None, :],
+                other=float("-inf"))
+    return _attend_block(acc, m, row_sum, s, vp + base, start, dims, dim_ok, num_tiles, s_pn,
+                         scale_log2, BLOCK_N, IEEE)
+
+
+@triton.jit
 def _search_pass(key, lo, done, topk, unit):
     """One bisection pass over rows of int32 keys: ``lo`` (int64, one per row) moves up by
     ``unit`` where at least ``topk`` keys lie at or above ``lo + unit``. A row is done once
@@ -274,6 +323,7 @@ def select_topk_kernel(
     INTERPRET: tl.constexpr, EARLY_EXIT: tl.constexpr, SPLIT: tl.constexpr = False,
     TOPK_P2: tl.constexpr = 1, SPLIT_ROWS: tl.constexpr = 1,
     vp=None, coarse_ptr=None, scale_log2=1.0, ATTEND: tl.constexpr = False,
+    ATTEND_AFTER: tl.constexpr = False,
 ):
     """BLOCK_M query tiles of one (batch, head): their scores against every key tile, then
     each row's top-k as an ascending list.
@@ -288,7 +338,9 @@ def select_topk_kernel(
     each list ascending, unused slots zeroed, and both counts. With ATTEND phase 1 also runs
     the coarse attention of its rows (`_attend_block`: softmax of the scores times
     ``scale_log2``, the softmax scale times log2(e), over pooled values ``vp``, strided like
-    the pooled q and k) and stores it to ``coarse_ptr`` (the same strides) in its dtype."""
+    the pooled q and k) and stores it to ``coarse_ptr`` (the same strides) in its dtype; with
+    ATTEND_AFTER too, that attention runs after phase 1 instead, over the stored scores
+    (`_attend_stored`)."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // heads
@@ -308,19 +360,21 @@ def select_topk_kernel(
         while start < num_tiles:
             acc, m, row_sum = _score_step(q, kp, vp, base, valid_ptr, score_rows, rows,
                                           dims, dim_ok, start, num_tiles, s_pn, scale_log2, acc,
-                                          m, row_sum, BLOCK_N, IEEE, ATTEND)
+                                          m, row_sum, BLOCK_N, IEEE,
+                                          ATTEND and not ATTEND_AFTER)
             start += BLOCK_N
     else:
         for start in range(0, num_tiles, BLOCK_N):
             acc, m, row_sum = _score_step(q, kp, vp, base, valid_ptr, score_rows, rows,
                                           dims, dim_ok, start, num_tiles, s_pn, scale_log2, acc,
-                                          m, row_sum, BLOCK_N, IEEE, ATTEND)
-    if ATTEND:  # the coarse output; a row whose key tiles are all empty gets 0
-        o = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
-        tl.store(coarse_ptr + base + rows[:, None] * s_pn + dims[None, :],
-                 o.to(coarse_ptr.dtype.element_ty),
-                 mask=(rows < num_tiles)[:, None] & dim_ok[None, :])
-    tl.debug_barrier()  # phase 2 reads scores other threads of this program wrote
+                                          m, row_sum, BLOCK_N, IEEE,
+                                          ATTEND and not ATTEND_AFTER)
+    if ATTEND and not ATTEND_AFTER:
+        _store_coarse(coarse_ptr, base, rows, dims, dim_ok, num_tiles, s_pn, acc, row_sum)
+    tl.debug_barrier()  # the next phases read scores other threads of this program wrote
+    if ATTEND and ATTEND_AFTER:
+        _attend_stored(vp, coarse_ptr, base, score_rows, rows, dims, dim_ok, num_tiles, s_pn,
+                       scale_log2, BLOCK_M, BLOCK_N, DIM_P2, IEEE, INTERPRET)
 
     cols = tl.arange(0, TILES_P2)
     col_ok = cols < num_tiles
