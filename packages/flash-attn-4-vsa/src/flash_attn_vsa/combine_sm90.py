@@ -73,13 +73,16 @@ def check_operands(q: Any, v: Any, coarse: Any, gate: Any, lse: Any) -> None:
     from flash_attn_vsa.sm90_blocks import BLOCK_SIZE
 
     batch, seq, heads, _ = q.shape
-    out_shape = (batch, seq, heads, v.shape[-1])
-    expected = {"coarse": (batch, seq // BLOCK_SIZE[0], heads, v.shape[-1]), "gate": out_shape}
-    for name, t in (("coarse", coarse), ("gate", gate)):
+    dim = v.shape[-1]
+    # torch.Size compares equal to a tuple: no conversion (this runs on every combined call)
+    for name, t, expected in (
+        ("coarse", coarse, (batch, seq // BLOCK_SIZE[0], heads, dim)),
+        ("gate", gate, (batch, seq, heads, dim)),
+    ):
         if t is None:
             continue
-        if tuple(t.shape) != expected[name]:
-            raise ValueError(f"{name} must have shape {expected[name]}, got {tuple(t.shape)}")
+        if t.shape != expected:
+            raise ValueError(f"{name} must have shape {expected}, got {tuple(t.shape)}")
         if t.dtype != q.dtype or t.device != q.device:
             raise ValueError(
                 f"{name} must have q's dtype and device ({q.dtype}, {q.device}), got "

@@ -279,6 +279,13 @@ def sm_count() -> int:
     return int(os.environ.get("FLASH_ATTENTION_NUM_SMS", "132"))
 
 
+@functools.cache
+def _one_cta_a_tile(q_in_registers: bool, combine: str, valid_in_list: bool) -> ForwardKernel:
+    """The two-CTA `ForwardKernel` without persistent CTAs, made once (its checks cost ~1.5 us
+    of a call's host time)."""
+    return ForwardKernel(TWO_CTAS, q_in_registers, False, combine, valid_in_list)
+
+
 def block_sparse_forward_q64(
     q: Any,
     k: Any,
@@ -326,7 +333,11 @@ def block_sparse_forward_q64(
         raise ValueError("gate needs coarse (the combine's other operand)")
     # the mask_mod says what the partial list holds (delta 10: entries with valid sizes)
     valid_in_list = bool(getattr(mask_mod, mask_sm90.VALID_IN_LIST_ATTR, False))
-    kernel = ForwardKernel(TWO_CTAS, q_in_registers, persistent, combine, valid_in_list)
+    kernel = (
+        ForwardKernel(TWO_CTAS, q_in_registers, persistent, combine, valid_in_list)
+        if persistent  # its CTA count follows the current device's SMs
+        else _one_cta_a_tile(q_in_registers, combine, valid_in_list)
+    )
     return launch_replay.forward(
         kernel, _building, q, k, v,
         block_sparse_tensors, softmax_scale=softmax_scale, mask_mod=mask_mod,

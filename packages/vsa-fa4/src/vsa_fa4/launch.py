@@ -166,6 +166,7 @@ SHIPPED = KernelChoice()
 """The shipped kernels everywhere."""
 
 
+@functools.cache  # its imports cost ~2 us a call
 def _upstream() -> tuple[Any, Any]:
     from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
 
