@@ -362,8 +362,10 @@ def _full_key(
             described.append(None)
             continue
         # a plain tensor is neither fake nor a subclass: two isinstance checks saved per tensor
-        if checked and type(t) is not torch.Tensor and (
-            not isinstance(t, torch.Tensor) or isinstance(t, FakeTensor)
+        if (
+            checked
+            and type(t) is not torch.Tensor
+            and (not isinstance(t, torch.Tensor) or isinstance(t, FakeTensor))
         ):
             return None
         device = t.device
