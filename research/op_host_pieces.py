@@ -5,7 +5,8 @@
 long each piece takes to *return* (its launches queued, not run), with the op's own tensors:
 the whole `video_sparse_attn`, then the pieces it calls in order (pooling, coarse attention,
 selection, the selection with the coarse attention (the op's inference path since session 21),
-layout, the fine backend's combined forward and, inside it, vsa-fa4's list kernel),
+layout, the fine backend's combined forward on the split lists the selection kernel wrote (as
+the op runs it) and on plain lists (its own split first), and vsa-fa4's list kernel),
 and yardsticks: an empty Triton kernel's launch, ``torch.empty``, dense FA4 on the same tokens.
 Medians over ``--reps`` calls; one JSON line per (shape, piece). ::
 
@@ -90,6 +91,13 @@ def pieces(shape: str, backend: str):
     coarse = ops._coarse_attention(*pooled[:3], valid, scale, False, False)
     selection = stage.select(pooled[0], pooled[1], valid, topk)
     layout = layout_from_selection(selection, valid, 64, all_full=False)
+    # the op's inference layout: the selection kernel's split lists beside the plain ones
+    coarse_split, selection_split, split = stage.select_and_attend(
+        *pooled[:3], valid, topk, scale, 64, may_have_empty=False
+    )
+    split_layout = layout_from_selection(
+        selection_split, valid, 64, all_full=False, forward_split=split
+    )
     nothing, scratch = _empty_triton_kernel(), torch.zeros(1024, device="cuda")
     calls = {
         "op": lambda: video_sparse_attn(
@@ -105,6 +113,9 @@ def pieces(shape: str, backend: str):
             selection, valid, 64, all_full=False
         ),
         "fine_forward_combined": lambda: chosen.forward_combined(
+            *pooled[3:], split_layout, scale, coarse_split, gate
+        ),
+        "fine_forward_combined_own_split": lambda: chosen.forward_combined(
             *pooled[3:], layout, scale, coarse, gate
         ),
         "yardstick_empty_triton_launch": lambda: nothing[(1,)](scratch, 1024, BLOCK=1024),

@@ -85,8 +85,32 @@ session22)
     ;;
   esac
   ;;
+session23)
+  # Prepared in session 23 (the CuTe bundle unpacked first; carry .gpu/b and .whl): session
+  # 22's GPU checks that never ran (session 21's code) plus session 23's: the selection
+  # kernel's attention after the scores (ATTEND_AFTER), the replay's cheaper steps; then the
+  # Triton launches' host time in parts, the op's pieces, and the before/after in one run.
+  case "${2:-tests}" in
+  tests)
+    bash benchmarks/gpu_sitting.sh \
+      "step triton 150 python3 -m pytest -q -p no:warnings packages/vsa-triton/tests/test_gpu.py packages/vsa-triton/tests/test_coarse.py -k 'opcheck or select_and_attend or split'" \
+      "step ops 150 python3 -m pytest -q -p no:warnings -m gpu packages/vsa-core/tests/test_gpu_ops.py packages/vsa-core/tests/test_gpu_compile.py -k 'cuda_graph or host_sync or fine_attention'" \
+      "step fa4 150 python3 -m pytest -q -p no:warnings -m gpu packages/flash-attn-4-vsa/tests/test_launch_replay.py packages/vsa-fa4/tests/test_gpu.py -k 'replay or combined or cuda_graph'" \
+      "step launch 90 python3 -m research.triton_launch_cost --out \$OUT/triton_launch_cost.jsonl"
+    ;;
+  props)
+    bash benchmarks/gpu_sitting.sh \
+      "step props 330 python3 -m pytest -q -p no:warnings -m gpu packages/vsa-core/tests/test_properties.py -k 'padding_never'" \
+      "step pieces 150 python3 -m research.op_host_pieces --shapes wan480p --backends fa4 --reps 30 --out \$OUT/pieces.jsonl"
+    ;;
+  bench)
+    bash benchmarks/gpu_sitting.sh \
+      "step bench 570 python3 benchmarks/bench_video.py --shapes wan480p wan720p hunyuan720p --sparsities 0.875 --modes fwd --arms fa4 fa4_attend_after fa4_sdpa_coarse --warmup 2 --reps 10 --no-pieces --time-budget-min 7 --out \$OUT/bench_video-attend-after.json"
+    ;;
+  esac
+  ;;
 *)
-  echo "usage: $0 grid | bwd-counters | bwd-split | session19 | session21 | session22 [tests|bench]" >&2
+  echo "usage: $0 grid | bwd-counters | bwd-split | session19 | session21 | session22 [tests|bench] | session23 [tests|props|bench]" >&2
   exit 2
   ;;
 esac
