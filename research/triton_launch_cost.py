@@ -1,15 +1,15 @@
-"""Host time of the op's Triton launches at Wan 2.1 480p, and what a direct launch would save.
+"""Host time of the op's Triton launches at Wan 2.1 480p, and what a direct launch saves.
 
 `op_host_pieces` (session 21) put the pooling piece at 137 us idle / 252 us busy on the H200's
 host, against 17 us for an empty Triton kernel's launch. This times, each after a synchronize
 (median over ``--reps``; `op_host_pieces.host_us`, idle and busy views), what the pooling and
 the selection cost in parts: the whole ``_pool_clean`` (allocations, argument assembly, the
-launch), the pooling kernel's launch alone on prebuilt outputs (``kernel[grid](...)``: Triton's
-binder, cache key and launcher), the same compiled kernel called through its launcher
-directly (``CompiledKernel.run`` with the bound arguments: what a launch cache keyed by the
-call's description would pay), the selection with its coarse attention (``_launch_select``),
-and yardsticks (an empty kernel, ``torch.empty`` of the clean copy's size). One JSON line a
-piece. ::
+launch), the pooling kernel's launch alone on prebuilt outputs through Triton
+(``kernel[grid](...)``: its binder, cache key and launcher), the same compiled kernel called
+through its launcher directly (``CompiledKernel.run`` with the bound arguments), the same
+through `vsa_triton.launch_cache.launch` (what the package's launches use since session 23),
+the selection with its coarse attention (``_launch_select``), and yardsticks (an empty
+kernel, ``torch.empty`` of the clean copy's size). One JSON line a piece. ::
 
     python3 -m research.triton_launch_cost --out $OUT/triton_launch_cost.jsonl
 """
@@ -50,6 +50,7 @@ def _direct_launcher(fn, grid, args, kwargs):
 def pieces(reps: int):
     from vsa_core import VideoTiling
     from vsa_triton import coarse as tc
+    from vsa_triton.launch_cache import launch
     from vsa_triton.tensor_args import bshd_strides
 
     tiling = VideoTiling((21, 30, 52), (4, 4, 4))
@@ -75,6 +76,7 @@ def pieces(reps: int):
     yield "torch_empty_clean_copy", lambda: torch.empty_like(v)
     yield "pool_clean_whole", lambda: tc._pool_clean(q, k, v, valid, False, False, True)
     yield "pool_kernel_launch", lambda: kernel[grid](*args, **kwargs)
+    yield "pool_kernel_launch_cache", lambda: launch(kernel, grid, *args, **kwargs)
     try:
         yield "pool_kernel_direct", _direct_launcher(kernel, grid, args, kwargs)
     except Exception as exc:

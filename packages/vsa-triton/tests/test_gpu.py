@@ -151,3 +151,31 @@ def test_coarse_ops_pass_torch_library_opcheck():
     coarse = vp.detach().clone().requires_grad_()
     torch.library.opcheck(combine_op, (q, coarse, k, valid, True))
     torch.library.opcheck(combine_op, (q, coarse, None, valid, False))
+
+
+def test_direct_launches_compute_what_tritons_launches_do():
+    """`vsa_triton.launch_cache`: the pooling kernel, called past its attempts on fresh inputs
+    (launched through the compiled kernel's launcher), and on a misaligned view (a new
+    description: Triton's launch), gives the float64 tile means every time."""
+    from vsa_triton import launch_cache
+    from vsa_triton.coarse import _kernels, _pool_clean
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    valid = torch.tensor([64, 17, 64, 1], dtype=torch.int32, device="cuda")
+    record = launch_cache._kernel(_kernels().pool_fwd_kernel)
+    for step in range(6):
+        base = torch.randn(1, 4 * 64 * 2 * 64 + 8, device="cuda", dtype=torch.bfloat16,
+                           generator=gen)  # fmt: skip
+        offset = 1 if step == 5 else 0  # 2 bytes past: not 16-byte aligned
+        q, k, v = (base[offset : offset + 4 * 64 * 2 * 64].view(1, 256, 2, 64) for _ in "qkv")
+        pooled = _pool_clean(q, k, v, valid, False, False, True)
+        for got, x in zip(pooled[:3], (q, k, v), strict=True):
+            tiles = x.double().view(1, 4, 64, 2, 64)
+            want = torch.stack(
+                [tiles[:, t, : int(n)].mean(1) for t, n in enumerate(valid.tolist())], 1
+            )
+            torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=1e-2)
+        clean = pooled[5].view(1, 4, 64, 2, 64)
+        assert torch.equal(clean[:, 1, 17:], torch.zeros_like(clean[:, 1, 17:]))
+    direct = [r for r in record.records.values() if not isinstance(r, tuple)]
+    assert direct and launch_cache._TRITONS_OWN not in direct  # some launches went direct

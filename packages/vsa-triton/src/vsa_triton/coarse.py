@@ -31,6 +31,7 @@ from vsa_core.backends.custom_ops import EagerOrOp
 from vsa_core.coarse import CoarseStage
 from vsa_core.layout import PACKED_BLOCK_BITS, ForwardSplit
 from vsa_triton.environment import interpreting
+from vsa_triton.launch_cache import launch
 from vsa_triton.tensor_args import bshd_strides, gate_strides, head_dim_contiguous
 
 
@@ -132,7 +133,7 @@ def _pool_clean(
     if pooled[0].numel():
         strides = (tiled * heads * dim, heads * dim, dim)  # the clean copies' (contiguous BSHD)
         targets = [c if flag else t for c, t, flag in zip(cleans, (q, k, v), flags, strict=True)]
-        _kernels().pool_fwd_kernel[(num_tiles, batch * heads)](
+        launch(_kernels().pool_fwd_kernel, (num_tiles, batch * heads),
             q, k, v, *pooled, *targets, valid_sizes,  # targets: never written where not clean
             valid_sizes if raster_rows is None else raster_rows,  # the map: read if RASTER
             *bshd_strides(q), *bshd_strides(k), *bshd_strides(v), *bshd_strides(pooled[0]),
@@ -180,7 +181,7 @@ def _unpool_add(
     grads = [g.new_empty((batch, seq_len, heads, dim)) for g in (gq, gk, gv)]
     if grads[0].numel():
         fine_strides = [s for f in fine for s in bshd_strides(f)]
-        _kernels().pool_bwd_kernel[(num_tiles, batch * heads)](
+        launch(_kernels().pool_bwd_kernel, (num_tiles, batch * heads),
             gq, gk, gv, *(g if f is None else f for f, g in zip(fine, grads, strict=True)),
             *grads, valid_sizes, valid_sizes if raster_rows is None else raster_rows,
             *bshd_strides(gq), *bshd_strides(grads[0]), *fine_strides,
@@ -348,7 +349,7 @@ def _launch_select(q_pooled, k_pooled, valid_sizes, topk, config, split_tile=Non
             ATTEND=True,
             ATTEND_AFTER=attend_after,
         )
-    _kernels().select_topk_kernel[(-(-num_tiles // config.block_m), batch * heads)](
+    launch(_kernels().select_topk_kernel, (-(-num_tiles // config.block_m), batch * heads),
         q_pooled, k_pooled, valid_sizes, scores, out, *(split or (out,) * 4),
         *bshd_strides(q_pooled),
         num_tiles, heads, topk, split_tile or 0,
@@ -473,7 +474,7 @@ def _combine_launch(fine, coarse, gate, valid_sizes, gate_padding_as_zero, out, 
     batch, _, heads, dim = fine.shape
     num_tiles = valid_sizes.shape[0]
     tiled = raster_rows.shape[0] if fine_raster else fine.shape[1]
-    _kernels().combine_fwd_kernel[(num_tiles, batch * heads)](
+    launch(_kernels().combine_fwd_kernel, (num_tiles, batch * heads),
         fine, coarse, fine if gate is None else gate, out, valid_sizes,  # fine: never read as gate
         valid_sizes if raster_rows is None else raster_rows,  # the map: read if RASTER
         *bshd_strides(fine), *bshd_strides(coarse), *gate_strides(gate),
@@ -572,7 +573,7 @@ def _combine_backward(
         gate_ref = dout if gate is None else gate
         dgate_ref = dgate if write_dgate else dout
         dfine_ref = dfine if copy_dfine else dout
-        _kernels().combine_bwd_kernel[(num_tiles, batch * heads)](
+        launch(_kernels().combine_bwd_kernel, (num_tiles, batch * heads),
             dout, coarse, gate_ref, dgate_ref, dcoarse, dfine_ref, valid_sizes,
             valid_sizes if raster_rows is None else raster_rows,
             *bshd_strides(dout), *bshd_strides(coarse), *gate_strides(gate),
@@ -655,11 +656,13 @@ class TritonCoarse(CoarseStage):
 
     name: ClassVar[str] = "triton"
     priority: ClassVar[int] = 10
-    attend_after_scores: ClassVar[bool] = False
-    """Where `select_and_attend`'s launch runs the coarse attention: inside the selection
-    kernel's score loop (False) or in a pass of its own after it (True: 168 registers against
-    255 on sm_90 at Wan 480p, `research.coarse_stage.compile_select`); ``bench_video``'s arm
-    ``fa4_attend_after`` times the other choice."""
+    attend_after_scores: ClassVar[bool] = True
+    """Where `select_and_attend`'s launch runs the coarse attention: in a pass of its own after
+    the selection kernel's score loop (True: 168 registers on sm_90 at Wan 480p) or inside it
+    (False: 255, `research.coarse_stage.compile_select`). H200, Wan 480p forward, one run
+    (2026-12-03): the op 2.657 ms back to back against 2.726 inside the loop, 3.045 against
+    3.156 called once; Wan 720p and HunyuanVideo within 0.7% (one round each).
+    ``bench_video``'s arm ``fa4_attend_in_loop`` times the other choice."""
 
     def supports(self, device_type: str, dtype: torch.dtype, head_dim: int) -> str | None:
         import importlib.util

@@ -20,6 +20,7 @@ from vsa_core.backends.custom_ops import (
 )
 from vsa_core.rotation import rotation_width
 from vsa_triton.config import backward_config, forward_config
+from vsa_triton.launch_cache import launch
 from vsa_triton.tensor_args import bshd_strides, gate_strides, head_dim_contiguous
 
 LOG2E = 1.0 / math.log(2.0)
@@ -114,7 +115,7 @@ def _forward(q, k, v, kv_indices, kv_counts, kv_valid_sizes, scale, q_block, kv_
         kv_indices = rotate_lists(kv_indices, kv_counts, kv_valid_sizes.shape[0], width)
     cfg = forward_config(q_block, kv_block, dim)
     grid = (slots // q_block, batch * heads)
-    _kernels().fwd_kernel[grid](
+    launch(_kernels().fwd_kernel, grid,
         q, k, v, out, _or(lse, out),
         kv_indices, kv_counts, kv_valid_sizes,
         _or(slot_rows, kv_valid_sizes), _or(coarse, q), _or(gate, q),  # placeholders: unread
@@ -151,7 +152,7 @@ def rotate_lists(
     rotated = torch.empty_like(kv_indices, dtype=torch.int32)
     rows, slots = kv_counts.numel(), kv_indices.shape[-1]
     if rows and slots:
-        _kernels().rotate_lists_kernel[(rows,)](
+        launch(_kernels().rotate_lists_kernel, (rows,),
             kv_indices, kv_counts, rotated, slots, num_kv, width,
             SLOTS_P2=triton_next_pow2(slots), num_warps=1,
         )  # fmt: skip
@@ -248,13 +249,13 @@ def _backward(dout, q, k, v, out, lse, kv_indices, kv_counts, kv_valid_sizes, sc
 
     delta = torch.empty(batch, heads, slots, device=q.device, dtype=torch.float32)
     rows = 64
-    kern.bwd_delta_kernel[(triton_cdiv(slots, rows), batch * heads)](
+    launch(kern.bwd_delta_kernel, (triton_cdiv(slots, rows), batch * heads),
         out, dout, delta, rows_map, *bshd_strides(out), *bshd_strides(dout), heads, slots,
         ROWS=rows, HEAD_DIM=dim, RASTER=raster, num_warps=4,
     )  # fmt: skip
 
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    kern.bwd_dkdv_kernel[(num_kv, batch * heads)](
+    launch(kern.bwd_dkdv_kernel, (num_kv, batch * heads),
         q, k, v, dout, lse, delta, dk, dv,
         lists.q_indices, lists.q_offsets, kv_valid_sizes, rows_map,
         *bshd_strides(q), *bshd_strides(k), *bshd_strides(v), *bshd_strides(dout),
@@ -266,7 +267,7 @@ def _backward(dout, q, k, v, out, lse, kv_indices, kv_counts, kv_valid_sizes, sc
         INTERPRET=_interpreting(), RASTER=raster,
         num_warps=cfg.num_warps_dkdv, num_stages=cfg.num_stages_dkdv,
     )  # fmt: skip
-    kern.bwd_dq_kernel[(slots // q_block, batch * heads)](
+    launch(kern.bwd_dq_kernel, (slots // q_block, batch * heads),
         q, k, v, dout, lse, delta, dq,
         kv_indices, kv_counts, kv_valid_sizes, rows_map,
         *bshd_strides(q), *bshd_strides(k), *bshd_strides(v), *bshd_strides(dout),
