@@ -17,10 +17,10 @@ run (the before and after of a change, at the same clock).
   selection as two launches (SDPA, then the selection kernel: `CoarseStage.select_and_attend`'s
   default) instead of the Triton stage's one (its ``ATTEND`` phase): the op's path before
   that phase.
-- ``fa4_attend_after``: the fa4 backend as shipped, with the selection kernel's coarse
-  attention run as a pass of its own after the score loop rather than inside it
-  (``TritonCoarse.attend_after_scores``). With ``fa4_sdpa_coarse`` the only variants that change
-  the coarse stage (`coarse_backend_for`).
+- ``fa4_attend_in_loop``: the fa4 backend as shipped, with the selection kernel's coarse
+  attention run inside its score loop rather than as a pass of its own after it
+  (``TritonCoarse.attend_after_scores`` off: the stage's choice before session 23). With
+  ``fa4_sdpa_coarse`` the only variants that change the coarse stage (`coarse_backend_for`).
 - ``fa4_unpacked``: the fa4 backend whose 64x64 forward lists hold plain block ids, the mask
   loading the valid sizes (``ForwardVariant(valid_in_list=False)``: what ran before delta 10,
   `flash_attn_vsa.valid_in_list_sm90`, was shipped).
@@ -34,13 +34,13 @@ UNFUSED_FA4 = "fa4_unfused"
 UNPACKED_FA4 = "fa4_unpacked"
 OWN_LISTS_FA4 = "fa4_own_lists"
 SDPA_COARSE_FA4 = "fa4_sdpa_coarse"
-ATTEND_AFTER_FA4 = "fa4_attend_after"
+ATTEND_IN_LOOP_FA4 = "fa4_attend_in_loop"
 SEPARATE_STAGE = "triton_separate_attention"
 """The coarse stage `SDPA_COARSE_FA4` runs: the Triton stage without its fused attention."""
-ATTEND_AFTER_STAGE = "triton_attend_after_scores"
-"""The coarse stage `ATTEND_AFTER_FA4` runs: the Triton stage with its attention after the
-scores."""
-_STAGE_OF = {SDPA_COARSE_FA4: SEPARATE_STAGE, ATTEND_AFTER_FA4: ATTEND_AFTER_STAGE}
+ATTEND_IN_LOOP_STAGE = "triton_attend_in_loop"
+"""The coarse stage `ATTEND_IN_LOOP_FA4` runs: the Triton stage with its attention inside the
+score loop."""
+_STAGE_OF = {SDPA_COARSE_FA4: SEPARATE_STAGE, ATTEND_IN_LOOP_FA4: ATTEND_IN_LOOP_STAGE}
 _SWITCHED_OFF = {
     COPYING_TRITON: ("triton", {"reads_raster": False, "fuses_combine": False}),
     UNFUSED_TRITON: ("triton", {"fuses_combine": False}),
@@ -83,7 +83,7 @@ def register_variant(name: str) -> bool:
 
 def coarse_backend_for(arm: str) -> str:
     """The ``coarse_backend`` an arm's op calls pass: its stage variant's name for
-    `SDPA_COARSE_FA4` and `ATTEND_AFTER_FA4`, ``"auto"`` for every other arm."""
+    `SDPA_COARSE_FA4` and `ATTEND_IN_LOOP_FA4`, ``"auto"`` for every other arm."""
     return _STAGE_OF.get(arm, "auto")
 
 
@@ -96,7 +96,7 @@ def _register_stage(name: str) -> None:
 
     changed = {
         SEPARATE_STAGE: {"select_and_attend": CoarseStage.select_and_attend},
-        ATTEND_AFTER_STAGE: {"attend_after_scores": True},
+        ATTEND_IN_LOOP_STAGE: {"attend_after_scores": False},
     }[name]
     variant = type(f"TritonCoarse_{name}", (TritonCoarse,), {"name": name, "priority": -1,
                                                             **changed})  # fmt: skip

@@ -154,20 +154,21 @@ def test_sdpa_coarse_arm_runs_fa4_with_the_coarse_attention_as_its_own_launch():
     assert bench_variants.coarse_backend_for("fa4") == "auto"
 
 
-def test_attend_after_arm_runs_fa4_with_the_coarse_attention_after_the_scores():
+def test_attend_in_loop_arm_runs_fa4_with_the_coarse_attention_inside_the_score_loop():
     import bench_variants
 
     from vsa_core.coarse import coarse_stages
     from vsa_triton.coarse import TritonCoarse
 
-    assert bench_variants.register_variant(bench_variants.ATTEND_AFTER_FA4)
-    stage = coarse_stages()[bench_variants.ATTEND_AFTER_STAGE]
-    assert isinstance(stage, TritonCoarse) and stage.attend_after_scores
-    assert not TritonCoarse.attend_after_scores  # the shipped stage keeps its choice
+    assert bench_variants.register_variant(bench_variants.ATTEND_IN_LOOP_FA4)
+    stage = coarse_stages()[bench_variants.ATTEND_IN_LOOP_STAGE]
+    assert isinstance(stage, TritonCoarse) and not stage.attend_after_scores
+    assert TritonCoarse.attend_after_scores  # the shipped stage keeps its choice
     assert type(stage).select_and_attend is TritonCoarse.select_and_attend
-    assert get_backend(bench_variants.ATTEND_AFTER_FA4).priority < 0  # auto never picks it
+    assert get_backend(bench_variants.ATTEND_IN_LOOP_FA4).priority < 0  # auto never picks it
     assert (
-        bench_variants.coarse_backend_for("fa4_attend_after") == bench_variants.ATTEND_AFTER_STAGE
+        bench_variants.coarse_backend_for("fa4_attend_in_loop")
+        == bench_variants.ATTEND_IN_LOOP_STAGE
     )
 
 

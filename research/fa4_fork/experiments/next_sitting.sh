@@ -105,7 +105,7 @@ session23)
     ;;
   bench)
     bash benchmarks/gpu_sitting.sh \
-      "step bench 570 python3 benchmarks/bench_video.py --shapes wan480p wan720p hunyuan720p --sparsities 0.875 --modes fwd --arms fa4 fa4_attend_after fa4_sdpa_coarse --warmup 2 --reps 10 --no-pieces --time-budget-min 7 --out \$OUT/bench_video-attend-after.json"
+      "step bench 570 python3 benchmarks/bench_video.py --shapes wan480p wan720p hunyuan720p --sparsities 0.875 --modes fwd --arms fa4 fa4_attend_in_loop fa4_sdpa_coarse --warmup 2 --reps 10 --no-pieces --time-budget-min 7 --out \$OUT/bench_video-attend-after.json"
     ;;
   esac
   ;;
