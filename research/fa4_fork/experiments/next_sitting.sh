@@ -107,10 +107,22 @@ session23)
     bash benchmarks/gpu_sitting.sh \
       "step bench 570 python3 benchmarks/bench_video.py --shapes wan480p wan720p hunyuan720p --sparsities 0.875 --modes fwd --arms fa4 fa4_attend_in_loop fa4_sdpa_coarse --warmup 2 --reps 10 --no-pieces --time-budget-min 7 --out \$OUT/bench_video-attend-after.json"
     ;;
+  second)
+    # after the direct Triton launches (launch_cache) and the attention after the scores
+    bash benchmarks/gpu_sitting.sh \
+      "step triton 220 python3 -m pytest -q -p no:warnings packages/vsa-triton/tests/test_gpu.py packages/vsa-triton/tests/test_coarse.py -k 'direct or opcheck or select_and_attend or split'" \
+      "step launch 60 python3 -m research.triton_launch_cost --out \$OUT/triton_launch_cost.jsonl" \
+      "step pieces 60 python3 -m research.op_host_pieces --shapes wan480p --backends fa4 --reps 30 --out \$OUT/pieces.jsonl" \
+      "step bench 230 python3 benchmarks/bench_video.py --shapes wan480p --sparsities 0.875 --modes fwd --arms fa4 fa4_attend_in_loop --warmup 2 --reps 10 --no-pieces --time-budget-min 2.5 --out \$OUT/bench_video-direct-launch.json"
+    ;;
+  block-props)
+    bash benchmarks/gpu_sitting.sh \
+      "step props 280 python3 -m pytest -q -p no:warnings -m gpu packages/vsa-core/tests/test_properties.py -k 'block_padding_never'"
+    ;;
   esac
   ;;
 *)
-  echo "usage: $0 grid | bwd-counters | bwd-split | session19 | session21 | session22 [tests|bench] | session23 [tests|props|bench]" >&2
+  echo "usage: $0 grid | bwd-counters | bwd-split | session19 | session21 | session22 [tests|bench] | session23 [tests|props|bench|second|block-props]" >&2
   exit 2
   ;;
 esac
