@@ -164,7 +164,7 @@ def test_direct_launches_compute_what_tritons_launches_do():
     valid = torch.tensor([64, 17, 64, 1], dtype=torch.int32, device="cuda")
     record = launch_cache._kernel(_kernels().pool_fwd_kernel)
     for step in range(6):
-        base = torch.randn(1, 4 * 64 * 2 * 64 + 8, device="cuda", dtype=torch.bfloat16,
+        base = torch.randn(4 * 64 * 2 * 64 + 8, device="cuda", dtype=torch.bfloat16,
                            generator=gen)  # fmt: skip
         offset = 1 if step == 5 else 0  # 2 bytes past: not 16-byte aligned
         q, k, v = (base[offset : offset + 4 * 64 * 2 * 64].view(1, 256, 2, 64) for _ in "qkv")

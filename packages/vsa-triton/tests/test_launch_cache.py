@@ -78,12 +78,13 @@ def test_what_triton_specializes_on_starts_a_new_description(kernel):
         ((x.double(), 7, 0.5, True), {"BLOCK": 64}),
         ((x, 7, 0.5, True), {"BLOCK": 128}),
         ((x, 7, 0.5, True), {"BLOCK": 64, "num_warps": 8}),
-        ((x, 7, 0.25, True), {"BLOCK": 64}),  # a float's value: the same description
+        ((x, 7, 0.25, True), {"BLOCK": 64}),  # a float's value (finer than Triton: allowed)
+        ((x.clone(), 7, 0.5, True), {"BLOCK": 64}),  # another tensor alike: base's description
     ]
     for args, kwargs in calls:
         launch_cache.launch(kernel, (1,), *args, **kwargs)
     assert len(kernel.slow) == len(calls) and not kernel.direct
-    launch_cache.launch(kernel, (1,), *base[0], **base[1])  # the float's call was its second
+    launch_cache.launch(kernel, (1,), *base[0], **base[1])  # the clone's call was its second
     assert len(kernel.slow) == len(calls) and len(kernel.direct) == 1
     launch_cache.launch(kernel, (1,), *calls[1][0], **calls[1][1])  # the others' second
     assert len(kernel.slow) == len(calls) + 1 and len(kernel.direct) == 1
@@ -99,10 +100,11 @@ def test_two_compiled_kernels_for_one_description_leave_it_to_triton(kernel):
 
 
 def test_launch_hooks_and_undescribed_arguments_run_through_triton(kernel, monkeypatch):
+    """An unhashable constexpr, a tensor subclass (its description would hold it), a hook."""
     x = torch.zeros(64)
     for _ in range(3):
         launch_cache.launch(kernel, (1,), x, 7, 0.5, True, BLOCK=[64])  # unhashable constexpr
-        launch_cache.launch(kernel, (1,), x, "7", 0.5, True, BLOCK=64)  # a str argument
+        launch_cache.launch(kernel, (1,), torch.nn.Parameter(x), 7, 0.5, True, BLOCK=64)
     assert len(kernel.slow) == 6 and not kernel.direct
     from triton import knobs
 

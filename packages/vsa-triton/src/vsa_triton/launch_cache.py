@@ -1,17 +1,19 @@
 """Triton launches without ``JITFunction.run``'s per-call Python, once a call is known.
 
-``kernel[grid](*args)`` costs ~60 us of host time for this package's kernels (30 arguments)
-on the H200's host, against ~18 us for the compiled kernel's own launcher with the same
-arguments (`research/triton_launch_cost.py`, 2026-12-03): the rest is Triton's binder, its
-cache key (a string of the options every call) and its checks. At Wan 2.1 480p the op's
-inference path launches two such kernels before the fine attention, so that is ~90 us of the
-~500 us the op takes to issue.
+``kernel[grid](*args)`` for this package's pooling kernel (30 arguments) took 63 us of host
+time on one H200 host and 17.9 us on a faster one, against 18 / 6.7 us for the compiled
+kernel's own launcher with the same arguments (`research/triton_launch_cost.py`, 2026-12-03,
+`benchmarks/results/2026-12-03-h200-triton_launch_cost*.jsonl`): the rest is Triton's binder,
+its cache key (a string of the options every call) and its checks. This module's own
+description of a call costs Python too: its first version took the launch to 16.7 us on the
+fast host (1.2 us saved); the description was made cheaper since (~5 us less on this
+project's CPU machine), not yet timed on a GPU.
 
 `launch(kernel, grid, *args, **kwargs)` describes the call no coarser than Triton specializes
-a compiled kernel: each tensor's dtype and whether its address is 16-byte aligned; each int
-as it is (Triton specializes on its type range, on 1 and on divisibility by 16); the type of
-each float, bool and None; the value of each constexpr; the launch options (``num_warps``...);
-the current device. The first two calls of a description run through
+a compiled kernel: each tensor's dtype and whether its address is 16-byte aligned; every
+other argument as it is (Triton specializes ints on their type range, on 1 and on
+divisibility by 16, constexprs on their values); the launch options (``num_warps``...); the
+current device. The first two calls of a description run through
 ``kernel[grid]`` as usual; when both got the same compiled kernel, later calls hand that
 kernel's launcher the arguments directly (on the current device's current stream, as Triton
 does). Two different kernels for one description mark it as Triton's own for good (the
@@ -50,6 +52,7 @@ class _Kernel:
     def __init__(self, kernel: Any) -> None:
         from triton.runtime.jit import JITFunction
 
+        self.kernel = kernel
         self.direct = isinstance(kernel, JITFunction)  # not the interpreter's function
         params = kernel.params if self.direct else ()
         self.names = [p.name for p in params]
@@ -69,39 +72,54 @@ class _Kernel:
         return values, tuple(sorted((k, kwargs[k]) for k in extra)) if extra else ()
 
     def key(self, values: list[Any], options: tuple, device: int) -> Hashable:
-        """The call's description: ints as they are (finer than what Triton specializes on:
-        the sizes and strides repeat call to call at one shape), each tensor's dtype and
-        whether its address is 16-byte aligned, other values' types, constexprs' values."""
-        described: list[Hashable] = []
-        for value, constant in zip(values, self.constexpr, strict=True):
-            kind = type(value)
-            if kind is int:
-                described.append(value)
-            elif kind is torch.Tensor or isinstance(value, torch.Tensor):
-                described.append((value.dtype, not value.data_ptr() & 15))
-            elif constant:
-                described.append((kind, value))
-            elif kind is float or kind is bool or value is None:
-                described.append(kind)  # Triton does not specialize on their values
-            else:
-                raise _NotDescribed
+        """The call's description: each tensor's dtype and whether its address is 16-byte
+        aligned, every other value as it is (finer than what Triton specializes ints and
+        floats on: sizes, strides and scales repeat call to call at one shape)."""
+        described = [
+            (v.dtype, not v.data_ptr() & 15) if type(v) is torch.Tensor
+            else v if type(v) in _PLAIN else _other(v)
+            for v in values
+        ]  # fmt: skip
         return (device, tuple(described), options)
 
 
-@functools.cache
+_PLAIN = frozenset((int, float, bool, str, type(None)))
+
+
+def _other(value: Any) -> Hashable:
+    """A value neither a plain tensor nor a plain scalar: itself if hashable and not a tensor
+    (a Triton dtype constexpr, say); a tensor subclass goes to Triton's own launch (its
+    description would hold the tensor)."""
+    if isinstance(value, torch.Tensor):
+        raise _NotDescribed
+    hash(value)  # TypeError when unhashable: Triton's own launch
+    return value
+
+
+_KERNELS: dict[int, _Kernel] = {}
+"""Records by kernel object id (the kernels are module-level objects that live as long as the
+process; a dict by id costs a tenth of hashing a JITFunction)."""
+
+
 def _kernel(kernel: Any) -> _Kernel:
-    return _Kernel(kernel)
+    record = _KERNELS.get(id(kernel))
+    if record is None or record.kernel is not kernel:
+        record = _KERNELS[id(kernel)] = _Kernel(kernel)
+    return record
+
+
+@functools.cache
+def _runtime() -> Any:
+    from triton import knobs
+
+    return knobs.runtime
 
 
 def _hooked() -> bool:
     """Whether Triton would call a launch hook (a profiler's, say): then it launches."""
-    from triton import knobs
-
-    runtime = knobs.runtime
-    return any(
-        hook is not None and getattr(hook, "calls", True)
-        for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook)
-    )
+    runtime = _runtime()
+    enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+    return bool(getattr(enter, "calls", enter) or getattr(leave, "calls", leave))
 
 
 def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
@@ -114,7 +132,6 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> Non
     try:
         values, options = record.bind(args, kwargs)
         key = record.key(values, options, torch.cuda.current_device())
-        hash(key)
     except (_NotDescribed, TypeError):  # TypeError: an unhashable constexpr
         kernel[grid](*args, **kwargs)
         return
