@@ -154,9 +154,9 @@ def test_coarse_ops_pass_torch_library_opcheck():
 
 
 def test_direct_launches_compute_what_tritons_launches_do():
-    """`vsa_triton.launch_cache`: the pooling kernel, called past its attempts on fresh inputs
-    (launched through the compiled kernel's launcher), and on a misaligned view (a new
-    description: Triton's launch), gives the float64 tile means every time."""
+    """`vsa_triton.launch_cache`: the pooling kernel, called past its attempts on
+    fresh inputs (launched through the compiled kernel's launcher), and on a misaligned view
+    (a new description: Triton's launch), gives the float64 tile means every time."""
     from vsa_triton import launch_cache
     from vsa_triton.coarse import _kernels, _pool_clean
 

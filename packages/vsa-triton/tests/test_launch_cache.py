@@ -1,7 +1,7 @@
-"""`vsa_triton.launch_cache`: which calls launch directly, with which arguments, and which run
-through Triton's own launch. On a CPU a real ``triton.jit`` kernel stands in, its ``run``
-replaced by a fake that returns one fake compiled kernel per specialization key (as Triton's
-cache does) and records the launches; the GPU test in ``test_gpu.py`` runs real kernels."""
+"""`vsa_triton.launch_cache`: which calls launch directly, with which arguments,
+and which run through Triton's own launch. On a CPU a real ``triton.jit`` kernel stands in,
+its ``run`` replaced by a fake that returns one fake compiled kernel per specialization key
+(as Triton's cache does) and records the launches; ``test_gpu.py`` runs real kernels."""
 
 from __future__ import annotations
 
