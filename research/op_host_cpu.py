@@ -1,0 +1,140 @@
+"""The whole op's host time on this CPU, inference and training, with every device launch
+stubbed: the Python the op runs on the GPU host, profiled where there is no GPU.
+
+`research.op_host_stub` times vsa-core alone (a null backend and stage). This runs the real
+Triton coarse stage and the real fa4 backend down to the fork's replayed launches on CPU
+tensors: vsa-triton's launches (`vsa_triton.launch_cache.launch`) and vsa-fa4's list kernels
+do nothing, except that the selection writes valid ascending lists; upstream's
+``_flash_attn_fwd`` / ``_flash_attn_bwd`` are stand-ins that detach like upstream and return
+the outputs, recorded and replayed by CPU `flash_attn_vsa.launch_replay.LaunchReplay`s; fa4's
+capability checks pass (sm_90); the coarse attention is one multiply (SDPA's math on a CPU
+would dominate). What it misses: the launches' own cost (Triton ~7-60 us, a CuTe kernel's
+call ~7-16 us on H200 hosts), CUDA allocation (CPU allocation of these small tensors is
+cheap), SDPA's host cost. A small latent with partial tiles (9x18x18, 2 heads). ::
+
+    uv run python -m research.op_host_cpu fwd      # or: train [cProfile sort key]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import time
+
+import torch
+
+
+class _NoLaunch:
+    """A Triton kernel that launches nothing (``kernel[grid](...)``)."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def _upstream_forward(q, k, v, out=None, lse=None, **kwargs):
+    """Upstream's forward launcher as the replay sees it: it detaches, returns the outputs."""
+    for t in (q, k, v):
+        t.detach()
+    if out is None:
+        out = torch.empty_like(q)
+    if lse is None and kwargs.get("return_lse", True):
+        lse = q.new_empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32)
+    return out, lse
+
+
+def _upstream_backward(q, k, v, out, dout, lse, *args, dq=None, dk=None, dv=None, **kwargs):
+    for t in (q, k, v, out, dout):
+        t.detach()
+    return tuple(torch.empty_like(x) if g is None else g for x, g in ((q, dq), (k, dk), (v, dv)))
+
+
+def _stub_triton_launch(kernel, grid, *args, **kwargs):
+    """vsa-triton's launches do nothing; the selection writes valid ascending lists."""
+    if getattr(getattr(kernel, "fn", None), "__name__", "") == "select_topk_kernel":
+        out = args[4]
+        out.copy_(torch.arange(out.shape[-1], dtype=out.dtype).expand_as(out))
+
+
+def stub_devices() -> None:
+    """Every device launch of the op stubbed as the module doc says (imports come after the
+    interpreter flag, which lets vsa-triton's stage take CPU tensors)."""
+    os.environ["TRITON_INTERPRET"] = "1"
+    import flash_attn.cute.interface as upstream
+
+    import flash_attn_vsa.fwd_sm90 as fwd_sm90
+    import flash_attn_vsa.launch_replay as replay
+    import vsa_core.ops as core_ops
+    import vsa_fa4.backend as fa4_backend
+    import vsa_fa4.backward_lists_triton as backward_lists
+    import vsa_fa4.forward_lists_triton as forward_lists
+    import vsa_fa4.metadata as metadata
+    import vsa_triton.coarse as coarse
+    import vsa_triton.ops as triton_ops
+
+    upstream._get_device_arch = lambda: 90
+    for launcher, name in ((_upstream_forward, "_flash_attn_fwd"),
+                           (_upstream_backward, "_flash_attn_bwd")):  # fmt: skip
+        launcher.compile_cache = {}
+        setattr(upstream, name, launcher)
+    replay.FORWARDS = replay.LaunchReplay(devices=("cpu",))
+    replay.BACKWARDS = replay.LaunchReplay(devices=("cpu",))
+    fwd_sm90.check_call = lambda *args, **kwargs: None
+    coarse.launch = triton_ops.launch = _stub_triton_launch
+    metadata._triton_can_run = lambda t: True  # the list kernels' path, as on a GPU
+    backward_lists._mark_selected = backward_lists._rank_selected = _NoLaunch()
+    forward_lists._split_full_partial = _NoLaunch()
+    fa4_backend.FA4Backend._call_refusal = lambda self, call: None
+    fa4_backend.plan_refusal = lambda *args, **kwargs: None
+    # one autograd node where SDPA's would be, without its CPU math
+    core_ops.coarse_attention = lambda qp, kp, vp, valid, scale, may_have_empty=True: qp * 1.0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("mode", choices=("fwd", "train"), nargs="?", default="fwd")
+    ap.add_argument("sort", nargs="?", default="tottime", help="cProfile's sort key")
+    ap.add_argument("--calls", type=int, default=500)
+    args = ap.parse_args()
+    stub_devices()
+    from flash_attn_vsa import launch_replay
+    from vsa_core import VideoTiling, video_sparse_attn
+
+    tiling = VideoTiling((9, 18, 18), (4, 4, 4))
+    grad = args.mode == "train"
+    q, k, v, gate = (
+        torch.randn(1, tiling.padded_len, 2, 128, dtype=torch.bfloat16, requires_grad=grad)
+        for _ in range(4)
+    )
+    dout = torch.randn_like(q)
+
+    def call():
+        out = video_sparse_attn(q, k, v, tiling=tiling, topk=4, coarse_gate=gate,
+                                backend="fa4", coarse_backend="triton")  # fmt: skip
+        if grad:
+            torch.autograd.grad(out, (q, k, v, gate), dout)
+
+    for _ in range(20):
+        call()
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(args.calls):
+            call()
+        best = min(best, (time.perf_counter() - start) / args.calls * 1e6)
+    replays = len(launch_replay.FORWARDS.records()), len(launch_replay.BACKWARDS.records())
+    print(f"{args.mode}: {best:.0f} us a call, launches stubbed (replayed: fwd, bwd {replays})")
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(200):
+        call()
+    profile.disable()
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats(args.sort).print_stats(35)
+    print(text.getvalue())
+
+
+if __name__ == "__main__":
+    main()
