@@ -15,7 +15,10 @@ def head_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
 def bshd_strides(t: torch.Tensor | None) -> tuple[int, int, int]:
     """(batch, seq, head) strides of a [B, S, H, D] tensor; zeros for None (a kernel argument
     its flags say is never read)."""
-    return (0, 0, 0) if t is None else (t.stride(0), t.stride(1), t.stride(2))
+    if t is None:
+        return (0, 0, 0)
+    strides = t.stride()  # one call, not three: launches pass 12-18 of these a training step
+    return (strides[0], strides[1], strides[2])
 
 
 def gate_strides(gate: torch.Tensor | None) -> tuple[int, int, int, int]:
