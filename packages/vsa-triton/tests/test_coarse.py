@@ -181,8 +181,11 @@ def _coarse64(qp, kp, vp, valid, scale):
     return torch.einsum("bhnm,bmhd->bnhd", scores.softmax(-1), v)
 
 
-@pytest.mark.parametrize("attend_after", [False, True], ids=["in_score_loop", "after_scores"])
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("dtype", "attend_after"),
+    [*((dtype, True) for dtype in DTYPES), (torch.float32, False)],  # the other placement once
+    ids=[*(f"{dtype}-after_scores" for dtype in DTYPES), "float32-in_score_loop"],
+)
 def test_select_and_attend_is_the_coarse_attention_and_the_selection(dtype, attend_after):
     """`TritonCoarse.select_and_attend` (one launch): the coarse output matches float64
     attention over the non-empty key tiles, the indices and split equal `select` /
