@@ -204,7 +204,7 @@ def test_select_and_attend_is_the_coarse_attention_and_the_selection(dtype, atte
         pooled = [torch.randn(2, n, 3, 16, generator=gen).to(DEVICE, dtype) for _ in range(3)]
         want = _coarse64(*pooled, valid, 0.3)
         for topk in sorted({1, n // 3, n}):
-            for kv_tile in (None, 8):
+            for kv_tile in (None, 8) if topk == n else (8,):  # no split: once (interpreter time)
                 coarse, indices, split = stage.select_and_attend(*pooled, valid, topk, 0.3, kv_tile)
                 assert coarse.dtype == dtype and coarse.shape == pooled[0].shape
                 torch.testing.assert_close(coarse.double().cpu(), want, rtol=tol, atol=tol)
