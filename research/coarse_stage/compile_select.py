@@ -6,7 +6,7 @@ list kernel of its own. Before a GPU times it, ptxas says what it costs the kern
 spills, SASS instructions and global stores, per latent (the tile count sets ``TILES_P2`` and
 ``ROWS``, as `vsa_triton.coarse.select_with` picks them; 12.5% of the tiles kept),
 ``SPLIT`` off and on, with and without the coarse attention (``ATTEND``,
-`TritonCoarse.select_and_attend`). ::
+`TritonCoarse.select_and_attend`), inside the score loop or after it (``ATTEND_AFTER``). ::
 
     uv run python -m research.coarse_stage.compile_select --out DIR/compile_select.json
 """
@@ -28,9 +28,14 @@ POINTERS = {
     "scores_ptr": "*fp32",
 }  # fmt: skip
 FLOATS = {"scale_log2"}
+VARIANTS = [(False, False, False), (True, False, False), (False, True, False),
+            (True, True, False), (False, True, True), (True, True, True)]  # fmt: skip
+"""(SPLIT, ATTEND, ATTEND_AFTER): ATTEND_AFTER runs the attention after the score loop (the
+stage's choice since session 23), without it inside the loop."""
 
 
-def compile_select(num_tiles: int, split: bool, attend: bool = False) -> dict:
+def compile_select(num_tiles: int, split: bool, attend: bool = False,
+                   attend_after: bool = False) -> dict:  # fmt: skip
     from vsa_triton import coarse, coarse_kernels
 
     config = coarse.SELECT
@@ -40,7 +45,7 @@ def compile_select(num_tiles: int, split: bool, attend: bool = False) -> dict:
         "TILES_P2": tiles_p2, "ROWS": max(1, min(config.block_m, config.elements_per_step
                                                  // tiles_p2)),
         "IEEE": False, "INTERPRET": False, "EARLY_EXIT": config.early_exit, "SPLIT": split,
-        "ATTEND": attend,
+        "ATTEND": attend, "ATTEND_AFTER": attend_after,
         **(coarse._split_constants(round(0.125 * num_tiles), config) if split else {}),
     }  # fmt: skip
     kernel = coarse_kernels.select_topk_kernel
@@ -69,9 +74,10 @@ def main() -> None:
     args = ap.parse_args()
     rows = []
     for latent, tiles in LATENT_TILES.items():
-        for split, attend in ((False, False), (True, False), (False, True), (True, True)):
+        for split, attend, after in VARIANTS:
             row = {"latent": latent, "tiles": tiles, "split": split, "attend": attend,
-                   **compile_select(tiles, split, attend)}  # fmt: skip
+                   "attend_after": after,
+                   **compile_select(tiles, split, attend, after)}  # fmt: skip
             print(json.dumps(row), flush=True)
             rows.append(row)
     if args.out:

@@ -207,8 +207,9 @@ def _attend_stored(vp, coarse_ptr, base, score_rows, rows, dims, dim_ok, num_til
                    scale_log2, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    DIM_P2: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
     """ATTEND_AFTER: the coarse attention of the program's rows as a pass of its own over the
-    scores phase 1 stored (fewer registers live at once than inside the score loop: 168
-    against 255 on sm_90 at Wan 480p, `research.coarse_stage.compile_select`)."""
+    scores phase 1 stored (fewer registers live at once than inside the score loop: on sm_90
+    168 with 40-56 B of stack where the split is written too, as the op runs it, 229-231
+    without, against 255 inside the loop; `research.coarse_stage.compile_select`)."""
     acc = tl.zeros([BLOCK_M, DIM_P2], dtype=tl.float32)
     m = tl.full([BLOCK_M], -1e30, tl.float32)
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
