@@ -659,11 +659,12 @@ class TritonCoarse(CoarseStage):
     attend_after_scores: ClassVar[bool] = True
     """Where `select_and_attend`'s launch runs the coarse attention: in a pass of its own after
     the selection kernel's score loop (True: on sm_90 168 registers and 40-56 B of stack with
-    the split, 229-231 without) or inside it (False: 255; `research.coarse_stage.
-    compile_select`, `benchmarks/results/2026-12-03-cpu-compile_select-attend-after.json`). H200, Wan 480p forward, one run
-    (2026-12-03): the op 2.657 ms back to back against 2.726 inside the loop, 3.045 against
-    3.156 called once; Wan 720p and HunyuanVideo within 0.7% (one round each).
-    ``bench_video``'s arm ``fa4_attend_in_loop`` times the other choice."""
+    the split, 229-231 without) or inside it (False: 255), per
+    `research.coarse_stage.compile_select`
+    (`benchmarks/results/2026-12-03-cpu-compile_select-attend-after.json`). H200, Wan 480p
+    forward, one run (2026-12-03): the op 2.657 ms back to back against 2.726 inside the
+    loop, 3.045 against 3.156 called once; Wan 720p and HunyuanVideo within 0.7% (one round
+    each). ``bench_video``'s arm ``fa4_attend_in_loop`` times the other choice."""
 
     def supports(self, device_type: str, dtype: torch.dtype, head_dim: int) -> str | None:
         import importlib.util
