@@ -368,10 +368,9 @@ def _full_key(
             and (not isinstance(t, torch.Tensor) or isinstance(t, FakeTensor))
         ):
             return None
-        device = t.device
-        if checked and device.type not in devices:
+        pointer, description = t.data_ptr(), _describe(t)
+        if checked and description[-1].type not in devices:  # its device
             return None
-        pointer, description = t.data_ptr(), (t.dtype, t.shape, t.stride(), device)  # _describe
         same_as = first.setdefault((pointer, description), i)
         described.append((description, pointer % ALIGNMENT, None if same_as == i else same_as))
     return (key, tuple(described))

@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["PackedSparseLists", "SparseLists", "empty_lists", "grid_cdiv"]
+__all__ = ["PackedSparseLists", "SparseLists", "empty_lists"]
 
 
 class SparseLists(NamedTuple):
@@ -54,9 +54,3 @@ def empty_lists(
     mask_idx = torch.empty(*lead, mask_width, dtype=torch.int32, device=device)
     full_cnt = torch.empty(lead, dtype=torch.int32, device=device)
     return SparseLists(torch.empty_like(full_cnt), mask_idx, full_cnt, full_idx)
-
-
-def grid_cdiv(a: int, b: int) -> int:
-    """Ceiling division for the list kernels' launch grids, on the host (``triton.cdiv``
-    called from Python costs ~6 us a call: it is a constexpr function, unwrapped per call)."""
-    return -(-a // b)

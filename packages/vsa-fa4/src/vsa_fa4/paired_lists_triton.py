@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vsa_fa4.lists import empty_lists, grid_cdiv
+from vsa_fa4.lists import empty_lists
 
 BLOCK_R = 16
 BLOCK_P = 32
@@ -103,7 +103,7 @@ def pair_lists_triton(
     out_mask_cnt, out_mask, out_full_cnt, out_full = out
     num_rows = out_full_cnt.numel()
     if num_rows:
-        _pair_rows[(grid_cdiv(num_rows, BLOCK_R),)](
+        _pair_rows[(-(-num_rows // BLOCK_R),)](
             full_idx.contiguous(),
             full_cnt.contiguous(),
             part_idx.contiguous(),
