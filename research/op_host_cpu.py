@@ -18,13 +18,11 @@ cheap), SDPA's host cost. A small latent with partial tiles (9x18x18, 2 heads). 
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
 import os
-import pstats
-import time
 
 import torch
+
+from research.op_host_stub import time_and_profile
 
 
 class _NoLaunch:
@@ -118,22 +116,11 @@ def main() -> None:
 
     for _ in range(20):
         call()
-    best = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
-        for _ in range(args.calls):
-            call()
-        best = min(best, (time.perf_counter() - start) / args.calls * 1e6)
+    per_call_us, profile_text = time_and_profile(call, args.calls, 3, args.sort, 35)
     replays = len(launch_replay.FORWARDS.records()), len(launch_replay.BACKWARDS.records())
-    print(f"{args.mode}: {best:.0f} us a call, launches stubbed (replayed: fwd, bwd {replays})")
-    profile = cProfile.Profile()
-    profile.enable()
-    for _ in range(200):
-        call()
-    profile.disable()
-    text = io.StringIO()
-    pstats.Stats(profile, stream=text).sort_stats(args.sort).print_stats(35)
-    print(text.getvalue())
+    print(f"{args.mode}: {per_call_us:.0f} us a call, launches stubbed (replayed: fwd, bwd "
+          f"{replays})")  # fmt: skip
+    print(profile_text)
 
 
 if __name__ == "__main__":
