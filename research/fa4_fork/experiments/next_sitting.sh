@@ -125,17 +125,19 @@ session24)
   # Prepared in session 23 (carry .gpu/b and .whl; source .gpu/b/extras.sh first for the
   # fastvideo arm): the cheaper launch_cache description and the fa4 backward without head
   # views were never run on a GPU. Check them, time the launches, then the four Wan cells
-  # with FastVideo in the same run (two calls: each is limited to 10 minutes).
+  # with FastVideo in the same run (two calls: each is limited to 10 minutes). Session 24 added
+  # the training step's host time in pieces (research.op_host_train).
   case "${2:-tests}" in
   tests)
     bash benchmarks/gpu_sitting.sh \
-      "step triton 200 python3 -m pytest -q -p no:warnings packages/vsa-triton/tests/test_gpu.py" \
-      "step fa4 200 python3 -m pytest -q -p no:warnings -m gpu packages/vsa-fa4/tests/test_gpu.py -k 'backward or replay or combined'" \
-      "step launch 60 python3 -m research.triton_launch_cost --out \$OUT/triton_launch_cost.jsonl" \
-      "step pieces 60 python3 -m research.op_host_pieces --shapes wan480p --backends fa4 --reps 30 --out \$OUT/pieces.jsonl"
+      "step triton 150 python3 -m pytest -q -p no:warnings packages/vsa-triton/tests/test_gpu.py" \
+      "step fa4 150 python3 -m pytest -q -p no:warnings -m gpu packages/vsa-fa4/tests/test_gpu.py -k 'backward or replay or combined'" \
+      "step launch 40 python3 -m research.triton_launch_cost --out \$OUT/triton_launch_cost.jsonl" \
+      "step pieces 40 python3 -m research.op_host_pieces --shapes wan480p --backends fa4 --reps 30 --out \$OUT/pieces.jsonl" \
+      "step train 180 python3 -m research.op_host_train --out \$OUT/train_pieces.jsonl"
     ;;
   bench)
-    bash benchmarks/gpu_sitting.sh \
+    bash benchmarks/gpu_sitting.sh "source .gpu/b/extras.sh" \
       "step bench 570 python3 benchmarks/bench_video.py --shapes wan480p wan720p --sparsities 0.875 --modes fwd fwd+bwd --arms auto fa4 triton fastvideo --warmup 2 --reps 6 --no-pieces --time-budget-min 8 --out \$OUT/bench_video-session24.json"
     ;;
   esac

@@ -1,0 +1,156 @@
+"""Host time of the whole op's training step in pieces, on a GPU, without a profiler.
+
+`op_host_pieces` covers inference. Issue 19 asks for <= 1.5 ms of host time to issue one
+forward+backward; session 23 measured 1.82 ms at Wan 480p and 2.88 ms at Wan 720p (fa4), so
+something grows with the latent. Here, each piece's time to *return* (launches queued) with
+the device kept busy by a queued sleep (as inside a step, where each piece is issued while the
+previous ones run), medians over ``--reps``:
+
+- ``step``: forward with gradients and ``torch.autograd.grad`` together, ``forward`` alone,
+  ``backward`` alone (each rep on a fresh graph);
+- fa4 only: vsa-fa4's ``backward_impl`` on the op's tensors as shipped (head chunks within
+  ``DQ_ACCUM_BUDGET_BYTES``) and with one chunk of all heads, then one chunk's backward lists
+  and ``launch.run_backward`` on prebuilt lists.
+
+One JSON line per (shape, backend, piece). ::
+
+    python3 -m research.op_host_train --shapes wan480p wan720p --out $OUT/train_pieces.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+from research.harness import benchmark_module
+
+bv = benchmark_module("bench_video")
+BUSY_CYCLES = 20_000_000
+"""``torch.cuda._sleep`` cycles queued before a timed piece (~10 ms at ~1.98 GHz): longer than
+any piece's host time, so the device never waits for the host inside a timed piece."""
+
+
+def host_us(fn, reps: int, setup=None) -> float:
+    """Median microseconds for ``fn(setup())`` to return (``fn(None)`` without a setup), the
+    device busy; the first call is not counted."""
+    times = []
+    for _ in range(reps + 1):
+        arg = None if setup is None else setup()
+        torch.cuda.synchronize()
+        torch.cuda._sleep(BUSY_CYCLES)
+        start = time.perf_counter()
+        fn(arg)
+        times.append((time.perf_counter() - start) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(times[1:])
+
+
+def pieces(shape: str, backend: str):
+    """name -> (callable, setup or None) on the op's own tensors."""
+    from vsa_core import VideoTiling, video_sparse_attn
+
+    latent, heads = bv.PRESETS[shape]
+    tiling = VideoTiling(latent, (4, 4, 4))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    dims = (1, tiling.padded_len, heads, 128)
+    q, k, v, gate = (
+        torch.randn(dims, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+        for _ in range(4)
+    )
+    dout = torch.randn(dims, device="cuda", dtype=torch.bfloat16, generator=gen)
+    topk = bv.topk_for(0.875, tiling.num_tiles)
+    inputs = (q, k, v, gate)
+
+    def forward():
+        return video_sparse_attn(q, k, v, topk=topk, tiling=tiling, coarse_gate=gate,
+                                 backend=backend)  # fmt: skip
+
+    calls = {
+        "step": (lambda _: torch.autograd.grad(forward(), inputs, dout), None),
+        "forward": (lambda _: forward(), None),
+        "backward": (lambda out: torch.autograd.grad(out, inputs, dout), forward),
+    }
+    if backend == "fa4":
+        calls.update(_fa4_backward_pieces(q, k, v, dout, tiling, topk))
+    return calls
+
+
+def _fa4_backward_pieces(q, k, v, dout, tiling, topk):
+    """vsa-fa4's backward below autograd, on lists from the op's own coarse stage."""
+    from vsa_core.coarse import coarse_stage, layout_from_selection
+    from vsa_core.rotation import rotation_width
+    from vsa_fa4 import launch
+    from vsa_fa4 import ops as fa4_ops
+    from vsa_fa4.metadata import backward_lists
+
+    q, k, v = (t.detach() for t in (q, k, v))
+    valid = tiling.valid_sizes(q.device)
+    stage = coarse_stage("auto", q)
+    padding = tiling.indices(q.device).padding_index
+    qp, kp, _ = stage.pool_and_clean(q, k, v, valid, (False, False, False), padding)[:3]
+    layout = layout_from_selection(stage.select(qp, kp, valid, topk), valid, 64, all_full=False)
+    lists = (layout.kv_indices, layout.kv_counts, layout.kv_valid_sizes)
+    scale = 128**-0.5
+    out, lse = fa4_ops.forward_impl(q, k, v, *lists, scale, 64, 64)
+    args = (dout, q, k, v, out, lse, *lists, scale, 64, 64)
+    chunks = len(fa4_ops.head_chunks(1, q.shape[2], q.shape[1], q.shape[3]))
+
+    def one_chunk():
+        budget = fa4_ops.DQ_ACCUM_BUDGET_BYTES
+        fa4_ops.DQ_ACCUM_BUDGET_BYTES = 1 << 62
+        try:
+            fa4_ops.backward_impl(*args)
+        finally:
+            fa4_ops.DQ_ACCUM_BUDGET_BYTES = budget
+
+    valid_c = layout.kv_valid_sizes.contiguous()
+    rotate = rotation_width(q.device) * launch.backward_ctas_per_sm((64, 64))
+    bw_lists = backward_lists(layout.kv_indices, layout.kv_counts, valid_c, 64, True,
+                              rotate_sms=rotate)  # fmt: skip
+    grads = [torch.empty_like(t) for t in (q, k, v)]
+    print(f"{q.shape}: {chunks} head chunk(s)", file=sys.stderr)
+
+    def lists_all_heads(_):
+        backward_lists(layout.kv_indices, layout.kv_counts, valid_c, 64, True, rotate_sms=rotate)
+
+    def run_backward_all_heads(_):
+        launch.run_backward(dout, q, k, v, out, lse, *grads, bw_lists, valid_c, scale, (64, 64))
+
+    return {
+        f"fa4_backward_impl_{chunks}_chunks": (lambda _: fa4_ops.backward_impl(*args), None),
+        "fa4_backward_impl_one_chunk": (lambda _: one_chunk(), None),
+        "fa4_backward_lists_all_heads": (lists_all_heads, None),
+        "fa4_run_backward_all_heads": (run_backward_all_heads, None),
+    }
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shapes", nargs="*", default=["wan480p", "wan720p"],
+                        choices=list(bv.PRESETS))  # fmt: skip
+    parser.add_argument("--backends", nargs="*", default=["fa4", "triton"])
+    parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--out")
+    args = parser.parse_args(argv)
+    lines = []
+    for shape in args.shapes:
+        for backend in args.backends:
+            for name, (fn, setup) in pieces(shape, backend).items():
+                row = {"shape": shape, "backend": backend, "piece": name,
+                       "host_us_busy": round(host_us(fn, args.reps, setup), 1)}  # fmt: skip
+                print(json.dumps(row), flush=True)
+                lines.append(json.dumps(row))
+            torch.cuda.empty_cache()
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
