@@ -75,9 +75,48 @@ def pieces(shape: str, backend: str):
         "forward": (lambda _: forward(), None),
         "backward": (lambda out: torch.autograd.grad(out, inputs, dout), forward),
     }
+    calls.update(_forward_pieces(q, k, v, gate, tiling, topk, backend))
     if backend == "fa4":
         calls.update(_fa4_backward_pieces(q, k, v, dout, tiling, topk))
     return calls
+
+
+def _forward_pieces(q, k, v, gate, tiling, topk, backend):
+    """The op's training forward in the pieces it calls, in order, with gradients on."""
+    import vsa_core.ops as ops
+    from vsa_core.coarse import coarse_stage, layout_from_selection
+
+    valid = tiling.valid_sizes(q.device)
+    stage = coarse_stage("auto", q)
+    chosen = ops._backend_for(q, k, v, (64, 64), 1, False, backend, False)
+    clean = ops._inputs_to_clean(False, True, chosen.key_padding_safe)
+    padding = tiling.indices(q.device).padding_index
+    pooled = stage.pool_and_clean(q, k, v, valid, clean, padding)
+    scale = 128**-0.5
+    coarse = ops._coarse_attention(*pooled[:3], valid, scale, False, False)
+    with torch.no_grad():
+        selection, split = stage.selection(pooled[0], pooled[1], valid, topk, None)
+    layout = layout_from_selection(selection, valid, 64, all_full=False, forward_split=split)
+    fine, _ = chosen.forward(*pooled[3:], layout, scale)
+
+    def select(_):
+        with torch.no_grad():
+            stage.selection(pooled[0], pooled[1], valid, topk, None)
+
+    return {
+        "fwd_pool_and_clean": (
+            lambda _: stage.pool_and_clean(q, k, v, valid, clean, padding),
+            None,
+        ),
+        "fwd_coarse_attention": (
+            lambda _: ops._coarse_attention(*pooled[:3], valid, scale, False, False),
+            None,
+        ),
+        "fwd_selection": (select, None),
+        "fwd_layout": (lambda _: layout_from_selection(selection, valid, 64, all_full=False), None),
+        "fwd_fine": (lambda _: chosen.forward(*pooled[3:], layout, scale), None),
+        "fwd_combine": (lambda _: stage.combine(fine, coarse, gate, valid, True, padding), None),
+    }
 
 
 def _fa4_backward_pieces(q, k, v, dout, tiling, topk):
