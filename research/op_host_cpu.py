@@ -3,7 +3,7 @@ stubbed: the Python the op runs on the GPU host, profiled where there is no GPU.
 
 `research.op_host_stub` times vsa-core alone (a null backend and stage). This runs the real
 Triton coarse stage and the real fa4 backend down to the fork's replayed launches on CPU
-tensors: vsa-triton's launches (`vsa_triton.launch_cache.launch`) and vsa-fa4's list kernels
+tensors: the Triton launches (`vsa_triton.launch_cache.launch`, vsa-fa4's list kernels' too)
 do nothing, except that the selection writes valid ascending lists; upstream's
 ``_flash_attn_fwd`` / ``_flash_attn_bwd`` are stand-ins that detach like upstream and return
 the outputs, recorded and replayed by CPU `flash_attn_vsa.launch_replay.LaunchReplay`s; fa4's
@@ -23,13 +23,6 @@ import os
 import torch
 
 from research.op_host_stub import time_and_profile
-
-
-class _NoLaunch:
-    """A Triton kernel that launches nothing (``kernel[grid](...)``)."""
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: None
 
 
 def _upstream_forward(q, k, v, out=None, lse=None, **kwargs):
@@ -82,8 +75,7 @@ def stub_devices() -> None:
     fwd_sm90.check_call = lambda *args, **kwargs: None
     coarse.launch = triton_ops.launch = _stub_triton_launch
     metadata._triton_can_run = lambda t: True  # the list kernels' path, as on a GPU
-    backward_lists._mark_selected = backward_lists._rank_selected = _NoLaunch()
-    forward_lists._split_full_partial = _NoLaunch()
+    backward_lists.launch = forward_lists.launch = _stub_triton_launch
     fa4_backend.FA4Backend._call_refusal = lambda self, call: None
     fa4_backend.plan_refusal = lambda *args, **kwargs: None
     # one autograd node where SDPA's would be, without its CPU math

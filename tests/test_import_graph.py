@@ -6,9 +6,9 @@ Every ``import`` / ``from ... import`` statement counts, at module level, inside
 ``if TYPE_CHECKING:``, read with ``ast`` without importing anything. A cycle made only of lazy
 imports still ties the modules together (each needs the other to work), so it is a cycle here.
 
-The packages depend one way (ARCHITECTURE.md): vsa-triton -> vsa-core; vsa-fa4 -> vsa-core and
-flash-attn-4-vsa (and upstream ``flash_attn``, which the fork builds on); flash-attn-4-vsa ->
-upstream ``flash_attn`` only; vsa-core -> torch and the standard library only. The pin tools
+The packages depend one way (ARCHITECTURE.md): vsa-triton -> vsa-core; vsa-fa4 -> vsa-core,
+vsa-triton and flash-attn-4-vsa (and upstream ``flash_attn``, which the fork builds on);
+flash-attn-4-vsa -> upstream ``flash_attn`` only; vsa-core -> torch and the standard library only. The pin tools
 (tools/fa4-pin, never published) may import the fork and upstream; no package imports them.
 """
 
@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ALLOWED: dict[str, set[str]] = {
     "vsa_core": set(),
     "vsa_triton": {"vsa_core"},
-    "vsa_fa4": {"vsa_core", "flash_attn_vsa", "flash_attn"},
+    "vsa_fa4": {"vsa_core", "vsa_triton", "flash_attn_vsa", "flash_attn"},
     "flash_attn_vsa": {"flash_attn"},
     "flash_attn_vsa_tools": {"flash_attn_vsa", "flash_attn"},
 }

@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from vsa_fa4.lists import SparseLists
+from vsa_triton.launch_cache import launch
 
 BLOCK_Q = 64
 BLOCK_W = 32
@@ -170,7 +171,9 @@ def backward_lists_triton(
     if rows and num_kv and num_q:
         selected = torch.zeros(rows, num_q, num_kv, dtype=torch.uint8, device=device)
         if width:
-            _mark_selected[(rows, -(-num_q // BLOCK_Q))](
+            launch(
+                _mark_selected,
+                (rows, -(-num_q // BLOCK_Q)),
                 kv_indices.contiguous(),
                 kv_counts.contiguous(),
                 selected,
@@ -180,7 +183,9 @@ def backward_lists_triton(
                 BLOCK_Q=BLOCK_Q,
                 BLOCK_W=BLOCK_W,
             )
-        _rank_selected[(rows, -(-num_kv // BLOCK_KV))](
+        launch(
+            _rank_selected,
+            (rows, -(-num_kv // BLOCK_KV)),
             selected,
             kv_valid_sizes.contiguous(),
             q_indices,

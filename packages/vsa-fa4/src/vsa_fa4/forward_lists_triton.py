@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from vsa_fa4.lists import PackedSparseLists, SparseLists, empty_lists
+from vsa_triton.launch_cache import launch
 
 BLOCK_R = 16
 BLOCK_W = 64
@@ -98,7 +99,9 @@ def forward_lists_triton(
     mask_cnt, mask_idx, full_cnt, full_idx = lists
     num_rows = full_cnt.numel()
     if num_rows:
-        _split_full_partial[(-(-num_rows // BLOCK_R),)](
+        launch(
+            _split_full_partial,
+            (-(-num_rows // BLOCK_R),),
             kv_indices.contiguous(),
             kv_counts.contiguous(),
             kv_valid_sizes.contiguous(),

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from vsa_fa4.lists import empty_lists
+from vsa_triton.launch_cache import launch
 
 BLOCK_R = 16
 BLOCK_P = 32
@@ -103,7 +104,9 @@ def pair_lists_triton(
     out_mask_cnt, out_mask, out_full_cnt, out_full = out
     num_rows = out_full_cnt.numel()
     if num_rows:
-        _pair_rows[(-(-num_rows // BLOCK_R),)](
+        launch(
+            _pair_rows,
+            (-(-num_rows // BLOCK_R),),
             full_idx.contiguous(),
             full_cnt.contiguous(),
             part_idx.contiguous(),

@@ -21,8 +21,8 @@ description missed something Triton specializes on). Anything else runs ``kernel
 the interpreter, a launch hook someone added (profilers), an argument of another type, a
 kernel with pre-run hooks.
 
-Triton is imported on the first launch, never with this module (vsa-fa4's own list kernels
-launch through Triton: it does not depend on vsa-triton). Internals of Triton this relies on
+Triton is imported on the first launch, never with this module (vsa-fa4's list kernels launch
+through it too). Internals of Triton this relies on
 (3.6; checked on a GPU by this package's ``test_gpu.py``):
 ``JITFunction.params`` and ``arg_names``, ``kernel[grid](...)`` returning the
 ``CompiledKernel``, and its ``run(grid0, grid1, grid2, stream, function, packed_metadata,
