@@ -4,7 +4,7 @@
 forward+backward; session 23 measured 1.82 ms at Wan 480p and 2.88 ms at Wan 720p (fa4), so
 something grows with the latent. Here, each piece's time to *return* (launches queued) with
 the device kept busy by a queued sleep (as inside a step, where each piece is issued while the
-previous ones run), medians over ``--reps``:
+previous ones run) and with it idle, medians over ``--reps``:
 
 - ``step``: forward with gradients and ``torch.autograd.grad`` together, ``forward`` alone,
   ``backward`` alone (each rep on a fresh graph);
@@ -35,14 +35,15 @@ BUSY_CYCLES = 20_000_000
 any piece's host time, so the device never waits for the host inside a timed piece."""
 
 
-def host_us(fn, reps: int, setup=None) -> float:
-    """Median microseconds for ``fn(setup())`` to return (``fn(None)`` without a setup), the
-    device busy; the first call is not counted."""
+def host_us(fn, reps: int, setup=None, busy: bool = True) -> float:
+    """Median microseconds for ``fn(setup())`` to return (``fn(None)`` without a setup), with
+    the device ``busy`` or idle; the first call is not counted."""
     times = []
     for _ in range(reps + 1):
         arg = None if setup is None else setup()
         torch.cuda.synchronize()
-        torch.cuda._sleep(BUSY_CYCLES)
+        if busy:
+            torch.cuda._sleep(BUSY_CYCLES)
         start = time.perf_counter()
         fn(arg)
         times.append((time.perf_counter() - start) * 1e6)
@@ -168,6 +169,23 @@ def _fa4_backward_pieces(q, k, v, dout, tiling, topk):
     }
 
 
+def _replay_status() -> dict[str, int]:
+    """How many call descriptions replay their recorded launch, and how many run upstream's
+    launcher for good (`flash_attn_vsa.launch_replay`), forward and backward."""
+    from flash_attn_vsa import launch_replay
+
+    status = {}
+    for name, cache in (("forward", launch_replay.FORWARDS), ("backward", launch_replay.BACKWARDS)):
+        records = list(cache._records.values())
+        replayed = sum(isinstance(r, launch_replay.RecordedLaunch) for r in records)
+        status[f"{name}_replayed"] = replayed
+        status[f"{name}_launcher"] = sum(
+            not isinstance(r, launch_replay.RecordedLaunch) and r > launch_replay.ATTEMPTS
+            for r in records
+        )
+    return status
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", nargs="*", default=["wan480p", "wan720p"],
@@ -181,10 +199,14 @@ def main(argv=None) -> int:
         for backend in args.backends:
             for name, (fn, setup) in pieces(shape, backend).items():
                 row = {"shape": shape, "backend": backend, "piece": name,
+                       "host_us": round(host_us(fn, args.reps, setup, busy=False), 1),
                        "host_us_busy": round(host_us(fn, args.reps, setup), 1)}  # fmt: skip
                 print(json.dumps(row), flush=True)
                 lines.append(json.dumps(row))
             torch.cuda.empty_cache()
+            status = json.dumps({"shape": shape, "backend": backend, **_replay_status()})
+            print(status, flush=True)
+            lines.append(status)
     if args.out:
         with open(args.out, "w") as f:
             f.write("\n".join(lines) + "\n")

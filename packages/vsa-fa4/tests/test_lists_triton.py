@@ -164,6 +164,28 @@ def test_kernel_lists_equal_the_torch_lists_on_the_gpu():
     assert compare_on("cuda") == len(CASES) * CHECKS_PER_CASE + PAIRED_CHECKS
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_repeated_calls_launched_directly_equal_the_torch_lists_on_the_gpu():
+    """From the third call of one description on, the list kernels launch through the compiled
+    kernel's own launcher (`vsa_triton.launch_cache`): new lists of the same shapes, each call's
+    result still the torch path's."""
+    from vsa_triton import launch_cache
+
+    for seed in range(5):
+        idx, cnt, valid = (t.cuda() for t in random_lists(seed, 33, 31, 17, 64))
+        for build in (backward_lists, forward_lists):
+            want = build(idx, cnt, valid, 64, impl="torch")
+            assert_same_lists(want, build(idx, cnt, valid, 64, impl="triton"), f"seed {seed}")
+    from vsa_fa4 import backward_lists_triton, forward_lists_triton
+
+    kernels = (backward_lists_triton._rank_selected, forward_lists_triton._split_full_partial)
+    for kernel in kernels:
+        records = launch_cache._kernel(kernel).records.values()
+        assert any(not isinstance(r, tuple) and r is not launch_cache._TRITONS_OWN
+                   for r in records), f"{kernel.fn.__name__} never launched directly"  # fmt: skip
+
+
 def test_auto_picks_torch_off_cuda():
     idx, cnt, valid = random_lists(0, 4, 4, 2, 64)
     assert backward_lists(idx, cnt, valid, 64).full_block_idx.device.type == "cpu"

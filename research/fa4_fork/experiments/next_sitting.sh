@@ -136,6 +136,14 @@ session24)
       "step pieces 40 python3 -m research.op_host_pieces --shapes wan480p --backends fa4 --reps 30 --out \$OUT/pieces.jsonl" \
       "step train 180 python3 -m research.op_host_train --out \$OUT/train_pieces.jsonl"
     ;;
+  final)
+    # session 24's own changes (vsa-fa4's list kernels through vsa_triton.launch_cache), then
+    # the training step's host time in pieces and the inference pieces, before the bench
+    bash benchmarks/gpu_sitting.sh \
+      "step fa4 200 python3 -m pytest -q -p no:warnings -m gpu packages/vsa-fa4/tests/test_gpu.py packages/vsa-fa4/tests/test_lists_triton.py -k 'backward or replay or lists'" \
+      "step train 150 python3 -m research.op_host_train --reps 15 --out \$OUT/train_pieces.jsonl" \
+      "step pieces 40 python3 -m research.op_host_pieces --shapes wan480p --backends fa4 --reps 30 --out \$OUT/pieces.jsonl"
+    ;;
   bench)
     bash benchmarks/gpu_sitting.sh "source .gpu/b/extras.sh" \
       "step bench 570 python3 benchmarks/bench_video.py --shapes wan480p wan720p --sparsities 0.875 --modes fwd fwd+bwd --arms auto fa4 triton fastvideo --warmup 2 --reps 6 --no-pieces --time-budget-min 8 --out \$OUT/bench_video-session24.json"
@@ -143,7 +151,7 @@ session24)
   esac
   ;;
 *)
-  echo "usage: $0 grid | bwd-counters | bwd-split | session19 | session21 | session22 [tests|bench] | session23 [tests|props|bench|second|block-props] | session24 [tests|bench]" >&2
+  echo "usage: $0 grid | bwd-counters | bwd-split | session19 | session21 | session22 [tests|bench] | session23 [tests|props|bench|second|block-props] | session24 [tests|final|bench]" >&2
   exit 2
   ;;
 esac
