@@ -144,6 +144,13 @@ session24)
       "step train 150 python3 -m research.op_host_train --reps 15 --out \$OUT/train_pieces.jsonl" \
       "step pieces 40 python3 -m research.op_host_pieces --shapes wan480p --backends fa4 --reps 30 --out \$OUT/pieces.jsonl"
     ;;
+  profile)
+    # the op's device time split inside / outside the fine kernels (Wan 480p, fa4), and the
+    # kernel API's host time over a raw FA4 call (64x64, S=32768, H=12)
+    bash benchmarks/gpu_sitting.sh \
+      "step profile 120 python3 benchmarks/profile_video_op.py --shape wan480p --backends fa4 --modes fwd fwd+bwd --calls 3 --out \$OUT/profile" \
+      "step overhead 100 python3 -m research.fa4_adapter.bench_fa4_overhead --block-shapes 64x64 --reps 20 --out \$OUT/bench_fa4_overhead-64x64.json"
+    ;;
   bench)
     bash benchmarks/gpu_sitting.sh "source .gpu/b/extras.sh" \
       "step bench 570 python3 benchmarks/bench_video.py --shapes wan480p wan720p --sparsities 0.875 --modes fwd fwd+bwd --arms auto fa4 triton fastvideo --warmup 2 --reps 6 --no-pieces --time-budget-min 8 --out \$OUT/bench_video-session24.json"
@@ -151,7 +158,7 @@ session24)
   esac
   ;;
 *)
-  echo "usage: $0 grid | bwd-counters | bwd-split | session19 | session21 | session22 [tests|bench] | session23 [tests|props|bench|second|block-props] | session24 [tests|final|bench]" >&2
+  echo "usage: $0 grid | bwd-counters | bwd-split | session19 | session21 | session22 [tests|bench] | session23 [tests|props|bench|second|block-props] | session24 [tests|final|profile|bench]" >&2
   exit 2
   ;;
 esac
