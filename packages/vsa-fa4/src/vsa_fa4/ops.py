@@ -211,9 +211,7 @@ def backward_impl(
     config = launch.KernelChoice.decode(kernels).backward
     rotate = rotation_width(q.device) * launch.backward_ctas_per_sm((q_tile, kv_tile), config)
     tensors = (dout, q, k, v, out, lse, dq, dk, dv, kv_indices, kv_counts)
-    for h in head_chunks(batch, heads, q_len, head_dim):
-        # all heads in one launch: the tensors themselves (eleven views cost ~1 us each)
-        chunk = tensors if h == slice(0, heads) else _head_range(tensors, h)
+    for chunk in _head_ranges(tensors, head_chunks(batch, heads, q_len, head_dim)):
         *grads_from, indices, counts = chunk
         lists = backward_lists(indices, counts, valid, kv_tile, masked, rotate_sms=rotate)
         launch.run_backward(
@@ -226,11 +224,17 @@ _HEAD_DIMS = (2, 2, 2, 2, 2, 1, 2, 2, 2, 1, 1)
 """Where `backward_impl`'s tensors hold heads: dim 2 of BSHD ones, dim 1 of lse and lists."""
 
 
-def _head_range(tensors: tuple[torch.Tensor, ...], heads: slice) -> tuple[torch.Tensor, ...]:
-    return tuple(
-        t.narrow(dim, heads.start, heads.stop - heads.start)
-        for t, dim in zip(tensors, _HEAD_DIMS, strict=True)
-    )
+def _head_ranges(
+    tensors: tuple[torch.Tensor, ...], chunks: list[slice]
+) -> list[tuple[torch.Tensor, ...]]:
+    """Per head range, the tensors' views over it: the tensors themselves for one range (all
+    heads), else one ``split`` per tensor (half the host time of a ``narrow`` per view: 57
+    against 115-143 us for Wan 720p's four ranges on this project's CPU machine)."""
+    if len(chunks) == 1:
+        return [tensors]
+    sizes = [h.stop - h.start for h in chunks]
+    views = [t.split(sizes, dim) for t, dim in zip(tensors, _HEAD_DIMS, strict=True)]
+    return list(zip(*views, strict=True))
 
 
 block_sparse_bwd = torch.library.custom_op("vsa_fa4::bwd", backward_impl, mutates_args=())
