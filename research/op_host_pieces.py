@@ -36,22 +36,40 @@ BUSY_CYCLES = 6_000_000
 implicit synchronization, a blocking allocation) shows it as milliseconds."""
 
 
-def host_us(fn, reps: int, busy: bool = False) -> float:
-    """Median microseconds for ``fn()`` to return, each call right after a synchronize; with
-    ``busy``, also after queueing `BUSY_CYCLES` of device sleep (the device still working, as
-    inside the op, where each piece is issued while the previous ones run)."""
-    fn()
-    torch.cuda.synchronize()
+def host_us(fn, reps: int, busy: bool = False, setup=None, cycles: int = BUSY_CYCLES) -> float:
+    """Median microseconds for ``fn()`` to return (``fn(setup())`` with a ``setup``, which is
+    not timed), each call right after a synchronize; with ``busy``, also after queueing
+    ``cycles`` of device sleep (the device still working, as inside the op, where each piece
+    is issued while the previous ones run). One untimed call first."""
     times = []
-    for _ in range(reps):
+    for _ in range(reps + 1):
+        arg = None if setup is None else setup()
         torch.cuda.synchronize()
         if busy:
-            torch.cuda._sleep(BUSY_CYCLES)
+            torch.cuda._sleep(cycles)
         start = time.perf_counter()
-        fn()
+        fn() if setup is None else fn(arg)
         times.append((time.perf_counter() - start) * 1e6)
     torch.cuda.synchronize()
-    return statistics.median(times)
+    return statistics.median(times[1:])
+
+
+def time_rows(shape: str, backend: str, calls: dict, reps: int, lines: list[str], **kwargs):
+    """Time each of ``calls`` (name -> fn, or name -> (fn, setup)) idle and busy (``kwargs``
+    go to `host_us`), printing and appending one JSON line per piece to ``lines``."""
+    for name, call in calls.items():
+        fn, setup = call if isinstance(call, tuple) else (call, None)
+        row = {"shape": shape, "backend": backend, "piece": name,
+               "host_us": round(host_us(fn, reps, setup=setup, **kwargs), 1),
+               "host_us_busy": round(host_us(fn, reps, True, setup, **kwargs), 1)}  # fmt: skip
+        print(json.dumps(row), flush=True)
+        lines.append(json.dumps(row))
+
+
+def write_lines(path: str | None, lines: list[str]) -> None:
+    if path:
+        with open(path, "w") as f:
+            f.write("\n".join(lines) + "\n")
 
 
 def _empty_triton_kernel():
@@ -66,20 +84,33 @@ def _empty_triton_kernel():
     return nothing
 
 
-def pieces(shape: str, backend: str):
-    """name -> callable, every piece on the tensors the op itself would make."""
-    import vsa_core.ops as ops
-    from vsa_core import VideoTiling, video_sparse_attn
-    from vsa_core.coarse import coarse_stage, layout_from_selection
-    from vsa_fa4 import ops as fa4_ops
+def op_inputs(shape: str, requires_grad: bool = False):
+    """``(tiling, q, k, v, gate)``: a `bench_video.PRESETS` latent's tiling and bf16 tile-order
+    inputs on the GPU (D = 128, batch 1, seed 0)."""
+    from vsa_core import VideoTiling
 
     latent, heads = bv.PRESETS[shape]
     tiling = VideoTiling(latent, (4, 4, 4))
     gen = torch.Generator(device="cuda").manual_seed(0)
     dims = (1, tiling.padded_len, heads, 128)
-    q, k, v, gate = (
-        torch.randn(dims, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(4)
+    tensors = (
+        torch.randn(dims, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_(
+            requires_grad
+        )
+        for _ in range(4)
     )
+    return (tiling, *tensors)
+
+
+def pieces(shape: str, backend: str):
+    """name -> callable, every piece on the tensors the op itself would make."""
+    import vsa_core.ops as ops
+    from vsa_core import video_sparse_attn
+    from vsa_core.coarse import coarse_stage, layout_from_selection
+    from vsa_fa4 import ops as fa4_ops
+
+    tiling, q, k, v, gate = op_inputs(shape)
+    dims = q.shape
     topk = bv.topk_for(0.875, tiling.num_tiles)
     scale = 128**-0.5
     valid = tiling.valid_sizes(q.device)
@@ -203,16 +234,9 @@ def main(argv=None) -> int:
     with torch.no_grad():
         for shape in args.shapes:
             for backend in args.backends:
-                for name, fn in pieces(shape, backend).items():
-                    row = {"shape": shape, "backend": backend, "piece": name,
-                           "host_us": round(host_us(fn, args.reps), 1),
-                           "host_us_busy": round(host_us(fn, args.reps, busy=True), 1)}  # fmt: skip
-                    print(json.dumps(row), flush=True)
-                    lines.append(json.dumps(row))
+                time_rows(shape, backend, pieces(shape, backend), args.reps, lines)
                 torch.cuda.empty_cache()
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
+    write_lines(args.out, lines)
     return 0
 
 

@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 
 import torch
 
 from research.harness import benchmark_module
+from research.op_host_pieces import op_inputs, time_rows, write_lines
 
 bv = benchmark_module("bench_video")
 BUSY_CYCLES = 20_000_000
@@ -35,35 +34,12 @@ BUSY_CYCLES = 20_000_000
 any piece's host time, so the device never waits for the host inside a timed piece."""
 
 
-def host_us(fn, reps: int, setup=None, busy: bool = True) -> float:
-    """Median microseconds for ``fn(setup())`` to return (``fn(None)`` without a setup), with
-    the device ``busy`` or idle; the first call is not counted."""
-    times = []
-    for _ in range(reps + 1):
-        arg = None if setup is None else setup()
-        torch.cuda.synchronize()
-        if busy:
-            torch.cuda._sleep(BUSY_CYCLES)
-        start = time.perf_counter()
-        fn(arg)
-        times.append((time.perf_counter() - start) * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(times[1:])
-
-
 def pieces(shape: str, backend: str):
-    """name -> (callable, setup or None) on the op's own tensors."""
-    from vsa_core import VideoTiling, video_sparse_attn
+    """name -> callable, or (callable of a setup's value, setup), on the op's own tensors."""
+    from vsa_core import video_sparse_attn
 
-    latent, heads = bv.PRESETS[shape]
-    tiling = VideoTiling(latent, (4, 4, 4))
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    dims = (1, tiling.padded_len, heads, 128)
-    q, k, v, gate = (
-        torch.randn(dims, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
-        for _ in range(4)
-    )
-    dout = torch.randn(dims, device="cuda", dtype=torch.bfloat16, generator=gen)
+    tiling, q, k, v, gate = op_inputs(shape, requires_grad=True)
+    dout = torch.randn_like(q)
     topk = bv.topk_for(0.875, tiling.num_tiles)
     inputs = (q, k, v, gate)
 
@@ -72,8 +48,8 @@ def pieces(shape: str, backend: str):
                                  backend=backend)  # fmt: skip
 
     calls = {
-        "step": (lambda _: torch.autograd.grad(forward(), inputs, dout), None),
-        "forward": (lambda _: forward(), None),
+        "step": lambda: torch.autograd.grad(forward(), inputs, dout),
+        "forward": forward,
         "backward": (lambda out: torch.autograd.grad(out, inputs, dout), forward),
     }
     calls.update(_forward_pieces(q, k, v, gate, tiling, topk, backend))
@@ -100,23 +76,19 @@ def _forward_pieces(q, k, v, gate, tiling, topk, backend):
     layout = layout_from_selection(selection, valid, 64, all_full=False, forward_split=split)
     fine, _ = chosen.forward(*pooled[3:], layout, scale)
 
-    def select(_):
+    def select():
         with torch.no_grad():
             stage.selection(pooled[0], pooled[1], valid, topk, None)
 
     return {
-        "fwd_pool_and_clean": (
-            lambda _: stage.pool_and_clean(q, k, v, valid, clean, padding),
-            None,
+        "fwd_pool_and_clean": lambda: stage.pool_and_clean(q, k, v, valid, clean, padding),
+        "fwd_coarse_attention": lambda: ops._coarse_attention(
+            *pooled[:3], valid, scale, False, False
         ),
-        "fwd_coarse_attention": (
-            lambda _: ops._coarse_attention(*pooled[:3], valid, scale, False, False),
-            None,
-        ),
-        "fwd_selection": (select, None),
-        "fwd_layout": (lambda _: layout_from_selection(selection, valid, 64, all_full=False), None),
-        "fwd_fine": (lambda _: chosen.forward(*pooled[3:], layout, scale), None),
-        "fwd_combine": (lambda _: stage.combine(fine, coarse, gate, valid, True, padding), None),
+        "fwd_selection": select,
+        "fwd_layout": lambda: layout_from_selection(selection, valid, 64, all_full=False),
+        "fwd_fine": lambda: chosen.forward(*pooled[3:], layout, scale),
+        "fwd_combine": lambda: stage.combine(fine, coarse, gate, valid, True, padding),
     }
 
 
@@ -155,17 +127,17 @@ def _fa4_backward_pieces(q, k, v, dout, tiling, topk):
     grads = [torch.empty_like(t) for t in (q, k, v)]
     print(f"{q.shape}: {chunks} head chunk(s)", file=sys.stderr)
 
-    def lists_all_heads(_):
+    def lists_all_heads():
         backward_lists(layout.kv_indices, layout.kv_counts, valid_c, 64, True, rotate_sms=rotate)
 
-    def run_backward_all_heads(_):
+    def run_backward_all_heads():
         launch.run_backward(dout, q, k, v, out, lse, *grads, bw_lists, valid_c, scale, (64, 64))
 
     return {
-        f"fa4_backward_impl_{chunks}_chunks": (lambda _: fa4_ops.backward_impl(*args), None),
-        "fa4_backward_impl_one_chunk": (lambda _: one_chunk(), None),
-        "fa4_backward_lists_all_heads": (lists_all_heads, None),
-        "fa4_run_backward_all_heads": (run_backward_all_heads, None),
+        f"fa4_backward_impl_{chunks}_chunks": lambda: fa4_ops.backward_impl(*args),
+        "fa4_backward_impl_one_chunk": one_chunk,
+        "fa4_backward_lists_all_heads": lists_all_heads,
+        "fa4_run_backward_all_heads": run_backward_all_heads,
     }
 
 
@@ -197,19 +169,12 @@ def main(argv=None) -> int:
     lines = []
     for shape in args.shapes:
         for backend in args.backends:
-            for name, (fn, setup) in pieces(shape, backend).items():
-                row = {"shape": shape, "backend": backend, "piece": name,
-                       "host_us": round(host_us(fn, args.reps, setup, busy=False), 1),
-                       "host_us_busy": round(host_us(fn, args.reps, setup), 1)}  # fmt: skip
-                print(json.dumps(row), flush=True)
-                lines.append(json.dumps(row))
+            time_rows(shape, backend, pieces(shape, backend), args.reps, lines, cycles=BUSY_CYCLES)
             torch.cuda.empty_cache()
             status = json.dumps({"shape": shape, "backend": backend, **_replay_status()})
             print(status, flush=True)
             lines.append(status)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
+    write_lines(args.out, lines)
     return 0
 
 
