@@ -8,8 +8,9 @@ imports still ties the modules together (each needs the other to work), so it is
 
 The packages depend one way (ARCHITECTURE.md): vsa-triton -> vsa-core; vsa-fa4 -> vsa-core,
 vsa-triton and flash-attn-4-vsa (and upstream ``flash_attn``, which the fork builds on);
-flash-attn-4-vsa -> upstream ``flash_attn`` only; vsa-core -> torch and the standard library only. The pin tools
-(tools/fa4-pin, never published) may import the fork and upstream; no package imports them.
+flash-attn-4-vsa -> upstream ``flash_attn`` only; vsa-core -> torch and the standard library
+only. The pin tools (tools/fa4-pin, never published) may import the fork and upstream; no
+package imports them.
 """
 
 from __future__ import annotations
