@@ -315,6 +315,27 @@ def test_sm90_kv64_backward_runs_on_the_fork(block_shape, head_dim):
     check_backward(torch.autograd.grad(out, (q, k, v), dout), ref_grads)
 
 
+@pytest.mark.parametrize("block_shape", [(64, 64), (128, 128)], ids=["64x64", "128x128"])
+def test_backward_in_head_chunks_matches_the_reference(block_shape, monkeypatch):
+    """A backward whose float32 dQ accumulator exceeds `ops.DQ_ACCUM_BUDGET_BYTES` runs in
+    head chunks (Wan 720p: four): here a budget of three heads' accumulator makes chunks of
+    3 and 1 heads, each launched on head-sliced views of every tensor (strided, offset), and
+    the gradients still match the reference (the chunks of one size replay one record)."""
+    if _refusal(block_shape, grad=True) is not None:
+        pytest.skip(f"fa4 refuses training here: {_refusal(block_shape, grad=True)}")
+    layout = make_layout(block_shape)
+    q, k, v = make_inputs(layout)
+    per_head = layout.batch * layout.q_len * q.shape[-1] * 4
+    monkeypatch.setattr(ops, "DQ_ACCUM_BUDGET_BYTES", 3 * per_head)
+    assert len(ops.head_chunks(layout.batch, HEADS, layout.q_len, q.shape[-1])) == 2
+    for seed in range(3):  # the third call of a description replays its launch
+        out, _ = block_sparse_attn(q, k, v, layout, backend="fa4")
+        dout = torch.randn(out.shape, device="cuda", dtype=out.dtype,
+                           generator=torch.Generator(device="cuda").manual_seed(seed))  # fmt: skip
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        check_backward(grads, reference(q, k, v, layout, dout)[2])
+
+
 @pytest.mark.parametrize("block_shape", [(64, 64), (128, 128), (256, 256)], ids=str)
 def test_layouts_without_partial_blocks_run_without_mask_mod(block_shape):
     """A layout whose key blocks are all full (known on the host) skips the mask_mod; the
