@@ -12,7 +12,9 @@ previous ones run) and with it idle, medians over ``--reps``:
   ``DQ_ACCUM_BUDGET_BYTES``) and with one chunk of all heads, then one chunk's backward lists
   and ``launch.run_backward`` on prebuilt lists.
 
-One JSON line per (shape, backend, piece). ::
+One JSON line per (shape, backend, piece), then one with the replay status (and with
+``--trace DIR`` the launch calls of one forward and one backward, whose torch.profiler tables
+go to DIR). ::
 
     python3 -m research.op_host_train --shapes wan480p wan720p --out $OUT/train_pieces.jsonl
 """
@@ -158,6 +160,37 @@ def _replay_status() -> dict[str, int]:
     return status
 
 
+def trace(shape: str, backend: str, out_dir: str, rows: int = 40) -> dict[str, int]:
+    """One training step's forward and backward under torch.profiler (host and CUDA runtime
+    events): per phase, a table of host operations by their own time in ``out_dir`` and the
+    number of launch calls (what the pieces timed alone may miss: the op's forward took 2.4x
+    its pieces' sum on session 24's host)."""
+    from pathlib import Path
+
+    from torch.profiler import ProfilerActivity, profile
+
+    calls = pieces(shape, backend)
+    forward, (backward, setup) = calls["forward"], calls["backward"]
+    for _ in range(3):
+        backward(setup())
+    torch.cuda.synchronize()
+    counts = {}
+    for phase in ("forward", "backward"):
+        out = setup() if phase == "backward" else None
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            forward() if phase == "forward" else backward(out)
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
+        path = Path(out_dir) / f"{shape}-{backend}-{phase}.txt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(table)
+        counts[f"{phase}_launches"] = sum(
+            e.count for e in prof.key_averages() if "LaunchKernel" in e.key or "cuLaunch" in e.key
+        )
+    return counts
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", nargs="*", default=["wan480p", "wan720p"],
@@ -165,13 +198,16 @@ def main(argv=None) -> int:
     parser.add_argument("--backends", nargs="*", default=["fa4", "triton"])
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--out")
+    parser.add_argument("--trace", metavar="DIR", help="also write torch.profiler tables here")
     args = parser.parse_args(argv)
     lines = []
     for shape in args.shapes:
         for backend in args.backends:
             time_rows(shape, backend, pieces(shape, backend), args.reps, lines, cycles=BUSY_CYCLES)
             torch.cuda.empty_cache()
-            status = json.dumps({"shape": shape, "backend": backend, **_replay_status()})
+            launches = trace(shape, backend, args.trace) if args.trace else {}
+            status = {"shape": shape, "backend": backend, **_replay_status(), **launches}
+            status = json.dumps(status)
             print(status, flush=True)
             lines.append(status)
     write_lines(args.out, lines)
