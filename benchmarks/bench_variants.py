@@ -9,10 +9,11 @@ run (the before and after of a change, at the same clock).
   reads raster rows (``copy_to_tiles=False``), then combines in a separate in-place pass.
 - ``fa4_unfused``: the fa4 backend without its fused combine (the 64x64 forward's combined
   epilogue, `flash_attn_vsa.combine_sm90`): the forward, then the coarse stage's combine pass.
-- ``fa4_own_lists``: the fa4 backend with ``reads_forward_split`` off: in inference its
-  combined forward splits the lists by key-tile fullness with its own list kernel instead of
-  reading the `vsa_core.layout.ForwardSplit` the coarse stage's selection kernel writes (the
-  op's path before that was turned on: one launch and four allocations more a call).
+- ``fa4_own_lists``: the fa4 backend with ``reads_forward_split`` off: its forward (combined
+  in inference, with lse in training) splits the lists by key-tile fullness with its own list
+  kernel instead of reading the `vsa_core.layout.ForwardSplit` the coarse stage's selection
+  kernel writes (the op's path before that was turned on, in inference in session 21 and in
+  training in session 24: one launch and four allocations more a call).
 - ``fa4_sdpa_coarse``: the fa4 backend as shipped, with the coarse stage's attention and
   selection as two launches (SDPA, then the selection kernel: `CoarseStage.select_and_attend`'s
   default) instead of the Triton stage's one (its ``ATTEND`` phase): the op's path before

@@ -615,15 +615,16 @@ def test_op_asks_a_fusing_backend_for_the_combined_forward_only_in_tile_order_in
 
 @pytest.mark.parametrize(
     ("latent", "grad", "asks"),
-    [((5, 6, 7), False, True), ((5, 6, 7), True, False), ((4, 6, 8), False, False)],
-)
+    [((5, 6, 7), False, True), ((5, 6, 7), True, True), ((4, 6, 8), False, False),
+     ((4, 6, 8), True, False)],
+)  # fmt: skip
 def test_op_asks_the_coarse_stage_for_the_split_lists_a_backend_reads(
     fresh_registry, monkeypatch, latent, grad, asks
 ):
     """A backend that reads a layout's `ForwardSplit` (``reads_forward_split``) gets it from
-    the coarse stage's own selection pass (`CoarseStage.select_split`) in inference on a
-    latent with partial tiles; in training, or on a tile-aligned latent (no partial blocks),
-    the op selects as before and attaches none."""
+    the coarse stage's own selection pass (`CoarseStage.select_split`) on a latent with
+    partial tiles, in inference (its combined forward) and in training (its forward); on a
+    tile-aligned latent (no partial blocks) the op selects as before and attaches none."""
     from vsa_core.backends import register_backend
     from vsa_core.coarse import TorchCoarse
     from vsa_core.layout import ForwardSplit
@@ -631,18 +632,21 @@ def test_op_asks_the_coarse_stage_for_the_split_lists_a_backend_reads(
     backend = _FusingRecorder.make()
     type(backend).reads_forward_split = True
     seen, asked = [], []
-    forward_combined = backend.forward_combined
 
-    def recording(q, k, v, layout, *rest):
-        seen.append(layout.forward_split)
-        return forward_combined(q, k, v, layout, *rest)
+    def recording(method):
+        def record(q, k, v, layout, *rest):
+            seen.append(layout.forward_split)
+            return method(q, k, v, layout, *rest)
+
+        return record
 
     def select_split(self, q_pooled, k_pooled, valid_sizes, topk, kv_tile):
         asked.append(kv_tile)
         indices = self.select(q_pooled, k_pooled, valid_sizes, topk)
         return indices, ForwardSplit(indices, indices[..., 0], indices, indices[..., 0])
 
-    monkeypatch.setattr(backend, "forward_combined", recording)
+    for name in ("forward", "forward_combined"):
+        monkeypatch.setattr(backend, name, recording(getattr(backend, name)))
     monkeypatch.setattr(TorchCoarse, "select_split", select_split)
     register_backend(backend)
     tiling = VideoTiling(latent, tile_shape=(2, 2, 2))

@@ -386,6 +386,45 @@ def test_video_sparse_attn_inference_with_partial_tiles():
     assert rel_l2(gated, gated_ref) <= 1e-2
 
 
+def test_video_sparse_attn_training_with_partial_tiles_reads_the_split_lists(monkeypatch):
+    """Training on a latent with partial tiles: fa4's forward reads the selection kernel's
+    split lists (no list split of its own, session 24) over three calls (compiled, recorded,
+    replayed), and out and the gradients of q, k, v and the gate match the reference op's
+    (the same selection: same bf16 inputs, same coarse stage)."""
+    if _refusal((64, 64), grad=True) is not None:
+        pytest.skip(f"fa4 refuses 64x64 training: {_refusal((64, 64), grad=True)}")
+    splits = []
+    own_split = ops.forward_lists
+
+    def spy(*args, **kwargs):
+        splits.append(args)
+        return own_split(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "forward_lists", spy)
+    tiling = VideoTiling((5, 18, 30), tile_shape=(4, 4, 4))  # partial tiles on every axis
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def leaves():
+        x = torch.randn(
+            1, tiling.seq_len, 4, 128, device="cuda", generator=gen, dtype=torch.bfloat16
+        )
+        return tiling.to_tiles(x).requires_grad_()
+
+    for _ in range(3):
+        q, k, v, gate = leaves(), leaves(), leaves(), leaves()
+        dout = torch.randn_like(q)
+        got, want = (
+            video_sparse_attn(q, k, v, tiling=tiling, topk=7, backend=name, coarse_gate=gate)
+            for name in ("fa4", "reference")
+        )
+        grads = torch.autograd.grad(got, (q, k, v, gate), dout)
+        ref_grads = torch.autograd.grad(want, (q, k, v, gate), dout)
+        assert rel_l2(got, want) <= 1e-2
+        for name, a, b in zip(("dq", "dk", "dv", "dgate"), grads, ref_grads, strict=True):
+            assert torch.isfinite(a).all() and rel_l2(a, b) <= 1e-2, (name, rel_l2(a, b))
+    assert not splits, "fa4's forward split the lists itself"
+
+
 @pytest.mark.skipif(
     not torch.cuda.is_available() or _capability() != (9, 0), reason="the fork's kernels: sm_90"
 )

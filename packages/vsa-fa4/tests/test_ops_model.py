@@ -456,3 +456,54 @@ def test_combined_forward_reads_the_coarse_stages_split_lists(fa4_model, monkeyp
     shipped, unpacked = seen
     assert shipped.mask_block_idx is split.partial_idx and shipped.full_block_idx is split.full_idx
     assert not isinstance(unpacked, metadata.PackedSparseLists)
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "custom-op"])
+def test_training_forward_reads_the_split_lists_and_does_not_keep_them(
+    fa4_model, monkeypatch, eager
+):
+    """In training too the 64x64 forward hands the kernel a layout's `ForwardSplit` as its
+    packed lists; out, lse and the gradients stay the reference's, and the autograd graph
+    keeps none of the split's tensors (the backward builds its own lists from the plain ones:
+    holding the split would keep it alive until then). Eagerly (`EagerOrOp`'s autograd
+    function) and through the custom op's registered autograd."""
+    import gc
+    import weakref
+
+    from vsa_core.layout import ForwardSplit
+
+    seen = []
+    original = fa4_model.run_forward
+
+    def spy(*args, **kwargs):
+        seen.append(args[5])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(launch, "run_forward", spy)
+    if not eager:  # what torch.compile traces: the op itself, with its registered autograd
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    layout = counted_layout((64, 64))
+    packed = metadata.forward_lists(
+        layout.kv_indices, layout.kv_counts, layout.kv_valid_sizes, 64, pack_valid=True
+    )
+    split = ForwardSplit(packed.full_block_idx.clone(), packed.full_block_cnt.clone(),
+                         packed.mask_block_idx.clone(), packed.mask_block_cnt.clone())  # fmt: skip
+    watched = [weakref.ref(t) for t in split]
+    plan = make_plan(layout.block_shape, layout.q_group_size, layout.num_q_blocks)
+    q, k, v = inputs(layout)
+    scale = DIM**-0.5
+    out, lse = ops.attention(
+        q, k, v, layout.kv_indices, layout.kv_counts, layout.kv_valid_sizes, scale, plan,
+        layout.q_group_size, layout.kv_blocks_full, launch.SHIPPED, split,
+    )  # fmt: skip
+    (lists,) = seen
+    assert lists.mask_block_idx is split.partial_idx and lists.full_block_idx is split.full_idx
+    del split, lists, seen[:]
+    gc.collect()
+    assert all(ref() is None for ref in watched), "the autograd graph keeps the split lists"
+    assert isinstance(out.grad_fn, torch.autograd.graph.Node)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(2), dtype=out.dtype)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    ref, ref_lse = reference_block_sparse_attn(q, k, v, layout, scale)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), dout)
+    assert_close((out, lse, *grads), (ref, ref_lse, *ref_grads))

@@ -145,11 +145,12 @@ session24)
       "step pieces 40 python3 -m research.op_host_pieces --shapes wan480p --backends fa4 --reps 30 --out \$OUT/pieces.jsonl"
     ;;
   profile)
-    # the chunked backward's split views (session 24, not yet run on a GPU), the op's device
+    # session 24's changes not yet run on a GPU (the chunked backward's split views, training
+    # on the selection's split lists), the training forward's host trace, the op's device
     # time split inside / outside the fine kernels (Wan 480p, fa4), and the kernel API's host
     # time over a raw FA4 call (64x64, S=32768, H=12)
     bash benchmarks/gpu_sitting.sh \
-      "step chunks 90 python3 -m pytest -q -p no:warnings -m gpu packages/vsa-fa4/tests/test_gpu.py -k head_chunks" \
+      "step chunks 150 python3 -m pytest -q -p no:warnings -m gpu packages/vsa-fa4/tests/test_gpu.py -k 'head_chunks or training_with_partial or replay'" \
       "step trace 120 python3 -m research.op_host_train --shapes wan480p --backends fa4 --reps 9 --trace \$OUT/trace --out \$OUT/train_pieces.jsonl" \
       "step profile 120 python3 benchmarks/profile_video_op.py --shape wan480p --backends fa4 --modes fwd fwd+bwd --calls 3 --out \$OUT/profile" \
       "step overhead 100 python3 -m research.fa4_adapter.bench_fa4_overhead --block-shapes 64x64 --reps 20 --out \$OUT/bench_fa4_overhead-64x64.json"

@@ -234,7 +234,9 @@ def video_sparse_attn(
             q, k, v, valid_sizes, clean, _padding_index(tiling, q.device)
         )
     combined = not training and chosen.fuses_combine and (slot_rows is not None or not raster)
-    reads_split = combined and chosen.reads_forward_split and not all_full
+    # the backend's forward reads the selection's split lists (tile-order q, k, v: not raster
+    # rows), in inference and training alike
+    reads_split = chosen.reads_forward_split and not all_full and slot_rows is None
     split_tile = tile_tokens if reads_split else None  # the backend's split, same pass
     # every tile of a VideoTiling holds a real token; user valid sizes may hold 0
     if not training and not deterministic:  # no gradient: attention and selection together

@@ -142,12 +142,14 @@ class FA4Backend(Backend):
     key_padding_safe: ClassVar[bool] = False  # see the module doc
     handles_deterministic: ClassVar[bool] = True  # forward only: see the module doc
     fuses_combine: ClassVar[bool] = True  # in the 64x64 forward's epilogue, else a second pass
-    # The combined 64x64 forward reads a layout's ForwardSplit, written by the coarse stage's
-    # selection pass: one list launch fewer a call. H200, 2026-12-02, bench_video (results
-    # 2026-12-02-h200-bench_video-{presplit,attend}): Wan 480p forward once 2.0% and 3.4%
-    # faster, back to back equal; Wan 720p -1.6% in the first run (before the selection kernel
-    # computed the coarse attention), +0.5% once and equal back to back in the second. The
-    # benchmark variant fa4_own_lists (benchmarks/bench_variants.py) keeps the old path.
+    # The 64x64 forward (combined in inference, with lse in training) reads a layout's
+    # ForwardSplit, written by the coarse stage's selection pass: one list launch fewer a
+    # call (in training since session 24, not yet timed on a GPU there). H200, 2026-12-02,
+    # bench_video (results 2026-12-02-h200-bench_video-{presplit,attend}), inference: Wan 480p
+    # forward once 2.0% and 3.4% faster, back to back equal; Wan 720p -1.6% in the first run
+    # (before the selection kernel computed the coarse attention), +0.5% once and equal back
+    # to back in the second. The benchmark variant fa4_own_lists (benchmarks/bench_variants.py)
+    # keeps the old path.
     reads_forward_split: ClassVar[bool] = True
 
     def __init__(
@@ -248,7 +250,7 @@ class FA4Backend(Backend):
         )  # fmt: skip
         return attention(
             q, k, v, layout.kv_indices, layout.kv_counts, layout.kv_valid_sizes, scale, plan,
-            layout.q_group_size, layout.kv_blocks_full, self.kernels,
+            layout.q_group_size, layout.kv_blocks_full, self.kernels, layout.forward_split,
         )  # fmt: skip
 
     def forward_combined(self, q, k, v, layout, scale, coarse, gate, slot_rows=None):

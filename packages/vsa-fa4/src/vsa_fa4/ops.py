@@ -73,6 +73,14 @@ def _lists_for(q, kv_indices, kv_counts, kv_valid_sizes, block_size, masked, var
     return _forward_lists(kv_indices, kv_counts, kv_valid_sizes, block_size[1], masked, pack)
 
 
+def _given_split(split: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor, ...] | None:
+    """The four ``split_*`` tensors of an op's call, or None when none is given."""
+    given = sum(t is not None for t in split)
+    if given not in (0, 4):
+        raise ValueError("give all four split_* tensors or none")
+    return split if given else None
+
+
 def forward_impl(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -85,18 +93,25 @@ def forward_impl(
     kv_tile: int,
     masked: bool = True,
     kernels: str = "",
+    split_full_idx: torch.Tensor | None = None,
+    split_full_cnt: torch.Tensor | None = None,
+    split_partial_idx: torch.Tensor | None = None,
+    split_partial_cnt: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """FA4 block-sparse forward on [B, S, H, D] views with physical ``q_tile`` x ``kv_tile``
     lists ([B, H, Sq / q_tile, W] indices, [B, H, Sq / q_tile] counts, [Skv / kv_tile] valid
     sizes). ``masked=False`` promises that no key block is partial (no mask_mod compiled in).
     Returns (out [B, Sq, H, D], lse [B, H, Sq] float32, natural log, -inf for rows that see
     no key). ``kernels``: the fork kernels to run (`vsa_fa4.launch.KernelChoice.encode`; ""
-    for the shipped ones). The body of ``torch.ops.vsa_fa4.fwd`` (`block_sparse_fwd`); the
+    for the shipped ones). ``split_*``: the lists' `vsa_core.layout.ForwardSplit` (all four or
+    none), as for `forward_combined_impl`; the backward never reads them (the op's autograd
+    keeps none of them). The body of ``torch.ops.vsa_fa4.fwd`` (`block_sparse_fwd`); the
     compile gate calls it directly, since under a fake tensor mode the op would run its fake."""
     out, lse = _bshd(q, v.shape[-1]), _lse(q)
     variant = launch.KernelChoice.decode(kernels).forward
+    split = _given_split((split_full_idx, split_full_cnt, split_partial_idx, split_partial_cnt))
     lists = _lists_for(q, kv_indices, kv_counts, kv_valid_sizes, (q_tile, kv_tile), masked,
-                       variant)  # fmt: skip
+                       variant, split)  # fmt: skip
     launch.run_forward(
         q, k, v, out, lse, lists, kv_valid_sizes.contiguous(), scale, (q_tile, kv_tile), masked,
         variant=variant,
@@ -110,7 +125,8 @@ block_sparse_fwd = torch.library.custom_op("vsa_fa4::fwd", forward_impl, mutates
 @block_sparse_fwd.register_fake
 def _(
     q, k, v, kv_indices, kv_counts, kv_valid_sizes, scale, q_tile, kv_tile, masked=True,
-    kernels="",
+    kernels="", split_full_idx=None, split_full_cnt=None, split_partial_idx=None,
+    split_partial_cnt=None,
 ):  # fmt: skip
     return _bshd(q, v.shape[-1]), _lse(q)
 
@@ -141,12 +157,9 @@ def forward_combined_impl(
     body of ``torch.ops.vsa_fa4.fwd_combined``."""
     out = _bshd(q, v.shape[-1])
     variant = launch.KernelChoice.decode(kernels).forward
-    split = (split_full_idx, split_full_cnt, split_partial_idx, split_partial_cnt)
-    given = sum(t is not None for t in split)
-    if given not in (0, 4):
-        raise ValueError("give all four split_* tensors or none")
+    split = _given_split((split_full_idx, split_full_cnt, split_partial_idx, split_partial_cnt))
     lists = _lists_for(q, kv_indices, kv_counts, kv_valid_sizes, (64, 64), masked, variant,
-                       split if given else None)  # fmt: skip
+                       split)  # fmt: skip
     launch.run_forward(
         q, k, v, out, None, lists, kv_valid_sizes.contiguous(), scale, (64, 64), masked,
         variant=variant, combine=(coarse, gate),
@@ -248,8 +261,14 @@ def _(
     return _bshd(q, q.shape[-1]), _bshd(k, k.shape[-1]), _bshd(v, v.shape[-1])
 
 
-register_block_sparse_autograd(block_sparse_fwd, block_sparse_bwd)
-_eager_or_op = block_sparse_eager(block_sparse_fwd, forward_impl, backward_impl)
+SPLIT_INPUTS = 4
+"""The forward op's last inputs, the ``split_*`` tensors: forward only (`vsa_core.backends.
+custom_ops`' ``forward_only``): the backward neither takes nor keeps them."""
+
+register_block_sparse_autograd(block_sparse_fwd, block_sparse_bwd, forward_only=SPLIT_INPUTS)
+_eager_or_op = block_sparse_eager(
+    block_sparse_fwd, forward_impl, backward_impl, forward_only=SPLIT_INPUTS
+)
 
 
 def attention(
@@ -264,20 +283,31 @@ def attention(
     q_group_size: int = 1,
     kv_blocks_full: bool = False,
     kernels: launch.KernelChoice = launch.SHIPPED,
+    forward_split: ForwardSplit | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Block-sparse attention of a logical layout's lists under ``plan`` (BSHD views in and
     out). Plain tensor ops and the custom op only, so it traces whole under torch.compile; in
     eager mode the op's functions run without the custom-op dispatcher (`EagerOrOp`).
     ``kv_blocks_full`` (a layout's flag) drops the partial-block mask_mod from the kernels;
     ``kernels`` picks the fork kernels (`vsa_fa4.launch.KernelChoice`, default the shipped
-    ones)."""
+    ones); ``forward_split``: the lists' `ForwardSplit` (a layout's ``forward_split``), read
+    by the forward in place of its own split where the plan runs the logical blocks as they
+    are and its kernel reads valid sizes in the list entries."""
     kv_indices, kv_counts, kv_valid_sizes = physical_lists(
         kv_indices, kv_counts, kv_valid_sizes, plan, q_group_size
     )
     return _eager_or_op(
         q, k, v, kv_indices, kv_counts, kv_valid_sizes, scale, plan.q_tile, plan.kv_tile,
-        not kv_blocks_full, kernels.encode(),
+        not kv_blocks_full, kernels.encode(), *_split_for(plan, forward_split),
     )  # fmt: skip
+
+
+def _split_for(plan: Plan, forward_split: ForwardSplit | None) -> tuple[torch.Tensor | None, ...]:
+    """The ``split_*`` inputs of an op call under ``plan``: the split's tensors where its
+    physical lists are the logical ones it was written for, else four Nones."""
+    if forward_split is None or tuple(plan.logical) != plan.block_size:
+        return (None,) * SPLIT_INPUTS
+    return tuple(forward_split)
 
 
 _combined_eager_or_op = EagerOrOp(block_sparse_fwd_combined, forward_combined_impl)
@@ -311,11 +341,9 @@ def attention_combined(
         kv_indices, kv_counts, kv_valid_sizes = physical_lists(
             kv_indices, kv_counts, kv_valid_sizes, plan, q_group_size
         )
-        as_logical = tuple(plan.logical) == plan.block_size  # the physical lists are these
-        split = tuple(forward_split) if forward_split is not None and as_logical else ()
         return _combined_eager_or_op(
             q, k, v, kv_indices, kv_counts, kv_valid_sizes, coarse, gate, scale,
-            not kv_blocks_full, kernels.encode(), *split,
+            not kv_blocks_full, kernels.encode(), *_split_for(plan, forward_split),
         )  # fmt: skip
     out, _ = attention(
         q, k, v, kv_indices, kv_counts, kv_valid_sizes, scale, plan, q_group_size,

@@ -126,11 +126,11 @@ class Backend:
     the fine attention's own epilogue, for calls without gradients (in tile order, and in
     raster order too when ``reads_raster``)."""
     reads_forward_split: ClassVar[bool] = False
-    """True when `forward_combined` uses a layout's ``forward_split`` (its lists split by
-    key-block fullness, `vsa_core.layout.ForwardSplit`) where one is attached:
+    """True when `forward` and `forward_combined` use a layout's ``forward_split`` (its lists
+    split by key-block fullness, `vsa_core.layout.ForwardSplit`) where one is attached:
     `video_sparse_attn` then asks the coarse stage to write it while it selects
-    (`CoarseStage.select_split`) for its inference calls with partial tiles, so the backend
-    runs no split pass of its own."""
+    (`CoarseStage.select_split`) for its tile-order calls with partial tiles, inference and
+    training, so the backend runs no split pass of its own."""
 
     def supports(self, call: AttentionCall) -> str | None:
         """Return None when this backend can run ``call``, else the reason it cannot."""

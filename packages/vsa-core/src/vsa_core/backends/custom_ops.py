@@ -7,7 +7,10 @@ returns ``(dq, dk, dv)``, where ``extra`` are further non-tensor arguments of th
 (passed through unchanged). An op may take further tensors right after ``kv_valid_sizes``
 (``saved_inputs`` counts the tensor inputs, 6 by default): they are saved and passed to the
 backward in the same place (``(dout, q, k, v, out, lse, kv_indices, kv_counts, kv_valid_sizes,
-*more_tensors, scale, ...)``). `register_block_sparse_autograd` connects the two: it saves
+*more_tensors, scale, ...)``). Its last ``forward_only`` inputs (0 by default) serve the
+forward alone: they are neither kept for the backward nor passed to it (fa4's forward takes
+the coarse stage's split lists there, which its backward does not read; keeping them would
+hold them until the backward). `register_block_sparse_autograd` connects the two: it saves
 what the backward needs and marks ``lse`` non-differentiable (no backend propagates a gradient
 through it, so a gradient there would otherwise be dropped silently).
 
@@ -28,32 +31,34 @@ NUM_QKV = 3
 NUM_SAVED_INPUTS = 6  # q, k, v, kv_indices, kv_counts, kv_valid_sizes
 
 
-def _save(ctx, inputs, output, saved_inputs: int = NUM_SAVED_INPUTS) -> None:
+def _save(ctx, inputs, output, saved_inputs: int = NUM_SAVED_INPUTS, forward_only: int = 0):
     q, k, v, *lists = inputs[:saved_inputs]  # kv_indices, kv_counts, kv_valid_sizes, *more
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, *lists)
-    ctx.attrs = tuple(inputs[saved_inputs:])  # scale, q_block, kv_block, *extra
-    ctx.saved_inputs = saved_inputs
+    # scale, q_block, kv_block, *extra; the last ``forward_only`` inputs are not kept
+    ctx.attrs = tuple(inputs[saved_inputs : len(inputs) - forward_only])
+    ctx.num_inputs = len(inputs)
     ctx.mark_non_differentiable(lse)
 
 
 def _gradients(ctx, dout, backward: Callable) -> tuple:
     saved = ctx.saved_tensors  # q, k, v, out, lse, kv_indices, kv_counts, kv_valid_sizes, ...
     dq, dk, dv = backward(dout, *saved, *ctx.attrs)
-    return dq, dk, dv, *([None] * (ctx.saved_inputs - NUM_QKV + len(ctx.attrs)))
+    return dq, dk, dv, *([None] * (ctx.num_inputs - NUM_QKV))
 
 
 def register_block_sparse_autograd(
-    forward_op, backward_op: Callable, saved_inputs: int = NUM_SAVED_INPUTS
-) -> None:
+    forward_op, backward_op: Callable, saved_inputs: int = NUM_SAVED_INPUTS,
+    forward_only: int = 0,
+) -> None:  # fmt: skip
     """Register autograd for ``forward_op`` (a `torch.library.custom_op`) via ``backward_op``
-    (``saved_inputs``: see the module doc)."""
+    (``saved_inputs``, ``forward_only``: see the module doc)."""
 
     def backward(ctx, dout, _dlse):
         return _gradients(ctx, dout, backward_op)
 
     def setup_context(ctx, inputs, output):
-        _save(ctx, inputs, output, saved_inputs)
+        _save(ctx, inputs, output, saved_inputs, forward_only)
 
     forward_op.register_autograd(backward, setup_context=setup_context)
 
@@ -90,6 +95,7 @@ def block_sparse_eager(
     forward_impl: Callable,
     backward_impl: Callable,
     saved_inputs: int = NUM_SAVED_INPUTS,
+    forward_only: int = 0,
 ) -> EagerOrOp:
     """`EagerOrOp` of a block-sparse forward op (see module doc) whose eager backward calls
     ``backward_impl`` directly."""
@@ -98,7 +104,7 @@ def block_sparse_eager(
         @staticmethod
         def forward(ctx, *inputs):
             output = forward_impl(*inputs)
-            _save(ctx, inputs, output, saved_inputs)
+            _save(ctx, inputs, output, saved_inputs, forward_only)
             return output
 
         @staticmethod
