@@ -420,27 +420,39 @@ def test_run_forward_refuses_valid_sizes_in_lists_where_no_kernel_reads_them(blo
         )
 
 
-def test_combined_forward_reads_the_coarse_stages_split_lists(fa4_model, monkeypatch):
-    """With a layout's `ForwardSplit` (written by the coarse stage while it selects) the
-    combined 64x64 forward hands the kernel those very tensors as its packed lists (no split
-    of its own) and the output stays the reference's; a variant that reads plain lists splits
-    them itself."""
-    from vsa_core.layout import ForwardSplit
-
+def spy_lists(monkeypatch, model) -> list:
+    """The lists each `launch.run_forward` call gets, in order (the model runs the call)."""
     seen = []
-    original = fa4_model.run_forward
+    original = model.run_forward
 
     def spy(*args, **kwargs):
         seen.append(args[5])
         return original(*args, **kwargs)
 
     monkeypatch.setattr(launch, "run_forward", spy)
-    layout = counted_layout((64, 64))
+    return seen
+
+
+def coarse_stage_split(layout):
+    """The `ForwardSplit` the coarse stage would attach to ``layout`` (64-token key tiles):
+    its lists split by fullness, partial entries with their valid sizes (new tensors)."""
+    from vsa_core.layout import ForwardSplit
+
     packed = metadata.forward_lists(
         layout.kv_indices, layout.kv_counts, layout.kv_valid_sizes, 64, pack_valid=True
     )
-    split = ForwardSplit(packed.full_block_idx, packed.full_block_cnt, packed.mask_block_idx,
-                         packed.mask_block_cnt)  # fmt: skip
+    return ForwardSplit(packed.full_block_idx, packed.full_block_cnt, packed.mask_block_idx,
+                        packed.mask_block_cnt)  # fmt: skip
+
+
+def test_combined_forward_reads_the_coarse_stages_split_lists(fa4_model, monkeypatch):
+    """With a layout's `ForwardSplit` (written by the coarse stage while it selects) the
+    combined 64x64 forward hands the kernel those very tensors as its packed lists (no split
+    of its own) and the output stays the reference's; a variant that reads plain lists splits
+    them itself."""
+    seen = spy_lists(monkeypatch, fa4_model)
+    layout = counted_layout((64, 64))
+    split = coarse_stage_split(layout)
     plan = make_plan(layout.block_shape, layout.q_group_size, layout.num_q_blocks)
     q, k, v, coarse, gate = combined_inputs(layout, "token")
     scale = DIM**-0.5
@@ -470,24 +482,11 @@ def test_training_forward_reads_the_split_lists_and_does_not_keep_them(
     import gc
     import weakref
 
-    from vsa_core.layout import ForwardSplit
-
-    seen = []
-    original = fa4_model.run_forward
-
-    def spy(*args, **kwargs):
-        seen.append(args[5])
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(launch, "run_forward", spy)
+    seen = spy_lists(monkeypatch, fa4_model)
     if not eager:  # what torch.compile traces: the op itself, with its registered autograd
         monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     layout = counted_layout((64, 64))
-    packed = metadata.forward_lists(
-        layout.kv_indices, layout.kv_counts, layout.kv_valid_sizes, 64, pack_valid=True
-    )
-    split = ForwardSplit(packed.full_block_idx.clone(), packed.full_block_cnt.clone(),
-                         packed.mask_block_idx.clone(), packed.mask_block_cnt.clone())  # fmt: skip
+    split = coarse_stage_split(layout)
     watched = [weakref.ref(t) for t in split]
     plan = make_plan(layout.block_shape, layout.q_group_size, layout.num_q_blocks)
     q, k, v = inputs(layout)
