@@ -160,16 +160,16 @@ def _replay_status() -> dict[str, int]:
     return status
 
 
-def trace(shape: str, backend: str, out_dir: str, rows: int = 40) -> dict[str, int]:
-    """One training step's forward and backward under torch.profiler (host and CUDA runtime
-    events): per phase, a table of host operations by their own time in ``out_dir`` and the
-    number of launch calls (what the pieces timed alone may miss: the op's forward took 2.4x
-    its pieces' sum on session 24's host)."""
+def trace(shape: str, backend: str, calls: dict, out_dir: str, rows: int = 40) -> dict[str, int]:
+    """One training step's forward and backward (``calls``: `pieces`' for this shape and
+    backend) under torch.profiler (host and CUDA runtime events): per phase, a table of host
+    operations by their own time in ``out_dir`` and the number of launch calls (what the
+    pieces timed alone may miss: the op's forward took 2.4x its pieces' sum on session 24's
+    host)."""
     from pathlib import Path
 
     from torch.profiler import ProfilerActivity, profile
 
-    calls = pieces(shape, backend)
     forward, (backward, setup) = calls["forward"], calls["backward"]
     for _ in range(3):
         backward(setup())
@@ -203,9 +203,11 @@ def main(argv=None) -> int:
     lines = []
     for shape in args.shapes:
         for backend in args.backends:
-            time_rows(shape, backend, pieces(shape, backend), args.reps, lines, cycles=BUSY_CYCLES)
+            calls = pieces(shape, backend)
+            time_rows(shape, backend, calls, args.reps, lines, cycles=BUSY_CYCLES)
+            launches = trace(shape, backend, calls, args.trace) if args.trace else {}
+            del calls
             torch.cuda.empty_cache()
-            launches = trace(shape, backend, args.trace) if args.trace else {}
             status = {"shape": shape, "backend": backend, **_replay_status(), **launches}
             status = json.dumps(status)
             print(status, flush=True)

@@ -99,6 +99,18 @@ def test_two_compiled_kernels_for_one_description_leave_it_to_triton(kernel):
     assert len(kernel.slow) == 5 and not kernel.direct
 
 
+def test_launches_directly_says_when_a_description_went_direct(kernel):
+    x = torch.zeros(64)
+    for call in range(launch_cache.ATTEMPTS + 1):
+        assert launch_cache.launches_directly(kernel) == (call == launch_cache.ATTEMPTS)
+        launch_cache.launch(kernel, (1,), x, 7, 0.5, True, BLOCK=64)
+    calls = iter(range(100))
+    kernel.split_by = lambda args, kwargs: (next(calls),)  # left to Triton for good
+    for _ in range(3):
+        launch_cache.launch(kernel, (1,), x, 8, 0.5, True, BLOCK=64)
+    assert launch_cache.launches_directly(kernel)  # the first description still goes direct
+
+
 def test_launch_hooks_and_undescribed_arguments_run_through_triton(kernel, monkeypatch):
     """An unhashable constexpr, a tensor subclass (its description would hold it), a hook."""
     x = torch.zeros(64)

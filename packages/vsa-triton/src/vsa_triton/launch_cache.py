@@ -152,6 +152,13 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> Non
         record.records[key] = compiled if seen[1] + 1 >= ATTEMPTS else (compiled, seen[1] + 1)
 
 
+def launches_directly(kernel: Any) -> bool:
+    """Whether some description of ``kernel``'s calls launches through the compiled kernel's
+    own launcher now (past its `ATTEMPTS`, not left to Triton)."""
+    records = _kernel(kernel).records.values()
+    return any(not isinstance(r, tuple) and r is not _TRITONS_OWN for r in records)
+
+
 def _run(compiled: Any, grid: tuple[int, ...], values: list[Any]) -> None:
     from triton.runtime import driver
 
