@@ -241,8 +241,9 @@ def _head_ranges(
     tensors: tuple[torch.Tensor, ...], chunks: list[slice]
 ) -> list[tuple[torch.Tensor, ...]]:
     """Per head range, the tensors' views over it: the tensors themselves for one range (all
-    heads), else one ``split`` per tensor (half the host time of a ``narrow`` per view: 57
-    against 115-143 us for Wan 720p's four ranges on this project's CPU machine)."""
+    heads), else one ``split`` per tensor (half the host time of a ``narrow`` per view: 56
+    against 117 us for Wan 720p's four ranges on this project's CPU machine,
+    `research.host_micro_cpu`)."""
     if len(chunks) == 1:
         return [tensors]
     sizes = [h.stop - h.start for h in chunks]
