@@ -25,6 +25,10 @@ run (the before and after of a change, at the same clock).
 - ``fa4_unpacked``: the fa4 backend whose 64x64 forward lists hold plain block ids, the mask
   loading the valid sizes (``ForwardVariant(valid_in_list=False)``: what ran before delta 10,
   `flash_attn_vsa.valid_in_list_sm90`, was shipped).
+- ``fa4_v_copy``: the fa4 backend whose 64x64 forward does not zero partial blocks' V padding
+  in shared memory (``ForwardVariant(zero_v_padding=False)``), so the ops hand it a copy of v
+  with zeroed padding in inference too: the op's path before delta 11
+  (`flash_attn_vsa.v_padding_sm90`).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ COPYING_TRITON = "triton_copies"
 UNFUSED_TRITON = "triton_unfused"
 UNFUSED_FA4 = "fa4_unfused"
 UNPACKED_FA4 = "fa4_unpacked"
+V_COPY_FA4 = "fa4_v_copy"
 OWN_LISTS_FA4 = "fa4_own_lists"
 SDPA_COARSE_FA4 = "fa4_sdpa_coarse"
 ATTEND_IN_LOOP_FA4 = "fa4_attend_in_loop"
@@ -41,6 +46,11 @@ SEPARATE_STAGE = "triton_separate_attention"
 ATTEND_IN_LOOP_STAGE = "triton_attend_in_loop"
 """The coarse stage `ATTEND_IN_LOOP_FA4` runs: the Triton stage with its attention inside the
 score loop."""
+_KERNEL_CHOICES = {
+    UNPACKED_FA4: {"valid_in_list": False},
+    V_COPY_FA4: {"zero_v_padding": False},
+}
+"""fa4 variants that are a kernel choice: `vsa_fa4.launch.ForwardVariant`'s fields."""
 _STAGE_OF = {SDPA_COARSE_FA4: SEPARATE_STAGE, ATTEND_IN_LOOP_FA4: ATTEND_IN_LOOP_STAGE}
 _SWITCHED_OFF = {
     COPYING_TRITON: ("triton", {"reads_raster": False, "fuses_combine": False}),
@@ -54,13 +64,13 @@ def register_variant(name: str) -> bool:
     """Register the variant called ``name`` (True), or do nothing for any other name (False)."""
     from vsa_core.backends import register_backend
 
-    if name == UNPACKED_FA4:  # a kernel choice: the backend's argument
+    if name in _KERNEL_CHOICES:  # a kernel choice: the backend's argument
         from vsa_fa4.backend import FA4Backend
         from vsa_fa4.launch import ForwardVariant, KernelChoice
 
-        unpacked = KernelChoice(ForwardVariant(valid_in_list=False))
+        choice = KernelChoice(ForwardVariant(**_KERNEL_CHOICES[name]))
         variant = type(name, (FA4Backend,), {"name": name, "priority": -1})
-        register_backend(variant(kernels=unpacked))
+        register_backend(variant(kernels=choice))
         return True
     if name in _STAGE_OF:  # fa4 as shipped beside a variant of the coarse stage
         _register_stage(_STAGE_OF[name])

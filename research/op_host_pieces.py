@@ -115,8 +115,8 @@ def pieces(shape: str, backend: str):
     scale = 128**-0.5
     valid = tiling.valid_sizes(q.device)
     stage = coarse_stage("auto", q)
-    chosen = ops._backend_for(q, k, v, (64, 64), 1, False, backend, False)
-    clean = ops._inputs_to_clean(False, False, chosen.key_padding_safe)
+    chosen, padding_as_is = ops._backend_for(q, k, v, (64, 64), 1, False, backend, False)
+    clean = ops._inputs_to_clean(False, False, padding_as_is)
     padding = ops._padding_index(tiling, q.device)
     pooled = stage.pool_and_clean(q, k, v, valid, clean, padding)
     coarse = ops._coarse_attention(*pooled[:3], valid, scale, False, False)

@@ -67,8 +67,8 @@ def _forward_pieces(q, k, v, gate, tiling, topk, backend):
 
     valid = tiling.valid_sizes(q.device)
     stage = coarse_stage("auto", q)
-    chosen = ops._backend_for(q, k, v, (64, 64), 1, False, backend, False)
-    clean = ops._inputs_to_clean(False, True, chosen.key_padding_safe)
+    chosen, padding_as_is = ops._backend_for(q, k, v, (64, 64), 1, False, backend, False)
+    clean = ops._inputs_to_clean(False, True, padding_as_is)
     padding = tiling.indices(q.device).padding_index
     pooled = stage.pool_and_clean(q, k, v, valid, clean, padding)
     scale = 128**-0.5

@@ -230,3 +230,30 @@ def test_combined_kernel_classes_are_their_own():
     assert issubclass(gated, plain) and issubclass(ungated, plain)
     assert len({gated, ungated, plain}) == 3
     assert gated.__name__ == "FlashAttentionForwardSm90TwoCtasQInRegistersCombinedGated"
+
+
+# ---- delta 11: V's padding zeroed in shared memory ------------------------------------------
+def test_zeroing_v_padding_needs_valid_sizes_in_the_lists():
+    """The zeroing reads each partial step's valid size from its list entry (delta 10): a
+    kernel or a call without such lists is refused before anything is built."""
+    with pytest.raises(ValueError, match="zero_v_padding reads the valid sizes"):
+        fwd_sm90.ForwardKernel(fwd_sm90.TWO_CTAS, True, zero_v_padding=True)
+    with pytest.raises(ValueError, match="valid sizes in the lists: the two-CTA kernel only"):
+        fwd_sm90.ForwardKernel(fwd_sm90.PAIRED_KEYS, valid_in_list=True, zero_v_padding=True)
+    q, _, sparse = _combine_case()
+    for mask_mod in (None, mask_sm90.valid_size_mask_mod(64)):
+        with pytest.raises(ValueError, match="zero_v_padding needs lists with valid sizes"):
+            fwd_sm90.block_sparse_forward_q64(
+                q, q, q, sparse, softmax_scale=0.1, mask_mod=mask_mod, zero_v_padding=True
+            )
+
+
+@needs_upstream
+def test_zeroing_kernel_class_is_its_own():
+    shipped = fwd_sm90.ForwardKernel(fwd_sm90.TWO_CTAS, True, valid_in_list=True)
+    zeroing = fwd_sm90.ForwardKernel(fwd_sm90.TWO_CTAS, True, valid_in_list=True,
+                                     zero_v_padding=True)  # fmt: skip
+    assert zeroing != shipped and hash(zeroing) != hash(shipped)
+    cls = zeroing.kernel_class()
+    assert issubclass(cls, shipped.kernel_class()) and cls is not shipped.kernel_class()
+    assert cls.__name__ == "FlashAttentionForwardSm90TwoCtasQInRegistersValidInListVPaddingZeroed"

@@ -658,3 +658,65 @@ def test_op_asks_the_coarse_stage_for_the_split_lists_a_backend_reads(
                           coarse_backend="torch")  # fmt: skip
     assert asked == ([8] if asks else [])
     assert [s is not None for s in seen] == ([True] if asks else [False] * len(seen))
+
+
+# ---- a backend that reads key padding as it is on some calls only -------------------------------
+def _padding_reader():
+    """A reference-backed backend whose `reads_key_padding_as_is` says yes for inference only
+    (as fa4's 64x64 forward does) and that records whether v reached it with NaN padding."""
+    from vsa_core.backends import Backend
+    from vsa_core.backends.reference import ReferenceBackend
+
+    class PaddingReader(Backend):
+        name = "padding_reader"
+        priority = 1000
+
+        def __init__(self):
+            self.nan_in_v = []
+
+        def supports(self, call):
+            return None
+
+        def reads_key_padding_as_is(self, call):
+            return not call.requires_grad
+
+        def forward(self, q, k, v, layout, scale):
+            self.nan_in_v.append(bool(torch.isnan(v).any()))
+            return ReferenceBackend().forward(q, k, v, layout, scale)  # masks with where
+
+    return PaddingReader()
+
+
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("op", ["video", "block"])
+def test_ops_skip_the_zeroed_copy_only_where_the_backend_reads_padding_as_is(
+    fresh_registry, op, grad
+):
+    """`Backend.reads_key_padding_as_is` decides per call: in inference the backend above gets
+    v with its NaN padding as the caller passed it (no zeroed copy: what saves fa4's 64x64
+    inference a copy of v), in training a copy with zeroed padding; the output equals the
+    reference's on zero padding either way."""
+    from vsa_core.backends import register_backend
+
+    backend = _padding_reader()
+    register_backend(backend)
+    tiling = VideoTiling((5, 6, 7), tile_shape=(2, 2, 2))  # partial tiles on every axis
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (tiling.to_tiles(torch.randn(1, tiling.seq_len, 2, 8, generator=gen))
+               for _ in range(3))  # fmt: skip
+    v_nan = v.clone().index_fill_(1, tiling.indices(v.device).padding_index, float("nan"))
+    valid = tiling.valid_sizes(v.device)
+    with torch.set_grad_enabled(grad):
+        leaves = [t.clone().requires_grad_(grad) for t in (q, k, v_nan)]
+        if op == "video":
+            got = video_sparse_attn(*leaves, tiling=tiling, topk=5, backend="padding_reader")
+            want = video_sparse_attn(q, k, v, tiling=tiling, topk=5, backend="reference")
+        else:
+            mask = torch.rand(1, 2, valid.numel(), valid.numel(), generator=gen) < 0.4
+            mask[..., 0] = True
+            layout = BlockSparseLayout.from_block_mask(mask, valid, (8, 8))
+            got, _ = block_sparse_attn(*leaves, layout, backend="padding_reader")
+            want, _ = block_sparse_attn(q, k, v, layout, backend="reference")
+    assert backend.nan_in_v == [not grad]
+    assert not torch.isnan(got).any()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -257,3 +257,44 @@ def test_fused_combine_is_offered_in_tile_order_only():
     assert backend.fuses_combine and not backend.reads_raster
     with pytest.raises(ValueError, match="slot_rows must be None"):
         backend.forward_combined(None, None, None, None, 0.1, None, None, slot_rows=object())
+
+
+def test_reads_key_padding_as_is_only_where_its_forward_zeroes_v_padding(gpu):
+    """Inference with unpaired 64x64 blocks on sm_90 runs the forward that zeroes partial
+    blocks' V padding in shared memory (flash_attn_vsa.v_padding_sm90): the ops then skip v's
+    zeroed copy. Training (the backward multiplies V and K padding), paired or other blocks
+    (other kernels), sm_100 and a kernel choice without the zeroing keep the copy."""
+    from vsa_fa4.launch import ForwardVariant, KernelChoice
+
+    backend = gpu((9, 0))
+    inference = call((64, 64))
+    assert backend.reads_key_padding_as_is(inference)
+    assert not backend.reads_key_padding_as_is(call((64, 64), grad=True))
+    assert not backend.reads_key_padding_as_is(dataclasses.replace(inference, q_group_size=2))
+    assert not backend.reads_key_padding_as_is(call((128, 64)))
+    assert not backend.reads_key_padding_as_is(call((128, 128)))
+    assert not FA4Backend(schedule="paired").reads_key_padding_as_is(inference)
+    for names in (["no-zero-v-padding"], ["no-valid-in-list"], ["streams"]):
+        variant = FA4Backend(kernels=KernelChoice(ForwardVariant.from_names(names)))
+        assert not variant.reads_key_padding_as_is(inference), names
+    sm100 = dataclasses.replace(inference, capability=(10, 0))
+    assert not FA4Backend().reads_key_padding_as_is(sm100)
+
+
+def test_v_gets_a_zeroed_copy_where_the_kernel_cannot_zero_its_padding():
+    """`reads_key_padding_as_is` cannot see the key count; a layout with 2^16 key blocks or
+    more runs lists without valid sizes (no zeroing), so the backend zeroes v's padding
+    itself there; below that, and in training, v goes to the kernels as it is."""
+    backend = FA4Backend()
+    q = torch.zeros(1, 64, 1, 8)
+    for blocks, copied in ((3, False), ((1 << 16) + 1, True)):
+        valid = torch.full((blocks,), 64, dtype=torch.int32)
+        valid[1] = 5
+        v = torch.full((1, 64 * blocks, 1, 8), float("nan"))
+        mask = torch.ones(1, 1, 1, blocks, dtype=torch.bool)
+        layout = BlockSparseLayout.from_block_mask(mask, valid, (64, 64))
+        got = backend._v_for_kernels(q, v, layout, requires_grad=False)
+        assert (got is not v) == copied
+        if copied:  # real slots kept, padding zeroed
+            assert torch.isnan(got[:, :69]).all() and not got[:, 69:128].isnan().any()
+        assert backend._v_for_kernels(q, v, layout, requires_grad=True) is v

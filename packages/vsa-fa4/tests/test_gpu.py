@@ -140,6 +140,75 @@ def test_valid_sizes_in_the_lists_give_the_same_bits_as_plain_lists():
         assert torch.equal(got, want)
 
 
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or _capability() != (9, 0), reason="the fork's kernels: sm_90"
+)
+def test_nan_in_v_padding_never_reaches_the_output_of_the_zeroing_forward():
+    """Delta 11 (`flash_attn_vsa.v_padding_sm90`): the 64x64 forward zeroes partial blocks' V
+    padding rows in shared memory, so NaN there (and in K's) leaves the output bitwise the
+    output on finite padding, and the reference's within 1e-2, forward with lse and combined.
+    The same kernel without the zeroing lets NaN through: the hazard the ops' zeroed copy of v
+    guarded against, and what this test would catch."""
+    from vsa_fa4.launch import ForwardVariant, KernelChoice
+
+    layout = make_layout((64, 64))
+    q, k, v = make_inputs(layout, requires_grad=False)
+    token = torch.arange(layout.kv_block, device="cuda")
+    pad = (token >= layout.kv_valid_sizes.unsqueeze(-1)).flatten()
+    k_nan, v_nan = k.clone(), v.clone()
+    k_nan[:, pad], v_nan[:, pad] = float("inf"), float("nan")
+    scale = 128**-0.5
+    zeroing = FA4Backend()
+    plain = FA4Backend(kernels=KernelChoice(ForwardVariant(zero_v_padding=False)))
+    with torch.no_grad():
+        got, got_lse = zeroing.forward(q, k_nan, v_nan, layout, scale)
+        finite, finite_lse = plain.forward(q, k, v, layout, scale)
+        leaked, _ = plain.forward(q, k, v_nan, layout, scale)
+        coarse = torch.randn(1, layout.num_q_blocks, HEADS, 128, device="cuda").bfloat16()
+        combined = zeroing.forward_combined(q, k_nan, v_nan, layout, scale, coarse, None)
+        combined_finite = plain.forward_combined(q, k, v, layout, scale, coarse, None)
+    assert torch.isnan(leaked).any(), "without the zeroing NaN padding reaches the output"
+    assert torch.equal(got, finite) and torch.equal(got_lse, finite_lse)
+    assert torch.equal(combined, combined_finite)
+    want, _, _ = reference(q, k, v, layout)
+    assert rel_l2(got, want) <= 1e-2
+
+
+def test_video_sparse_attn_inference_reads_nan_padding_without_copies(monkeypatch):
+    """The whole op in inference on tile-order inputs whose padding slots hold NaN: no zeroed
+    copy of v is made (the pooling pass is asked for none) and the real tokens' output is
+    bitwise the output on zero padding, gated combine included."""
+    if _refusal((64, 64)) is not None:
+        pytest.skip(f"fa4 refuses 64x64: {_refusal((64, 64))}")
+    from vsa_triton.coarse import TritonCoarse
+
+    asked = []
+    original = TritonCoarse.pool_and_clean
+
+    def recording(self, q, k, v, valid_sizes, clean, padding_index):
+        asked.append(tuple(clean))
+        return original(self, q, k, v, valid_sizes, clean, padding_index)
+
+    monkeypatch.setattr(TritonCoarse, "pool_and_clean", recording)
+    tiling = VideoTiling((5, 18, 30), tile_shape=(4, 4, 4))  # partial tiles on every axis
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    x = [
+        torch.randn(1, tiling.seq_len, 4, 128, device="cuda", generator=gen, dtype=torch.bfloat16)
+        for _ in range(4)
+    ]
+    clean = [tiling.to_tiles(t) for t in x]
+    pad = tiling.indices(clean[0].device).padding_index
+    dirty = [t.clone().index_fill_(1, pad, float("nan")) for t in clean]
+    with torch.no_grad():
+        got = video_sparse_attn(*dirty[:3], tiling=tiling, topk=7, backend="fa4",
+                                coarse_gate=dirty[3])  # fmt: skip
+        want = video_sparse_attn(*clean[:3], tiling=tiling, topk=7, backend="fa4",
+                                 coarse_gate=clean[3])  # fmt: skip
+    assert asked and all(c == (False, False, False) for c in asked), asked
+    real = tiling.indices(got.device).nonpad_index
+    assert torch.equal(got[:, real], want[:, real])
+
+
 # ---- forward and backward vs the reference, every block shape ------------------------------
 @pytest.mark.skipif(
     not torch.cuda.is_available() or _capability() != (9, 0), reason="the fork's kernels: sm_90"

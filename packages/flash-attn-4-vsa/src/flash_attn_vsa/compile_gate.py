@@ -125,6 +125,22 @@ CONFIGS: tuple[GateConfig, ...] = (
         "(flash_attn_vsa.valid_in_list_sm90; what vsa-fa4 runs for partial key blocks)",
     ),
     GateConfig(
+        "fwd-sparse-q64-kv64-two-ctas-q-in-registers-valid-in-list-zero-v-padding",
+        "fwd-q64+q-regs+valid-in-list+zero-v-padding",
+        (64, 64),
+        "FlashAttentionForwardSm90TwoCtasQInRegistersValidInListVPaddingZeroed",
+        "the same zeroing partial key blocks' V padding rows in shared memory "
+        "(flash_attn_vsa.v_padding_sm90; vsa-fa4's forward where v's padding is not zeroed)",
+    ),
+    GateConfig(
+        "fwd-sparse-q64-kv64-two-ctas-q-in-registers-valid-in-list-zero-v-padding-combined-gated",
+        "fwd-q64+q-regs+valid-in-list+zero-v-padding+combine-gated",
+        (64, 64),
+        "FlashAttentionForwardSm90TwoCtasQInRegistersValidInListVPaddingZeroedCombinedGated",
+        "the same with the gated combine in its epilogue (vsa-fa4's inference forward of "
+        "video_sparse_attn on tile-order inputs with partial tiles)",
+    ),
+    GateConfig(
         "fwd-sparse-q128-kv64-paired",
         "fwd-paired",
         (128, 128),
@@ -484,7 +500,11 @@ FORK_FORWARDS = {
     "fwd-paired": ("fwd_sm90_paired", "block_sparse_forward_paired", True),
     "fwd-streams": ("experimental.fwd_sm90_streams", "block_sparse_forward_streams", True),
 }
-FORK_FORWARD_OPTIONS = {"q-regs": "q_in_registers", "persistent": "persistent"}
+FORK_FORWARD_OPTIONS = {
+    "q-regs": "q_in_registers",
+    "persistent": "persistent",
+    "zero-v-padding": "zero_v_padding",
+}
 """A fork forward's direction is ``KIND[+OPTION...]``: the options are its variants, or
 `COMBINE_OPTIONS` (the combine's operands, fake tensors)."""
 COMBINE_OPTIONS = ("combine", "combine-gated")

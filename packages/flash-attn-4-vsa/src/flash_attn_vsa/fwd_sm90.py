@@ -124,13 +124,18 @@ class ForwardKernel:
     not, and on persistent CTAs (delta 7, `experimental.persistent_sm90`): ``persistent`` True for
     as many as the GPU holds at once, a positive int for that many (tests use a few, so that
     each walks many tiles), False for one CTA per tile (upstream's launch). Stored as the
-    number of CTAs (0: not persistent), so that equal kernels compare and hash equal."""
+    number of CTAs (0: not persistent), so that equal kernels compare and hash equal.
+    ``valid_in_list``: partial-list entries carry their key block's valid size (delta 10,
+    `valid_in_list_sm90`); ``zero_v_padding`` (with it): the consumer zeroes partial blocks' V
+    padding rows in shared memory, so V's padding slots may hold anything (delta 11,
+    `v_padding_sm90`)."""
 
     kind: str
     q_in_registers: bool = False
     persistent: int = 0
     combine: str = ""
     valid_in_list: bool = False
+    zero_v_padding: bool = False
     direction: ClassVar[str] = "fwd"  # what `build_scope.current` tells apart
 
     def __post_init__(self) -> None:
@@ -147,6 +152,8 @@ class ForwardKernel:
             raise ValueError(
                 f"valid sizes in the lists: the two-CTA kernel only, not {self.kind!r}"
             )
+        if self.zero_v_padding and not self.valid_in_list:
+            raise ValueError("zero_v_padding reads the valid sizes in the lists: valid_in_list")
         if not isinstance(self.persistent, int) or self.persistent < 0:
             raise ValueError(
                 f"persistent must be a bool or a positive number of CTAs, got {self.persistent!r}"
@@ -193,6 +200,10 @@ class ForwardKernel:
             from flash_attn_vsa.valid_in_list_sm90 import with_valid_sizes_in_list
 
             cls = with_valid_sizes_in_list(cls)
+        if self.zero_v_padding:
+            from flash_attn_vsa.v_padding_sm90 import with_v_padding_zeroed
+
+            cls = with_v_padding_zeroed(cls)
         if self.combine:
             cls = with_combined_epilogue(cls, self.combine == GATED)
         return cls
@@ -280,10 +291,12 @@ def sm_count() -> int:
 
 
 @functools.cache
-def _one_cta_a_tile(q_in_registers: bool, combine: str, valid_in_list: bool) -> ForwardKernel:
+def _one_cta_a_tile(
+    q_in_registers: bool, combine: str, valid_in_list: bool, zero_v_padding: bool
+) -> ForwardKernel:
     """The two-CTA `ForwardKernel` without persistent CTAs, made once (its checks cost ~1.5 us
     of a call's host time)."""
-    return ForwardKernel(TWO_CTAS, q_in_registers, False, combine, valid_in_list)
+    return ForwardKernel(TWO_CTAS, q_in_registers, False, combine, valid_in_list, zero_v_padding)
 
 
 def block_sparse_forward_q64(
@@ -302,6 +315,7 @@ def block_sparse_forward_q64(
     replay: bool = True,
     coarse: Any = None,
     gate: Any = None,
+    zero_v_padding: bool = False,
 ) -> tuple[Any, Any]:
     """Block-sparse attention forward on sm_90 with 64x64 sparse blocks, two CTAs per SM.
 
@@ -320,6 +334,10 @@ def block_sparse_forward_q64(
     output is ``fine + gate * coarse[query block]``, added in the epilogue (delta 9,
     `combine_sm90`); no log-sum-exp is computed then (``lse`` must be None: the combined
     output is an inference output) and the returned lse is None.
+    ``zero_v_padding`` (partial lists with valid sizes in their entries only, the mask_mod
+    `mask_sm90.valid_in_list_mask_mod`): partial key blocks' V padding rows are zeroed in
+    shared memory (delta 11, `v_padding_sm90`), so v's padding slots may hold anything, NaN
+    and inf included; without it they must be finite.
     """
     from flash_attn_vsa import launch_replay
 
@@ -333,10 +351,15 @@ def block_sparse_forward_q64(
         raise ValueError("gate needs coarse (the combine's other operand)")
     # the mask_mod says what the partial list holds (delta 10: entries with valid sizes)
     valid_in_list = bool(getattr(mask_mod, mask_sm90.VALID_IN_LIST_ATTR, False))
+    if zero_v_padding and not valid_in_list:
+        raise ValueError(
+            "zero_v_padding needs lists with valid sizes in their entries "
+            "(mask_mod=mask_sm90.valid_in_list_mask_mod)"
+        )
     kernel = (
-        ForwardKernel(TWO_CTAS, q_in_registers, persistent, combine, valid_in_list)
+        ForwardKernel(TWO_CTAS, q_in_registers, persistent, combine, valid_in_list, zero_v_padding)
         if persistent  # its CTA count follows the current device's SMs
-        else _one_cta_a_tile(q_in_registers, combine, valid_in_list)
+        else _one_cta_a_tile(q_in_registers, combine, valid_in_list, zero_v_padding)
     )
     return launch_replay.forward(
         kernel, _building, q, k, v,

@@ -52,6 +52,21 @@ class _HeldValidSize:
     size (the limit asks for the block of the step it masks, whose entry was read last)."""
 
     value: Any = None
+    unconsumed: bool = False
+    """A partial entry was read since `take_unconsumed` last answered (delta 11,
+    `v_padding_sm90`: the step that follows the read is a partial block's)."""
+
+    def hold(self, value: Any) -> None:
+        self.value = value
+        self.unconsumed = True
+
+    def take_unconsumed(self) -> Any:
+        """The held size if a partial entry was read since the last call, else None: the
+        step traced since then is a full block's (only the partial list is packed)."""
+        if not self.unconsumed:
+            return None
+        self.unconsumed = False
+        return self.value
 
     def __getitem__(self, index: Any) -> Any:
         if self.value is None:
@@ -63,7 +78,8 @@ class _HeldValidSize:
 
 
 def entry_valid_size() -> _HeldValidSize:
-    """For `mask_sm90`'s column limit: the consumer's holder, as a valid-size tensor."""
+    """For `mask_sm90`'s column limit (and `v_padding_sm90`'s zeroing): the consumer's holder,
+    as a valid-size tensor."""
     stack = build_scope.trace_stack(_STACK)
     if not stack:
         raise RuntimeError(
@@ -97,7 +113,7 @@ class PackedEntries:
         if isinstance(index, tuple) and any(i is None for i in index):
             return PackedEntries(result, self._held)  # a row of the list
         if self._held is not None:
-            self._held.value = result >> BLOCK_BITS
+            self._held.hold(result >> BLOCK_BITS)
         return result & ((1 << BLOCK_BITS) - 1)
 
     def __getattr__(self, name: str) -> Any:

@@ -101,11 +101,11 @@ def block_sparse_attn(
     if batch == 0:  # nothing to attend: empty results, out in q's format (differentiable)
         out = _from_bshd(empty_batch_result(q, k, v), qkv_format)
         return out, empty_batch_lse(q, heads, q_len)
-    chosen = _backend_for(
+    chosen, padding_as_is = _backend_for(
         q, k, v, layout.block_shape, layout.q_group_size, layout.kv_blocks_full, backend,
         deterministic,
     )  # fmt: skip
-    if not (chosen.key_padding_safe or layout.kv_blocks_full):
+    if not (padding_as_is or layout.kv_blocks_full):
         v = zero_padding(v, layout.kv_valid_sizes)
         k = zero_padding(k, layout.kv_valid_sizes) if _requires_grad(q, k, v) else k
     out, lse = chosen.forward(q, k, v, layout, scale)
@@ -216,8 +216,10 @@ def video_sparse_attn(
     raster = token_order == "raster"
     # chosen before pooling: whether the fine backend reads raster order decides the copies;
     # described with the tile-order length whatever the order (the ranking's problem size)
-    chosen = _backend_for(q, k, v, block_shape, 1, all_full, backend, deterministic,
-                          valid_sizes.shape[0] * tile_tokens, not copy_to_tiles)  # fmt: skip
+    chosen, padding_as_is = _backend_for(
+        q, k, v, block_shape, 1, all_full, backend, deterministic,
+        valid_sizes.shape[0] * tile_tokens, not copy_to_tiles,
+    )  # fmt: skip
     slot_rows = None
     if not copy_to_tiles:  # no tile-order copies: the kernels read raster rows
         assert tiling is not None
@@ -229,7 +231,7 @@ def video_sparse_attn(
             q, k, v, tiling
         )
     else:
-        clean = _inputs_to_clean(all_full, training, chosen.key_padding_safe)
+        clean = _inputs_to_clean(all_full, training, padding_as_is)
         q_pooled, k_pooled, v_pooled, q_fine, k_fine, v_fine = stage.pool_and_clean(
             q, k, v, valid_sizes, clean, _padding_index(tiling, q.device)
         )
@@ -293,8 +295,10 @@ def _coarse_attention(q_pooled, k_pooled, v_pooled, valid_sizes, scale, may_have
 def _backend_for(q, k, v, block_shape, q_group_size, kv_blocks_full, backend, deterministic,
                  q_len=None, raster_inputs=False):  # fmt: skip
     """The fine backend for these inputs and a layout of this description (its lists do not
-    matter: the op chooses before it selects); ``q_len``: the layout's query length, when q is
-    not in tile order; ``raster_inputs``: the backend must read raster-order q, k, v."""
+    matter: the op chooses before it selects), and whether it reads key padding as it is for
+    such a call (`Backend.reads_key_padding_as_is`: no zeroed copies of k and v); ``q_len``:
+    the layout's query length, when q is not in tile order; ``raster_inputs``: the backend must
+    read raster-order q, k, v."""
     requires_grad = _requires_grad(q, k, v)
     if not isinstance(backend, str):
         raise ValueError(f"backend must be a backend name or 'auto', got {backend!r}")
@@ -341,14 +345,16 @@ def _fine_backend(
     backend, _override, _generation, device, dtype, head_dim, block_shape, requires_grad,
     q_group_size, kv_blocks_full, query_rows, query_len, deterministic, raster_inputs,
 ):  # fmt: skip
-    """The backend `select_backend` picks for a call so described (decided once per
-    description; the override variable and the registered backends are part of the key)."""
+    """The backend `select_backend` picks for a call so described and whether it reads key
+    padding as it is there (decided once per description; the override variable and the
+    registered backends are part of the key)."""
     call = AttentionCall(
         device, dtype, head_dim, block_shape, requires_grad, q_group_size, kv_blocks_full,
         query_rows=query_rows, query_len=query_len, deterministic=deterministic,
         raster_inputs=raster_inputs,
     )  # fmt: skip
-    return select_backend(call, backend)
+    chosen = select_backend(call, backend)
+    return chosen, chosen.reads_key_padding_as_is(call)
 
 
 def _resolve_tiles(tiling, kv_valid_sizes, seq, token_order, device, validate):

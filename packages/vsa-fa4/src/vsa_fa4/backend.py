@@ -14,7 +14,11 @@ Padding slots of partial key blocks must hold finite values in V for FA4's kerne
 when gradients flow: they mask the scores by selection (`flash_attn_vsa.mask_sm90`'s column
 limit sets them to -inf whatever they were) but multiply the zero probabilities with V, and the
 zero dS with K in backward. So the backend declares ``key_padding_safe = False`` and vsa-core's
-ops hand it a copy of v with zeroed padding (and of k in training).
+ops hand it a copy of v with zeroed padding (and of k in training), except where
+`FA4Backend.reads_key_padding_as_is`: inference with unpaired 64x64 blocks, whose forward
+zeroes partial blocks' V padding rows in shared memory (`flash_attn_vsa.v_padding_sm90`;
+`vsa_fa4.launch.zeroes_v_padding`), which saves the copy (at Wan 2.1 720p 900 MiB of the
+op's peak and a write pass over v).
 
 ``deterministic=True``: accepted for inference only (`DETERMINISTIC_BACKWARD_REFUSAL` says why
 the backward is not bitwise reproducible); the forward is, one CTA per query tile walking its
@@ -185,6 +189,50 @@ class FA4Backend(Backend):
             call.capability, call.head_dim, native_plan(call.block_shape), call.requires_grad
         )
 
+    def reads_key_padding_as_is(self, call: AttentionCall) -> bool:
+        """True for inference with unpaired 64x64 blocks on sm_90 (the two-CTA forward that
+        zeroes V's padding rows in shared memory, unless the kernel choice turns that off);
+        the rare such call that its kernel does not cover (2^16 key blocks or more) gets its
+        zeroed copy of v here (`_v_for_kernels`)."""
+        return (
+            not call.requires_grad
+            and call.capability == (9, 0)
+            and self._forward_zeroes_v_padding(tuple(call.block_shape), call.q_group_size)
+        )
+
+    def _forward_zeroes_v_padding(self, block_shape: tuple[int, int], q_group_size: int) -> bool:
+        """Whether this backend's forward of such a layout runs the kernel that zeroes partial
+        blocks' V padding (before the key-block count, `vsa_fa4.launch.zeroes_v_padding`)."""
+        variant = self.kernels.forward
+        return (
+            block_shape == (64, 64)
+            and q_group_size % 2 == 1  # never paired: the native 64x64 plan
+            and self.schedule != "paired"
+            and variant.valid_in_list
+            and variant.zero_v_padding
+            and not variant.two_streams
+        )
+
+    def _v_for_kernels(
+        self, q: torch.Tensor, v: torch.Tensor, layout: BlockSparseLayout, requires_grad: bool
+    ) -> torch.Tensor:
+        """v as the kernels read it: a zeroed copy where `reads_key_padding_as_is` let the
+        ops skip theirs but this call's kernel does not zero V's padding (too many key
+        blocks for the list entries); v itself everywhere else."""
+        if (
+            requires_grad
+            or layout.kv_blocks_full
+            or not self._forward_zeroes_v_padding(layout.block_shape, layout.q_group_size)
+        ):
+            return v
+        from vsa_fa4.launch import zeroes_v_padding
+
+        if zeroes_v_padding(q, layout.kv_valid_sizes, (64, 64), self.kernels.forward):
+            return v
+        from vsa_core.coarse import zero_padding
+
+        return zero_padding(v, layout.kv_valid_sizes)
+
     def priority_for(self, call: AttentionCall) -> int:
         """Below Triton (10) where Triton's whole op measured faster (`TRAINING_RULE`), else
         `priority`."""
@@ -248,6 +296,7 @@ class FA4Backend(Backend):
             self.schedule if schedule is None else schedule, q.device, q.dtype, q.shape[-1],
             layout.block_shape, layout.q_group_size, layout.num_q_blocks, requires_grad,
         )  # fmt: skip
+        v = self._v_for_kernels(q, v, layout, requires_grad)
         return attention(
             q, k, v, layout.kv_indices, layout.kv_counts, layout.kv_valid_sizes, scale, plan,
             layout.q_group_size, layout.kv_blocks_full, self.kernels, layout.forward_split,
@@ -266,6 +315,7 @@ class FA4Backend(Backend):
             self.schedule, q.device, q.dtype, q.shape[-1], layout.block_shape,
             layout.q_group_size, layout.num_q_blocks, False,
         )  # fmt: skip
+        v = self._v_for_kernels(q, v, layout, False)
         return attention_combined(
             q, k, v, layout.kv_indices, layout.kv_counts, layout.kv_valid_sizes, scale, plan,
             coarse, gate, layout.q_group_size, layout.kv_blocks_full, self.kernels,

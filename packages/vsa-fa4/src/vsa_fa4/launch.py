@@ -58,7 +58,10 @@ class ForwardVariant:
     `SHIPPED_FORWARD`: the H200 measured them slower (experiment 10). ``valid_in_list``
     (shipped on): the 64x64 forward's partial entries carry their valid sizes (delta 10,
     `takes_valid_in_list`); off, the lists hold plain block ids and the mask loads the sizes
-    (what ran before; the same output). Benchmarks compare variants by passing one
+    (what ran before; the same output). ``zero_v_padding`` (shipped on, with
+    ``valid_in_list``): that forward zeroes partial key blocks' V padding rows in shared
+    memory (delta 11, `zeroes_v_padding`), so inference reads v without a zeroed copy; off,
+    v's padding must be finite (the ops then copy it). Benchmarks compare variants by passing one
     (`run_forward`'s ``variant``, a `KernelChoice`, or an fa4 backend registered with one:
     `vsa_fa4.backend.variant_backend`)."""
 
@@ -66,6 +69,7 @@ class ForwardVariant:
     two_streams: bool = False
     persistent: bool = False
     valid_in_list: bool = True
+    zero_v_padding: bool = True
 
     def kernel_options(self, kernel: str) -> dict[str, bool]:
         """The keyword arguments the fork's forward entry point ``kernel`` (``"two_ctas"``,
@@ -103,6 +107,7 @@ VARIANT_NAMES = {"qregs": "q_in_registers", "streams": "two_streams", "persisten
 NEGATED_NAMES = {
     "no-qregs": ("q_in_registers", False),
     "no-valid-in-list": ("valid_in_list", False),
+    "no-zero-v-padding": ("zero_v_padding", False),
 }
 """Short names that turn a shipped option off (field, value)."""
 
@@ -290,6 +295,7 @@ def run_forward(
             block_sparse_forward_q64(
                 q, k, v, tensors, softmax_scale=scale, **masking, out=out, lse=lse,
                 **epilogue, **variant.kernel_options("two_ctas"),
+                zero_v_padding=valid_in_list and variant.zero_v_padding,
             )  # fmt: skip
             return
         from flash_attn_vsa import launch_replay
@@ -319,6 +325,20 @@ def takes_valid_in_list(
         and kv_valid_sizes.shape[0] <= 1 << BLOCK_BITS
         and _runs_two_ctas(q, kv_valid_sizes, block_size, variant)
     )
+
+
+def zeroes_v_padding(
+    q: torch.Tensor,
+    kv_valid_sizes: torch.Tensor,
+    block_size: tuple[int, int],
+    variant: ForwardVariant = SHIPPED_FORWARD,
+) -> bool:
+    """Whether `run_forward`'s kernel for this call (with partial key blocks) zeroes their V
+    padding rows in shared memory (`flash_attn_vsa.v_padding_sm90`, delta 11), so that v's
+    padding slots may hold anything, NaN and inf included: the valid-in-list forward
+    (`takes_valid_in_list`) unless the variant turns it off. Costs one barrier wait, a few
+    shared stores and a warpgroup barrier per partial step."""
+    return variant.zero_v_padding and takes_valid_in_list(q, kv_valid_sizes, block_size, variant)
 
 
 def _runs_two_ctas(

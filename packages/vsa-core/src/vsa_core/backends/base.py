@@ -136,6 +136,15 @@ class Backend:
         """Return None when this backend can run ``call``, else the reason it cannot."""
         raise NotImplementedError
 
+    def reads_key_padding_as_is(self, call: AttentionCall) -> bool:
+        """Whether ``call``'s kernels keep key padding from every real output and gradient
+        whatever it holds (see ``key_padding_safe``), so that the ops hand k and v over
+        without zeroed copies. Default: ``key_padding_safe``, for every call. A backend safe
+        on some calls only says so here (fa4: inference with 64x64 blocks, whose forward
+        zeroes V's padding rows in shared memory); like `supports`, it may depend on the call
+        alone (the ops decide once per call description)."""
+        return self.key_padding_safe
+
     def priority_for(self, call: AttentionCall) -> int:
         """This backend's rank for ``call`` under ``backend="auto"`` (default: ``priority``).
         Override to step back on calls another backend is measured to run faster."""

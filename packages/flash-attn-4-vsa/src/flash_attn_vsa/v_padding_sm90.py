@@ -1,0 +1,160 @@
+"""Partial key blocks' V padding zeroed in shared memory (sm_90): the fork's eleventh delta, so
+that the 64x64 forward reads V as it is, whatever its padding slots hold.
+
+Why (issue 19's memory target; NOTES.md, session 23): FA4's forward lands a partial key
+block's whole 64-row V tile in shared memory, padding rows included, and P V multiplies them by
+the zero probabilities the column limit (`mask_sm90`) gives their scores. 0 x NaN is NaN, so
+vsa-core hands fa4 a copy of v with zeroed padding: at Wan 2.1 720p 900 MiB, the largest
+single buffer of the op's inference peak after its output, and a write pass over v before the
+fine kernel. Here the consumer warpgroup zeroes the rows at and past the block's valid size in
+the V stage itself, after that stage lands and before the P V product that reads it; K's
+padding needs nothing (the column limit sets its scores to -inf whatever they were).
+
+Where, in upstream's consumer with intra-warpgroup overlap (the two-CTA 64x64 forward's): step
+j issues QK^T of block j and P V of block j - 1. The zeroing runs at the end of step j, on
+block j's V stage: block j's valid size is the one the consumer read at the top of step j (delta
+10 carries it in the list entry, `valid_in_list_sm90`), so nothing has to be carried to the
+next step, and by then the producer (which issues V_j after K_(j+1)) has usually landed it.
+Per partial step and thread: one wait on the stage's full barrier, at most eight 16-byte
+shared stores (rows at and past the valid size), a proxy fence (the stores are generic-proxy
+writes, the wgmma an async-proxy read) and one named barrier over the warpgroup (all four warps
+wrote rows the next step's wgmma reads). Full steps (and the full list) are untouched: only
+partial-list entries are packed, and the step after a packed read is the one that zeroes
+(`_HeldValidSize.take_unconsumed`). With at least two key/value stages the P V product in
+flight reads the other stage.
+
+`with_v_padding_zeroed(base)` subclasses a sm_90 forward kernel class built with
+`valid_in_list_sm90.with_valid_sizes_in_list` (the size comes from its holder): its ``mma``
+records the V pipeline, V's stages and the thread index while upstream traces it, and its two
+overlapped step methods zero after upstream's step.
+
+Upstream internals this relies on (fingerprinted): ``FlashAttentionForwardSm90.mma`` taking
+``pipeline_v``, ``sVt`` (V's stages transposed, ``layout_utils.transpose_view``) and ``tidx``
+(0-127 for one MMA warpgroup); its block-sparse loop calling ``first_half_block_overlap`` and
+``mma_one_n_block_intrawg_overlap`` once per list entry right after reading it, the first
+returning the state of the block it started, the second the state it advanced to (the block
+whose QK^T it ran); ``pipeline_v.consumer_wait`` / ``consumer_try_wait`` on such a state being
+repeatable until ``consumer_release``; ``NamedBarrierFwd`` listing the named barriers the
+forward uses.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from flash_attn_vsa import build_scope, sm90_operands
+
+__all__ = ["with_v_padding_zeroed"]
+
+_STACK = "v_padding"
+WARPGROUP_THREADS = 128
+
+
+class _VStages:
+    """Trace-time: what the zeroing needs from upstream's ``mma`` (its V pipeline, V's stages
+    as [tile_n, head_dim_v, stages], the consumer's thread index)."""
+
+    def __init__(self, pipeline_v: Any, sV: Any, tidx: Any) -> None:
+        self.pipeline_v = pipeline_v
+        self.sV = sV
+        self.tidx = tidx
+
+
+@functools.cache
+def _barrier_id() -> int:
+    """A named barrier the forward does not use: the next after upstream's (0 is
+    ``__syncthreads``)."""
+    from flash_attn.cute.named_barrier import NamedBarrierFwd
+
+    barrier = max(int(b) for b in NamedBarrierFwd) + 1
+    if barrier > 15:
+        raise RuntimeError("no named barrier left for v_padding_sm90 (16 per CTA)")
+    return barrier
+
+
+@functools.cache
+def _zero_rows_fn() -> Any:
+    """The jitted zeroing of one V stage's rows from ``first_row`` on (a dynamic ``if`` needs
+    a jitted body)."""
+    import cutlass
+    import cutlass.cute as cute
+    from quack import copy_utils
+
+    @cute.jit
+    def zero_rows_from(stage: cute.Tensor, first_row: cutlass.Int32, tidx: cutlass.Int32):
+        rows, cols = cute.size(stage, mode=[0]), cute.size(stage, mode=[1])
+        vector = 128 // stage.element_type.width  # 16-byte stores
+        tiled = copy_utils.tiled_copy_2d(
+            stage.element_type, cols // vector, WARPGROUP_THREADS, vector
+        )
+        thread = tiled.get_slice(tidx)
+        destination = thread.partition_D(stage)
+        coords = thread.partition_D(cute.make_identity_tensor((rows, cols)))
+        zeros = cute.make_rmem_tensor_like(destination[None, 0, None])
+        zeros.fill(0)
+        for m in cutlass.range_constexpr(cute.size(destination, mode=[1])):
+            if coords[0, m, 0][0] >= first_row:
+                cute.copy(tiled, zeros, destination[None, m, None])
+
+    return zero_rows_from
+
+
+def _zero_padding_after_step(state: Any) -> None:
+    """After a step traced on a partial block (its entry read just before): zero that block's
+    V rows from its valid size on, in the stage ``state`` points at."""
+    from flash_attn_vsa.valid_in_list_sm90 import entry_valid_size
+
+    valid = entry_valid_size().take_unconsumed()
+    if valid is None:  # a full block's step
+        return
+    import cutlass.cute as cute
+
+    stages = build_scope.trace_stack(_STACK)
+    if not stages:
+        raise RuntimeError("v_padding_sm90's step ran outside its kernel class's mma")
+    v = stages[-1]
+    v.pipeline_v.consumer_wait(state, v.pipeline_v.consumer_try_wait(state))
+    _zero_rows_fn()(v.sV[None, None, state.index], valid, v.tidx)
+    cute.arch.fence_view_async_shared()  # generic-proxy stores before the wgmma's reads
+    cute.arch.barrier(barrier_id=_barrier_id(), number_of_threads=WARPGROUP_THREADS)
+
+
+@functools.cache
+def with_v_padding_zeroed(base: type) -> type:
+    """A subclass of the sm_90 forward kernel class ``base`` (built with valid sizes in its
+    lists) whose consumer zeroes partial key blocks' V padding rows in shared memory (see the
+    module doc)."""
+    from quack import layout_utils
+
+    class VPaddingZeroed(base):  # type: ignore[misc, valid-type]
+        """``base`` zeroing partial key blocks' V padding rows before P V reads them."""
+
+        def mma(self, *args: Any, **kwargs: Any) -> Any:
+            if not self.intra_wg_overlap or self.num_stages < 2 or self.num_wg_mma != 1:
+                raise ValueError(
+                    "zeroing V's padding in shared memory needs one MMA warpgroup with "
+                    "intra-warpgroup overlap and at least two key/value stages, got "
+                    f"{self.num_wg_mma} warpgroups, overlap {self.intra_wg_overlap}, "
+                    f"{self.num_stages} stages"
+                )
+            bound = sm90_operands.upstream_mma_arguments(self, args, kwargs)
+            given = bound.arguments
+            stages = _VStages(
+                given["pipeline_v"], layout_utils.transpose_view(given["sVt"]), given["tidx"]
+            )
+            with build_scope.traced(_STACK, stages):
+                return base.mma(*bound.args, **bound.kwargs)
+
+        def first_half_block_overlap(self, *args: Any, **kwargs: Any) -> Any:
+            state = super().first_half_block_overlap(*args, **kwargs)
+            _zero_padding_after_step(state)
+            return state
+
+        def mma_one_n_block_intrawg_overlap(self, *args: Any, **kwargs: Any) -> Any:
+            state = super().mma_one_n_block_intrawg_overlap(*args, **kwargs)
+            _zero_padding_after_step(state)
+            return state
+
+    VPaddingZeroed.__name__ = VPaddingZeroed.__qualname__ = f"{base.__name__}VPaddingZeroed"
+    return VPaddingZeroed
