@@ -25,10 +25,11 @@ run (the before and after of a change, at the same clock).
 - ``fa4_unpacked``: the fa4 backend whose 64x64 forward lists hold plain block ids, the mask
   loading the valid sizes (``ForwardVariant(valid_in_list=False)``: what ran before delta 10,
   `flash_attn_vsa.valid_in_list_sm90`, was shipped).
-- ``fa4_v_copy``: the fa4 backend whose 64x64 forward does not zero partial blocks' V padding
-  in shared memory (``ForwardVariant(zero_v_padding=False)``), so the ops hand it a copy of v
-  with zeroed padding in inference too: the op's path before delta 11
-  (`flash_attn_vsa.v_padding_sm90`).
+- ``fa4_zero_v_padding``: the fa4 backend whose 64x64 forward zeroes partial blocks' V
+  padding in shared memory (``ForwardVariant(zero_v_padding=True)``, delta 11,
+  `flash_attn_vsa.v_padding_sm90`), so the ops make no copy of v in inference. Session 25's
+  runs, made while it was briefly the default, call it ``fa4`` and the shipped path
+  ``fa4_v_copy``.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ COPYING_TRITON = "triton_copies"
 UNFUSED_TRITON = "triton_unfused"
 UNFUSED_FA4 = "fa4_unfused"
 UNPACKED_FA4 = "fa4_unpacked"
-V_COPY_FA4 = "fa4_v_copy"
+ZERO_V_PADDING_FA4 = "fa4_zero_v_padding"
 OWN_LISTS_FA4 = "fa4_own_lists"
 SDPA_COARSE_FA4 = "fa4_sdpa_coarse"
 ATTEND_IN_LOOP_FA4 = "fa4_attend_in_loop"
@@ -48,7 +49,7 @@ ATTEND_IN_LOOP_STAGE = "triton_attend_in_loop"
 score loop."""
 _KERNEL_CHOICES = {
     UNPACKED_FA4: {"valid_in_list": False},
-    V_COPY_FA4: {"zero_v_padding": False},
+    ZERO_V_PADDING_FA4: {"zero_v_padding": True},
 }
 """fa4 variants that are a kernel choice: `vsa_fa4.launch.ForwardVariant`'s fields."""
 _STAGE_OF = {SDPA_COARSE_FA4: SEPARATE_STAGE, ATTEND_IN_LOOP_FA4: ATTEND_IN_LOOP_STAGE}

@@ -261,31 +261,37 @@ def test_fused_combine_is_offered_in_tile_order_only():
 
 def test_reads_key_padding_as_is_only_where_its_forward_zeroes_v_padding(gpu):
     """Inference with unpaired 64x64 blocks on sm_90 runs the forward that zeroes partial
-    blocks' V padding in shared memory (flash_attn_vsa.v_padding_sm90): the ops then skip v's
-    zeroed copy. Training (the backward multiplies V and K padding), paired or other blocks
-    (other kernels), sm_100 and a kernel choice without the zeroing keep the copy."""
+    blocks' V padding in shared memory (flash_attn_vsa.v_padding_sm90) when the kernel choice
+    asks for it: the ops then skip v's zeroed copy. Training (the backward multiplies V and K
+    padding), paired or other blocks (other kernels), sm_100 and the shipped choice (no
+    zeroing) keep the copy."""
     from vsa_fa4.launch import ForwardVariant, KernelChoice
 
-    backend = gpu((9, 0))
+    gpu((9, 0))
+    backend = FA4Backend(kernels=KernelChoice(ForwardVariant(zero_v_padding=True)))
     inference = call((64, 64))
     assert backend.reads_key_padding_as_is(inference)
     assert not backend.reads_key_padding_as_is(call((64, 64), grad=True))
     assert not backend.reads_key_padding_as_is(dataclasses.replace(inference, q_group_size=2))
     assert not backend.reads_key_padding_as_is(call((128, 64)))
     assert not backend.reads_key_padding_as_is(call((128, 128)))
-    assert not FA4Backend(schedule="paired").reads_key_padding_as_is(inference)
-    for names in (["no-zero-v-padding"], ["no-valid-in-list"], ["streams"]):
+    assert not FA4Backend().reads_key_padding_as_is(inference)  # shipped: the copy
+    zeroing = KernelChoice(ForwardVariant(zero_v_padding=True))
+    assert not FA4Backend(schedule="paired", kernels=zeroing).reads_key_padding_as_is(inference)
+    for names in (["qregs"], ["zero-v-padding", "streams"], ["zero-v-padding", "no-valid-in-list"]):
         variant = FA4Backend(kernels=KernelChoice(ForwardVariant.from_names(names)))
         assert not variant.reads_key_padding_as_is(inference), names
     sm100 = dataclasses.replace(inference, capability=(10, 0))
-    assert not FA4Backend().reads_key_padding_as_is(sm100)
+    assert not backend.reads_key_padding_as_is(sm100)
 
 
 def test_v_gets_a_zeroed_copy_where_the_kernel_cannot_zero_its_padding():
     """`reads_key_padding_as_is` cannot see the key count; a layout with 2^16 key blocks or
     more runs lists without valid sizes (no zeroing), so the backend zeroes v's padding
     itself there; below that, and in training, v goes to the kernels as it is."""
-    backend = FA4Backend()
+    from vsa_fa4.launch import ForwardVariant, KernelChoice
+
+    backend = FA4Backend(kernels=KernelChoice(ForwardVariant(zero_v_padding=True)))
     q = torch.zeros(1, 64, 1, 8)
     for blocks, copied in ((3, False), ((1 << 16) + 1, True)):
         valid = torch.full((blocks,), 64, dtype=torch.int32)

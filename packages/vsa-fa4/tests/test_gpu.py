@@ -158,8 +158,8 @@ def test_nan_in_v_padding_never_reaches_the_output_of_the_zeroing_forward():
     k_nan, v_nan = k.clone(), v.clone()
     k_nan[:, pad], v_nan[:, pad] = float("inf"), float("nan")
     scale = 128**-0.5
-    zeroing = FA4Backend()
-    plain = FA4Backend(kernels=KernelChoice(ForwardVariant(zero_v_padding=False)))
+    zeroing = FA4Backend(kernels=KernelChoice(ForwardVariant(zero_v_padding=True)))
+    plain = FA4Backend()
     with torch.no_grad():
         got, got_lse = zeroing.forward(q, k_nan, v_nan, layout, scale)
         finite, finite_lse = plain.forward(q, k, v, layout, scale)
@@ -177,10 +177,15 @@ def test_nan_in_v_padding_never_reaches_the_output_of_the_zeroing_forward():
 def test_video_sparse_attn_inference_reads_nan_padding_without_copies(monkeypatch):
     """The whole op in inference on tile-order inputs whose padding slots hold NaN: no zeroed
     copy of v is made (the pooling pass is asked for none) and the real tokens' output is
-    bitwise the output on zero padding, gated combine included."""
+    bitwise the output on zero padding, gated combine included (the fa4 backend whose kernel
+    choice zeroes V's padding in shared memory, `variant_backend`)."""
     if _refusal((64, 64)) is not None:
         pytest.skip(f"fa4 refuses 64x64: {_refusal((64, 64))}")
+    from vsa_fa4.backend import variant_backend
+    from vsa_fa4.launch import ForwardVariant
     from vsa_triton.coarse import TritonCoarse
+
+    name = variant_backend(ForwardVariant(zero_v_padding=True))
 
     asked = []
     original = TritonCoarse.pool_and_clean
@@ -200,9 +205,9 @@ def test_video_sparse_attn_inference_reads_nan_padding_without_copies(monkeypatc
     pad = tiling.indices(clean[0].device).padding_index
     dirty = [t.clone().index_fill_(1, pad, float("nan")) for t in clean]
     with torch.no_grad():
-        got = video_sparse_attn(*dirty[:3], tiling=tiling, topk=7, backend="fa4",
+        got = video_sparse_attn(*dirty[:3], tiling=tiling, topk=7, backend=name,
                                 coarse_gate=dirty[3])  # fmt: skip
-        want = video_sparse_attn(*clean[:3], tiling=tiling, topk=7, backend="fa4",
+        want = video_sparse_attn(*clean[:3], tiling=tiling, topk=7, backend=name,
                                  coarse_gate=clean[3])  # fmt: skip
     assert asked and all(c == (False, False, False) for c in asked), asked
     real = tiling.indices(got.device).nonpad_index

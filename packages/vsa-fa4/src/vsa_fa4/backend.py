@@ -14,11 +14,12 @@ Padding slots of partial key blocks must hold finite values in V for FA4's kerne
 when gradients flow: they mask the scores by selection (`flash_attn_vsa.mask_sm90`'s column
 limit sets them to -inf whatever they were) but multiply the zero probabilities with V, and the
 zero dS with K in backward. So the backend declares ``key_padding_safe = False`` and vsa-core's
-ops hand it a copy of v with zeroed padding (and of k in training), except where
-`FA4Backend.reads_key_padding_as_is`: inference with unpaired 64x64 blocks, whose forward
-zeroes partial blocks' V padding rows in shared memory (`flash_attn_vsa.v_padding_sm90`;
-`vsa_fa4.launch.zeroes_v_padding`), which saves the copy (at Wan 2.1 720p 900 MiB of the
-op's peak and a write pass over v).
+ops hand it a copy of v with zeroed padding (and of k in training). A backend whose kernel
+choice turns on ``ForwardVariant.zero_v_padding`` (`variant_backend`) reads v as it is in
+inference with unpaired 64x64 blocks (`FA4Backend.reads_key_padding_as_is`): its forward
+zeroes partial blocks' V padding rows in shared memory (`flash_attn_vsa.v_padding_sm90`),
+which saves the copy (peak memory 1.40x of dense instead of 2.62x at Wan 2.1 720p) but costs
+the forward 8-12% (H200, session 25), so the shipped choice keeps the copy.
 
 ``deterministic=True``: accepted for inference only (`DETERMINISTIC_BACKWARD_REFUSAL` says why
 the backward is not bitwise reproducible); the forward is, one CTA per query tile walking its
@@ -190,8 +191,8 @@ class FA4Backend(Backend):
         )
 
     def reads_key_padding_as_is(self, call: AttentionCall) -> bool:
-        """True for inference with unpaired 64x64 blocks on sm_90 (the two-CTA forward that
-        zeroes V's padding rows in shared memory, unless the kernel choice turns that off);
+        """True for inference with unpaired 64x64 blocks on sm_90 when the kernel choice runs
+        the two-CTA forward that zeroes V's padding rows in shared memory (not shipped);
         the rare such call that its kernel does not cover (2^16 key blocks or more) gets its
         zeroed copy of v here (`_v_for_kernels`)."""
         return (

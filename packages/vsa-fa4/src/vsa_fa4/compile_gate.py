@@ -64,14 +64,13 @@ class GateConfig:
 
 CONFIGS: tuple[GateConfig, ...] = (
     GateConfig(  # shipped with Q in registers (vsa_fa4.launch.Q_IN_REGISTERS_WHERE_FASTER),
-        # partial blocks' valid sizes in the list entries (flash_attn_vsa.valid_in_list_sm90),
-        # their V padding zeroed in shared memory (flash_attn_vsa.v_padding_sm90)
+        # partial blocks' valid sizes in the list entries (flash_attn_vsa.valid_in_list_sm90)
         "fwd-64x64", "fwd", (64, 64), "native", (64, 64),
-        "FlashAttentionForwardSm90TwoCtasQInRegistersValidInListVPaddingZeroed",
+        "FlashAttentionForwardSm90TwoCtasQInRegistersValidInList",
     ),
     GateConfig(  # inference: VSA's combine in the epilogue (flash_attn_vsa.combine_sm90)
         "fwd-64x64-combined", "fwd-combined", (64, 64), "native", (64, 64),
-        "FlashAttentionForwardSm90TwoCtasQInRegistersValidInListVPaddingZeroedCombinedGated",
+        "FlashAttentionForwardSm90TwoCtasQInRegistersValidInListCombinedGated",
     ),
     GateConfig(
         "fwd-64x64-paired", "fwd", (64, 64), "paired", (128, 64),

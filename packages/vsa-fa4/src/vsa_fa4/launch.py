@@ -58,10 +58,12 @@ class ForwardVariant:
     `SHIPPED_FORWARD`: the H200 measured them slower (experiment 10). ``valid_in_list``
     (shipped on): the 64x64 forward's partial entries carry their valid sizes (delta 10,
     `takes_valid_in_list`); off, the lists hold plain block ids and the mask loads the sizes
-    (what ran before; the same output). ``zero_v_padding`` (shipped on, with
+    (what ran before; the same output). ``zero_v_padding`` (off in `SHIPPED_FORWARD`; with
     ``valid_in_list``): that forward zeroes partial key blocks' V padding rows in shared
-    memory (delta 11, `zeroes_v_padding`), so inference reads v without a zeroed copy; off,
-    v's padding must be finite (the ops then copy it). Benchmarks compare variants by passing one
+    memory (delta 11, `zeroes_v_padding`), so inference reads v without a zeroed copy: peak
+    memory 1.32x / 1.40x of dense instead of 2.54x / 2.62x at Wan 2.1 480p / 720p, but the
+    op's forward 8-12% slower (H200, session 25); off, v's padding must be finite (the ops
+    then copy it). Benchmarks compare variants by passing one
     (`run_forward`'s ``variant``, a `KernelChoice`, or an fa4 backend registered with one:
     `vsa_fa4.backend.variant_backend`)."""
 
@@ -69,7 +71,7 @@ class ForwardVariant:
     two_streams: bool = False
     persistent: bool = False
     valid_in_list: bool = True
-    zero_v_padding: bool = True
+    zero_v_padding: bool = False
 
     def kernel_options(self, kernel: str) -> dict[str, bool]:
         """The keyword arguments the fork's forward entry point ``kernel`` (``"two_ctas"``,
@@ -101,13 +103,17 @@ class ForwardVariant:
         return "+".join(off + names) or "shipped"
 
 
-VARIANT_NAMES = {"qregs": "q_in_registers", "streams": "two_streams", "persistent": "persistent"}
+VARIANT_NAMES = {
+    "qregs": "q_in_registers",
+    "streams": "two_streams",
+    "persistent": "persistent",
+    "zero-v-padding": "zero_v_padding",
+}
 """Short names of `ForwardVariant`'s fields, as benchmarks and tools take them."""
 
 NEGATED_NAMES = {
     "no-qregs": ("q_in_registers", False),
     "no-valid-in-list": ("valid_in_list", False),
-    "no-zero-v-padding": ("zero_v_padding", False),
 }
 """Short names that turn a shipped option off (field, value)."""
 
