@@ -27,9 +27,9 @@ run (the before and after of a change, at the same clock).
   `flash_attn_vsa.valid_in_list_sm90`, was shipped).
 - ``fa4_zero_v_padding``: the fa4 backend whose 64x64 forward zeroes partial blocks' V
   padding in shared memory (``ForwardVariant(zero_v_padding=True)``, delta 11,
-  `flash_attn_vsa.v_padding_sm90`), so the ops make no copy of v in inference. Session 25's
-  runs, made while it was briefly the default, call it ``fa4`` and the shipped path
-  ``fa4_v_copy``.
+  the fork's `experimental.v_padding_sm90`), so the ops make no copy of v in inference.
+  Session 25's runs, made while it was briefly the default, call it ``fa4`` and the shipped
+  path ``fa4_v_copy``.
 """
 
 from __future__ import annotations

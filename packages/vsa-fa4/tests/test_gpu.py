@@ -144,8 +144,8 @@ def test_valid_sizes_in_the_lists_give_the_same_bits_as_plain_lists():
     not torch.cuda.is_available() or _capability() != (9, 0), reason="the fork's kernels: sm_90"
 )
 def test_nan_in_v_padding_never_reaches_the_output_of_the_zeroing_forward():
-    """Delta 11 (`flash_attn_vsa.v_padding_sm90`): the 64x64 forward zeroes partial blocks' V
-    padding rows in shared memory, so NaN there (and in K's) leaves the output bitwise the
+    """Delta 11 (the fork's `experimental.v_padding_sm90`): the 64x64 forward zeroes partial
+    blocks' V padding rows in shared memory, so NaN there (and in K's) leaves the output bitwise the
     output on finite padding, and the reference's within 1e-2, forward with lse and combined.
     The same kernel without the zeroing lets NaN through: the hazard the ops' zeroed copy of v
     guarded against, and what this test would catch."""

@@ -20,7 +20,9 @@ blocks' valid sizes carried in the two-CTA forward's list entries). Experimental
 ``flash_attn_vsa.experimental`` (correct on an H200 but measured slower; only on request, a
 ``vsa_fa4.launch.ForwardVariant`` passed down):
 ``flash_attn_vsa.experimental.fwd_sm90_streams`` (two 64-row query streams per 128-row tile)
-and ``flash_attn_vsa.experimental.persistent_sm90`` (persistent CTAs walking the tiles); the
+``flash_attn_vsa.experimental.persistent_sm90`` (persistent CTAs walking the tiles) and
+``flash_attn_vsa.experimental.v_padding_sm90`` (partial key blocks' V padding zeroed in shared
+memory, so inference needs no zeroed copy of v: less memory, a slower forward); the
 backward's configurations under measurement are there too
 (``flash_attn_vsa.experimental.bwd_configs``, passed as ``config=`` to
 ``bwd_sm90.block_sparse_backward_kv64``).

@@ -130,15 +130,15 @@ CONFIGS: tuple[GateConfig, ...] = (
         (64, 64),
         "FlashAttentionForwardSm90TwoCtasQInRegistersValidInListVPaddingZeroed",
         "the same zeroing partial key blocks' V padding rows in shared memory "
-        "(flash_attn_vsa.v_padding_sm90; vsa-fa4's forward where v's padding is not zeroed)",
+        "(flash_attn_vsa.experimental.v_padding_sm90; vsa-fa4's zero_v_padding variant)",
     ),
     GateConfig(
         "fwd-sparse-q64-kv64-two-ctas-q-in-registers-valid-in-list-zero-v-padding-combined-gated",
         "fwd-q64+q-regs+valid-in-list+zero-v-padding+combine-gated",
         (64, 64),
         "FlashAttentionForwardSm90TwoCtasQInRegistersValidInListVPaddingZeroedCombinedGated",
-        "the same with the gated combine in its epilogue (vsa-fa4's inference forward of "
-        "video_sparse_attn on tile-order inputs with partial tiles)",
+        "the same with the gated combine in its epilogue (that variant's inference forward "
+        "of video_sparse_attn on tile-order inputs with partial tiles)",
     ),
     GateConfig(
         "fwd-sparse-q128-kv64-paired",

@@ -128,7 +128,7 @@ class ForwardKernel:
     ``valid_in_list``: partial-list entries carry their key block's valid size (delta 10,
     `valid_in_list_sm90`); ``zero_v_padding`` (with it): the consumer zeroes partial blocks' V
     padding rows in shared memory, so V's padding slots may hold anything (delta 11,
-    `v_padding_sm90`)."""
+    `experimental.v_padding_sm90`)."""
 
     kind: str
     q_in_registers: bool = False
@@ -201,7 +201,7 @@ class ForwardKernel:
 
             cls = with_valid_sizes_in_list(cls)
         if self.zero_v_padding:
-            from flash_attn_vsa.v_padding_sm90 import with_v_padding_zeroed
+            from flash_attn_vsa.experimental.v_padding_sm90 import with_v_padding_zeroed
 
             cls = with_v_padding_zeroed(cls)
         if self.combine:
@@ -336,8 +336,8 @@ def block_sparse_forward_q64(
     output is an inference output) and the returned lse is None.
     ``zero_v_padding`` (partial lists with valid sizes in their entries only, the mask_mod
     `mask_sm90.valid_in_list_mask_mod`): partial key blocks' V padding rows are zeroed in
-    shared memory (delta 11, `v_padding_sm90`), so v's padding slots may hold anything, NaN
-    and inf included; without it they must be finite.
+    shared memory (delta 11, `experimental.v_padding_sm90`), so v's padding slots may hold
+    anything, NaN and inf included; without it they must be finite.
     """
     from flash_attn_vsa import launch_replay
 

@@ -54,7 +54,7 @@ class _HeldValidSize:
     value: Any = None
     unconsumed: bool = False
     """A partial entry was read since `take_unconsumed` last answered (delta 11,
-    `v_padding_sm90`: the step that follows the read is a partial block's)."""
+    `experimental.v_padding_sm90`: the step that follows the read is a partial block's)."""
 
     def hold(self, value: Any) -> None:
         self.value = value
@@ -78,8 +78,8 @@ class _HeldValidSize:
 
 
 def entry_valid_size() -> _HeldValidSize:
-    """For `mask_sm90`'s column limit (and `v_padding_sm90`'s zeroing): the consumer's holder,
-    as a valid-size tensor."""
+    """For `mask_sm90`'s column limit (and `experimental.v_padding_sm90`'s zeroing): the
+    consumer's holder, as a valid-size tensor."""
     stack = build_scope.trace_stack(_STACK)
     if not stack:
         raise RuntimeError(

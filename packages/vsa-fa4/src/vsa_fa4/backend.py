@@ -17,9 +17,10 @@ zero dS with K in backward. So the backend declares ``key_padding_safe = False``
 ops hand it a copy of v with zeroed padding (and of k in training). A backend whose kernel
 choice turns on ``ForwardVariant.zero_v_padding`` (`variant_backend`) reads v as it is in
 inference with unpaired 64x64 blocks (`FA4Backend.reads_key_padding_as_is`): its forward
-zeroes partial blocks' V padding rows in shared memory (`flash_attn_vsa.v_padding_sm90`),
-which saves the copy (peak memory 1.40x of dense instead of 2.62x at Wan 2.1 720p) but costs
-the forward 8-12% (H200, session 25), so the shipped choice keeps the copy.
+zeroes partial blocks' V padding rows in shared memory (the fork's
+`experimental.v_padding_sm90`), which saves the copy (peak memory 1.40x of dense instead of
+2.62x at Wan 2.1 720p) but costs the forward 8-12% (H200, session 25), so the shipped choice
+keeps the copy.
 
 ``deterministic=True``: accepted for inference only (`DETERMINISTIC_BACKWARD_REFUSAL` says why
 the backward is not bitwise reproducible); the forward is, one CTA per query tile walking its

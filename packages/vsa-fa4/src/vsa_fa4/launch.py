@@ -340,7 +340,7 @@ def zeroes_v_padding(
     variant: ForwardVariant = SHIPPED_FORWARD,
 ) -> bool:
     """Whether `run_forward`'s kernel for this call (with partial key blocks) zeroes their V
-    padding rows in shared memory (`flash_attn_vsa.v_padding_sm90`, delta 11), so that v's
+    padding rows in shared memory (the fork's `experimental.v_padding_sm90`, delta 11), so that v's
     padding slots may hold anything, NaN and inf included: the valid-in-list forward
     (`takes_valid_in_list`) unless the variant turns it off. Costs one barrier wait, a few
     shared stores and a warpgroup barrier per partial step."""

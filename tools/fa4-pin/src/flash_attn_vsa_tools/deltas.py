@@ -198,6 +198,17 @@ DELTAS: tuple[Delta, ...] = (
         "P V product (Nsight: +1.0% over all-full blocks against +3.0%; timed back to back "
         "+6.5% against +7.7%: experiments 17 and 18)",
     ),
+    Delta(
+        11,
+        "experimental.v_padding_sm90",
+        "Partial key blocks' V padding zeroed in shared memory",
+        _FWD,
+        "experimental",
+        "`vsa_fa4.launch.ForwardVariant(zero_v_padding=True)` (off in the shipped choice): the "
+        "64x64 forward with valid sizes in its lists reads v's padding as it is, so inference "
+        "makes no zeroed copy of v; on an H200 the op's peak memory 1.32-1.41x of dense "
+        "instead of 2.54-2.62x, its forward 8-12% slower (session 25)",
+    ),
 )
 """Every kernel delta, by number."""
 

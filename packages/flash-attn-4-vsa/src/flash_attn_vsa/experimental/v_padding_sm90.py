@@ -1,5 +1,9 @@
-"""Partial key blocks' V padding zeroed in shared memory (sm_90): the fork's eleventh delta, so
-that the 64x64 forward reads V as it is, whatever its padding slots hold.
+"""Partial key blocks' V padding zeroed in shared memory (sm_90): the fork's eleventh delta
+(experimental: vsa-fa4 runs it on request, ``ForwardVariant(zero_v_padding=True)``), so that the
+64x64 forward reads V as it is, whatever its padding slots hold. Measured on an H200 (session
+25, `bench_video.py`, 87.5%): the op's inference peak 1.32x / 1.40x / 1.41x of dense FA4's at
+Wan 2.1 480p / 720p / HunyuanVideo instead of 2.54x / 2.62x / 2.58x with the copy, but its
+forward 9.6% / 12% / 10% slower back to back; see "Where" for what that cost is.
 
 Why (issue 19's memory target; NOTES.md, session 23): FA4's forward lands a partial key
 block's whole 64-row V tile in shared memory, padding rows included, and P V multiplies them by
