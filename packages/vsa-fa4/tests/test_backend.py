@@ -263,8 +263,8 @@ def test_reads_key_padding_as_is_only_where_its_forward_zeroes_v_padding(gpu):
     """Inference with unpaired 64x64 blocks on sm_90 runs the forward that zeroes partial
     blocks' V padding in shared memory (the fork's experimental.v_padding_sm90) when the
     kernel choice asks for it: the ops then skip v's zeroed copy. Training (the backward
-    multiplies V and K padding), paired or other blocks (other kernels), sm_100 and the shipped choice (no
-    zeroing) keep the copy."""
+    multiplies V and K padding), paired or other blocks (other kernels), sm_100 and the
+    shipped choice (no zeroing) keep the copy."""
     from vsa_fa4.launch import ForwardVariant, KernelChoice
 
     gpu((9, 0))
