@@ -52,21 +52,13 @@ class _HeldValidSize:
     size (the limit asks for the block of the step it masks, whose entry was read last)."""
 
     value: Any = None
-    unconsumed: bool = False
-    """A partial entry was read since `take_unconsumed` last answered (delta 11,
-    `experimental.v_padding_sm90`: the step that follows the read is a partial block's)."""
+    row: Any = None
+    """The packed row (one query block's partial list, raw entries) and the index of the
+    entry read last (delta 11, `experimental.v_padding_sm90`, reads the entries before it)."""
+    index: Any = None
 
-    def hold(self, value: Any) -> None:
-        self.value = value
-        self.unconsumed = True
-
-    def take_unconsumed(self) -> Any:
-        """The held size if a partial entry was read since the last call, else None: the
-        step traced since then is a full block's (only the partial list is packed)."""
-        if not self.unconsumed:
-            return None
-        self.unconsumed = False
-        return self.value
+    def hold(self, value: Any, row: Any, index: Any) -> None:
+        self.value, self.row, self.index = value, row, index
 
     def __getitem__(self, index: Any) -> Any:
         if self.value is None:
@@ -113,7 +105,7 @@ class PackedEntries:
         if isinstance(index, tuple) and any(i is None for i in index):
             return PackedEntries(result, self._held)  # a row of the list
         if self._held is not None:
-            self._held.hold(result >> BLOCK_BITS)
+            self._held.hold(result >> BLOCK_BITS, self._inner, index)
         return result & ((1 << BLOCK_BITS) - 1)
 
     def __getattr__(self, name: str) -> Any:

@@ -61,13 +61,41 @@ WARPGROUP_THREADS = 128
 
 
 class _VStages:
-    """Trace-time: what the zeroing needs from upstream's ``mma`` (its V pipeline, V's stages
-    as [tile_n, head_dim_v, stages], the consumer's thread index)."""
+    """Trace-time: what the zeroing needs from upstream's ``mma`` (its V stages as
+    [tile_n, head_dim_v, stages], the consumer's thread index) and, per work tile, the full
+    list's count (recorded where upstream loads it)."""
 
-    def __init__(self, pipeline_v: Any, sV: Any, tidx: Any) -> None:
-        self.pipeline_v = pipeline_v
+    def __init__(self, sV: Any, tidx: Any) -> None:
         self.sV = sV
         self.tidx = tidx
+        self.full_count: Any = None
+
+
+class _RecordedCounts:
+    """The full lists' counts tensor, recording the count upstream's consumer reads for its
+    work tile (carried through upstream's loops as the wrapped tensor's values)."""
+
+    def __init__(self, inner: Any, stages: _VStages) -> None:
+        self._inner = inner
+        self._stages = stages
+
+    def __extract_mlir_values__(self) -> Any:
+        import cutlass
+
+        return cutlass.extract_mlir_values(self._inner)
+
+    def __new_from_mlir_values__(self, values: Any) -> _RecordedCounts:
+        import cutlass
+
+        return _RecordedCounts(cutlass.new_from_mlir_values(self._inner, values), self._stages)
+
+    def __getitem__(self, index: Any) -> Any:
+        result = self._inner[index]
+        self._stages.full_count = result
+        return result
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
 
 
 @functools.cache
@@ -84,51 +112,61 @@ def _barrier_id() -> int:
 
 @functools.cache
 def _zero_rows_fn() -> Any:
-    """The jitted zeroing of one V stage's rows from ``first_row`` on (a dynamic ``if`` needs
-    a jitted body)."""
+    """The jitted zeroing of one V stage's rows from ``first_row`` on, when ``needed`` (a
+    dynamic ``if`` needs a jitted body), then the proxy fence and the warpgroup barrier."""
     import cutlass
     import cutlass.cute as cute
     from quack import copy_utils
 
+    barrier = _barrier_id()
+
     @cute.jit
-    def zero_rows_from(stage: cute.Tensor, first_row: cutlass.Int32, tidx: cutlass.Int32):
-        rows, cols = cute.size(stage, mode=[0]), cute.size(stage, mode=[1])
-        vector = 128 // stage.element_type.width  # 16-byte stores
-        tiled = copy_utils.tiled_copy_2d(
-            stage.element_type, cols // vector, WARPGROUP_THREADS, vector
-        )
-        thread = tiled.get_slice(tidx)
-        destination = thread.partition_D(stage)
-        coords = thread.partition_D(cute.make_identity_tensor((rows, cols)))
-        zeros = cute.make_rmem_tensor_like(destination[None, 0, None])
-        zeros.fill(0)
-        for m in cutlass.range_constexpr(cute.size(destination, mode=[1])):
-            if coords[0, m, 0][0] >= first_row:
-                cute.copy(tiled, zeros, destination[None, m, None])
+    def zero_rows_from(
+        stage: cute.Tensor, first_row: cutlass.Int32, tidx: cutlass.Int32, needed: cutlass.Boolean
+    ):
+        if needed:
+            rows, cols = cute.size(stage, mode=[0]), cute.size(stage, mode=[1])
+            vector = 128 // stage.element_type.width  # 16-byte stores
+            tiled = copy_utils.tiled_copy_2d(
+                stage.element_type, cols // vector, WARPGROUP_THREADS, vector
+            )
+            thread = tiled.get_slice(tidx)
+            destination = thread.partition_D(stage)
+            coords = thread.partition_D(cute.make_identity_tensor((rows, cols)))
+            zeros = cute.make_rmem_tensor_like(destination[None, 0, None])
+            zeros.fill(0)
+            for m in cutlass.range_constexpr(cute.size(destination, mode=[1])):
+                if coords[0, m, 0][0] >= first_row:
+                    cute.copy(tiled, zeros, destination[None, m, None])
+            cute.arch.fence_view_async_shared()  # generic-proxy stores before the wgmma reads
+            cute.arch.barrier(barrier_id=barrier, number_of_threads=WARPGROUP_THREADS)
 
     return zero_rows_from
 
 
-def _partial_step_size() -> Any:
-    """The valid size of the partial block whose step is being traced (its entry was read just
-    before), or None for a full block's step."""
-    from flash_attn_vsa.valid_in_list_sm90 import entry_valid_size
-
-    return entry_valid_size().take_unconsumed()
-
-
-def _zero_padding(state: Any, valid: Any) -> None:
-    """Zero the V rows from ``valid`` on in the stage ``state`` points at, once it landed."""
-    import cutlass.cute as cute
-
+def _stages() -> _VStages:
     stages = build_scope.trace_stack(_STACK)
     if not stages:
         raise RuntimeError("v_padding_sm90's step ran outside its kernel class's mma")
-    v = stages[-1]
-    v.pipeline_v.consumer_wait(state, v.pipeline_v.consumer_try_wait(state))
-    _zero_rows_fn()(v.sV[None, None, state.index], valid, v.tidx)
-    cute.arch.fence_view_async_shared()  # generic-proxy stores before the wgmma's reads
-    cute.arch.barrier(barrier_id=_barrier_id(), number_of_threads=WARPGROUP_THREADS)
+    return stages[-1]
+
+
+def _zeroing_before(product: Any, first_row: Any, needed: Any) -> Any:
+    """``product`` (upstream's P V issue, called once its V stage landed, with the stage as
+    ``B_idx``) preceded by the zeroing of that stage's rows from ``first_row`` on."""
+    v = _stages()
+
+    def zero_then_product(*args: Any, **kwargs: Any) -> Any:
+        _zero_rows_fn()(v.sV[None, None, kwargs["B_idx"]], first_row, v.tidx, needed)
+        return product(*args, **kwargs)
+
+    return zero_then_product
+
+
+def _partial_entries() -> Any:
+    from flash_attn_vsa.valid_in_list_sm90 import BLOCK_BITS, entry_valid_size
+
+    return entry_valid_size(), BLOCK_BITS
 
 
 @functools.cache
@@ -136,6 +174,7 @@ def with_v_padding_zeroed(base: type) -> type:
     """A subclass of the sm_90 forward kernel class ``base`` (built with valid sizes in its
     lists) whose consumer zeroes partial key blocks' V padding rows in shared memory (see the
     module doc)."""
+    import cutlass
     from quack import layout_utils
 
     class VPaddingZeroed(base):  # type: ignore[misc, valid-type]
@@ -151,36 +190,47 @@ def with_v_padding_zeroed(base: type) -> type:
                 )
             bound = sm90_operands.upstream_mma_arguments(self, args, kwargs)
             given = bound.arguments
-            stages = _VStages(
-                given["pipeline_v"], layout_utils.transpose_view(given["sVt"]), given["tidx"]
+            stages = _VStages(layout_utils.transpose_view(given["sVt"]), given["tidx"])
+            sparse = given["blocksparse_tensors"]
+            if sparse is None or sparse.full_block_cnt is None:
+                raise ValueError("zeroing V's padding needs block-sparse full and partial lists")
+            given["blocksparse_tensors"] = sparse._replace(
+                full_block_cnt=_RecordedCounts(sparse.full_block_cnt, stages)
             )
             with build_scope.traced(_STACK, stages):
                 return base.mma(*bound.args, **bound.kwargs)
 
-        def first_half_block_overlap(self, *args: Any, **kwargs: Any) -> Any:
-            valid = _partial_step_size()
-            state = super().first_half_block_overlap(*args, **kwargs)
-            if valid is not None:  # a tile's first block: nothing else to overlap with
-                _zero_padding(state, valid)
-            return state
-
         def mma_one_n_block_intrawg_overlap(self, smem_pipe_read: Any, **kwargs: Any) -> Any:
-            valid = _partial_step_size()
-            if valid is None:
-                return super().mma_one_n_block_intrawg_overlap(smem_pipe_read, **kwargs)
-            state = smem_pipe_read.clone()  # this step's block: the state upstream advances to
-            state.advance()
-            product = kwargs["mma_pv_fn"]
-
-            def previous_product_then_zero(*args: Any, **pv_kwargs: Any) -> Any:
-                # right after the previous block's P V is issued, with it and this block's
-                # QK^T in flight: the zeroing overlaps both
-                issued = product(*args, **pv_kwargs)
-                _zero_padding(state, valid)
-                return issued
-
-            kwargs["mma_pv_fn"] = previous_product_then_zero
+            # the P V of this step is the previous block's: partial when this step is a
+            # partial one (the previous is the entry after it: upstream walks the partial
+            # list from its end) or the first full step after the partial list (the previous
+            # is the partial list's entry 0: upstream masks that step's sequence length, the
+            # later full steps' not)
+            mask_fn = kwargs["mask_fn"]
+            partial_step = mask_fn.keywords.get("mask_mod") is not None
+            first_full_after_partial = not partial_step and mask_fn.keywords.get("mask_seqlen")
+            if partial_step or first_full_after_partial:
+                held, block_bits = _partial_entries()
+                previous = held.row[held.index + 1] if partial_step else held.row[0]
+                kwargs["mma_pv_fn"] = _zeroing_before(
+                    kwargs["mma_pv_fn"], previous >> block_bits, cutlass.Boolean(True)
+                )
             return super().mma_one_n_block_intrawg_overlap(smem_pipe_read, **kwargs)
+
+        def last_half_block_overlap(self, *args: Any, **kwargs: Any) -> Any:
+            # the last block: partial exactly when the tile has no full block (the partial
+            # list's entry 0)
+            held, block_bits = _partial_entries()
+            v = _stages()
+            if held.row is None or v.full_count is None:
+                raise RuntimeError(
+                    "the last half-step ran before the lists were read; v_padding_sm90 needs a "
+                    "review against this upstream version"
+                )
+            kwargs["mma_pv_fn"] = _zeroing_before(
+                kwargs["mma_pv_fn"], held.row[0] >> block_bits, v.full_count == 0
+            )
+            return super().last_half_block_overlap(*args, **kwargs)
 
     VPaddingZeroed.__name__ = VPaddingZeroed.__qualname__ = f"{base.__name__}VPaddingZeroed"
     return VPaddingZeroed
