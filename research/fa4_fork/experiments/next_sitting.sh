@@ -166,10 +166,11 @@ session25)
   # zeroes partial blocks' V padding in shared memory, so inference makes no zeroed copy of
   # v): its GPU tests (NaN padding through the kernel and the whole op, the shipped paths'
   # equal bits), then the op with and without the copy (fa4_v_copy: the path before) at
-  # three latents, time in both views and peak memory.
+  # three latents, time in both views and peak memory. The first two sittings ran while the
+  # zeroing was the default (arms "fa4 fa4_v_copy"); since, it is the fa4_zero_v_padding arm.
   bash benchmarks/gpu_sitting.sh \
     "step tests 200 python3 -m pytest -q -p no:warnings -m gpu packages/vsa-fa4/tests/test_gpu.py -k 'nan or valid_sizes_in_the_lists or video_sparse_attn or combined_forward'" \
-    "step bench 330 python3 benchmarks/bench_video.py --shapes wan480p wan720p hunyuan720p --sparsities 0.875 --modes fwd --arms fa4 fa4_v_copy --warmup 2 --reps 8 --no-pieces --time-budget-min 5 --out \$OUT/bench_video-v-padding.json"
+    "step bench 330 python3 benchmarks/bench_video.py --shapes wan480p wan720p hunyuan720p --sparsities 0.875 --modes fwd --arms fa4 fa4_zero_v_padding --warmup 2 --reps 8 --no-pieces --time-budget-min 5 --out \$OUT/bench_video-v-padding.json"
   ;;
 *)
   echo "usage: $0 grid | bwd-counters | bwd-split | session19 | session21 | session22 [tests|bench] | session23 [tests|props|bench|second|block-props] | session24 [tests|final|profile|bench] | session25" >&2
