@@ -1,0 +1,164 @@
+"""Experiment 19 (session 25): what delta 11's zeroing of V's padding rows costs, part by part.
+
+Delta 11 (`flash_attn_vsa.experimental.v_padding_sm90`) zeroes a partial key block's V padding
+rows in shared memory before the P V product that reads them: per partial step and thread at
+most eight 16-byte shared stores, a proxy fence (``fence.proxy.async``: generic-proxy stores
+before an async-proxy wgmma read) and a named barrier over the warpgroup. Through the whole op
+(`bench_video.py`, H200, session 25) the forward ran 10-14% slower than the shipped one, which
+reads a zeroed copy of v instead, in each of three placements of the zeroing (after the step,
+after the previous P V's issue, before the block's own P V): the placement is not what costs.
+
+Arms, on the same lists and inputs, interleaved call by call (kernels only, through
+`vsa_fa4.ops.attention`, as the op builds the lists), S=32768, 12 heads, 64x64, a quarter of
+the key blocks partial:
+
+- ``all_full``: the shipped forward on the same lists with every key block full;
+- ``partial``: the shipped forward (reads v's padding zeroed by the caller: here, finite);
+- ``zero``: delta 11's forward, with the zeroing reduced by ``--ablation``: ``none`` (as
+  built), ``no_fence``, ``no_barrier``, ``no_stores`` (fence and barrier only),
+  ``no_zeroing`` (the entry re-read and the branch, nothing else). The ablations are wrong
+  where padding is not finite (timed only); each needs its own process, since the kernel's
+  compile cache knows it by its `ForwardKernel` alone. ::
+
+    for a in none no_fence no_barrier no_stores no_zeroing; do
+      python3 -m research.fa4_fork.experiments.v_padding_cost --ablation $a --out DIR
+    done
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ABLATIONS = ("none", "no_fence", "no_barrier", "no_stores", "no_zeroing")
+
+
+def install_ablation(ablation: str) -> None:
+    """Replace delta 11's zeroing body by the ablated one (before any compile)."""
+    from flash_attn_vsa.experimental import v_padding_sm90 as delta
+
+    if ablation == "none":
+        return
+    stores = ablation not in ("no_stores", "no_zeroing")
+    fence = ablation not in ("no_fence", "no_zeroing")
+    barrier = ablation not in ("no_barrier", "no_zeroing")
+
+    @functools.cache
+    def ablated() -> object:
+        import cutlass
+        import cutlass.cute as cute
+        from quack import copy_utils
+
+        barrier_id = delta._barrier_id()
+        threads = delta.WARPGROUP_THREADS
+
+        @cute.jit
+        def zero_rows_from(
+            stage: cute.Tensor, first_row: cutlass.Int32, tidx: cutlass.Int32,
+            needed: cutlass.Boolean,
+        ):  # fmt: skip
+            if needed:
+                if cutlass.const_expr(stores):
+                    rows, cols = cute.size(stage, mode=[0]), cute.size(stage, mode=[1])
+                    vector = 128 // stage.element_type.width
+                    tiled = copy_utils.tiled_copy_2d(
+                        stage.element_type, cols // vector, threads, vector
+                    )
+                    thread = tiled.get_slice(tidx)
+                    destination = thread.partition_D(stage)
+                    coords = thread.partition_D(cute.make_identity_tensor((rows, cols)))
+                    zeros = cute.make_rmem_tensor_like(destination[None, 0, None])
+                    zeros.fill(0)
+                    for m in cutlass.range_constexpr(cute.size(destination, mode=[1])):
+                        if coords[0, m, 0][0] >= first_row:
+                            cute.copy(tiled, zeros, destination[None, m, None])
+                if cutlass.const_expr(fence):
+                    cute.arch.fence_view_async_shared()
+                if cutlass.const_expr(barrier):
+                    cute.arch.barrier(barrier_id=barrier_id, number_of_threads=threads)
+
+        return zero_rows_from
+
+    delta._zero_rows_fn = ablated
+
+
+def run(args) -> int:
+    import torch
+
+    from research.harness import benchmark_module
+    from vsa_fa4 import ops
+    from vsa_fa4.launch import SHIPPED, ForwardVariant, KernelChoice
+    from vsa_fa4.schedule import make_plan
+
+    install_ablation(args.ablation)
+    bench_vsa, bt = benchmark_module("bench_vsa"), benchmark_module("bench_timing")
+    seq, heads, dim, scale = args.seq_len, args.heads, 128, 128**-0.5
+    layouts = {
+        "full": bench_vsa.sample_layout(seq, 1, heads, args.sparsity, (64, 64), 0, 0.0),
+        "partial": bench_vsa.sample_layout(seq, 1, heads, args.sparsity, (64, 64), 0, 0.25),
+    }
+    layouts = {name: lay.to("cuda") for name, lay in layouts.items()}
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (
+        torch.randn(1, seq, heads, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+        for _ in range(3)
+    )
+    plan = make_plan((64, 64))
+    zeroing = KernelChoice(ForwardVariant(zero_v_padding=True))
+
+    def arm(layout, full, kernels):
+        def call():
+            return ops.attention(q, k, v, layout.kv_indices, layout.kv_counts,
+                                 layout.kv_valid_sizes, scale, plan, 1, full, kernels)[0]  # fmt: skip
+
+        return call
+
+    fns = {
+        "all_full": arm(layouts["full"], True, SHIPPED),
+        "partial": arm(layouts["partial"], False, SHIPPED),
+        "zero": arm(layouts["partial"], False, zeroing),
+    }
+    with torch.no_grad():
+        for fn in fns.values():
+            for _ in range(3):
+                fn()
+        diff = (fns["zero"]().float() - fns["partial"]().float()).abs().max().item()
+        times = {name: [] for name in fns}
+        for _ in range(args.rounds):
+            for name, fn in fns.items():
+                times[name].append(bt.events_ms(fn, args.calls))
+    row = {"ablation": args.ablation, **{n: statistics.median(t) for n, t in times.items()}}
+    row["partial_over_full"] = row["partial"] / row["all_full"] - 1
+    row["zero_over_partial"] = row["zero"] / row["partial"] - 1
+    row["zero_vs_partial_max_abs"] = diff
+    print(json.dumps(row), flush=True)
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        doc = {"experiment": "v_padding_cost", "device": torch.cuda.get_device_name(),
+               "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+               "command": " ".join(sys.argv), "row": row}  # fmt: skip
+        (Path(args.out) / f"v_padding_cost-{args.ablation}.json").write_text(
+            json.dumps(doc, indent=1)
+        )
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--ablation", choices=ABLATIONS, default="none")
+    parser.add_argument("--seq-len", type=int, default=32768)
+    parser.add_argument("--heads", type=int, default=12)
+    parser.add_argument("--sparsity", type=float, default=0.875)
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--calls", type=int, default=10)
+    parser.add_argument("--out")
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
