@@ -113,8 +113,8 @@ def run(args) -> int:
 
     def arm(layout, full, kernels):
         def call():
-            return ops.attention(q, k, v, layout.kv_indices, layout.kv_counts,
-                                 layout.kv_valid_sizes, scale, plan, 1, full, kernels)[0]  # fmt: skip
+            lists = (layout.kv_indices, layout.kv_counts, layout.kv_valid_sizes)
+            return ops.attention(q, k, v, *lists, scale, plan, 1, full, kernels)[0]
 
         return call
 
