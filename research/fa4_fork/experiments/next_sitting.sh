@@ -167,6 +167,13 @@ session25-cost)
   bash benchmarks/gpu_sitting.sh \
     "for a in none no_fence no_barrier no_stores no_zeroing; do step cost-\$a 120 python3 -m research.fa4_fork.experiments.v_padding_cost --ablation \$a --out \$OUT; done"
   ;;
+session25-regress)
+  # the ops' per-call copy decision (Backend.reads_key_padding_as_is) through every backend on
+  # the GPU: vsa-core's GPU op and compile tests, fa4's whole-op and compile/graph tests
+  bash benchmarks/gpu_sitting.sh \
+    "step core 150 python3 -m pytest -q -p no:warnings -m gpu packages/vsa-core/tests/test_gpu_ops.py packages/vsa-core/tests/test_gpu_compile.py" \
+    "step fa4 150 python3 -m pytest -q -p no:warnings -m gpu packages/vsa-fa4/tests/test_gpu.py -k 'video_sparse_attn or torch_compile or cuda_graph or 64x64'"
+  ;;
 session25)
   # Prepared in session 25 (the CuTe bundle unpacked first): delta 11 (the 64x64 forward
   # zeroes partial blocks' V padding in shared memory, so inference makes no zeroed copy of
@@ -179,7 +186,7 @@ session25)
     "step bench 330 python3 benchmarks/bench_video.py --shapes wan480p wan720p hunyuan720p --sparsities 0.875 --modes fwd --arms fa4 fa4_zero_v_padding --warmup 2 --reps 8 --no-pieces --time-budget-min 5 --out \$OUT/bench_video-v-padding.json"
   ;;
 *)
-  echo "usage: $0 grid | bwd-counters | bwd-split | session19 | session21 | session22 [tests|bench] | session23 [tests|props|bench|second|block-props] | session24 [tests|final|profile|bench] | session25 | session25-cost" >&2
+  echo "usage: $0 grid | bwd-counters | bwd-split | session19 | session21 | session22 [tests|bench] | session23 [tests|props|bench|second|block-props] | session24 [tests|final|profile|bench] | session25 | session25-cost | session25-regress" >&2
   exit 2
   ;;
 esac
