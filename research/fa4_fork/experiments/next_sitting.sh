@@ -167,6 +167,11 @@ session25-cost)
   bash benchmarks/gpu_sitting.sh \
     "for a in none no_fence no_barrier no_stores no_zeroing; do step cost-\$a 120 python3 -m research.fa4_fork.experiments.v_padding_cost --ablation \$a --out \$OUT; done"
   ;;
+session25-steps)
+  # experiment 19's design arm: P V over the k-steps below a partial block's valid size
+  bash benchmarks/gpu_sitting.sh \
+    "for a in pv_valid_steps none; do step cost-\$a 100 python3 -m research.fa4_fork.experiments.v_padding_cost --ablation \$a --out \$OUT; done"
+  ;;
 session25-regress)
   # the ops' per-call copy decision (Backend.reads_key_padding_as_is) through every backend on
   # the GPU: vsa-core's GPU op and compile tests, fa4's whole-op and compile/graph tests
@@ -186,7 +191,7 @@ session25)
     "step bench 330 python3 benchmarks/bench_video.py --shapes wan480p wan720p hunyuan720p --sparsities 0.875 --modes fwd --arms fa4 fa4_zero_v_padding --warmup 2 --reps 8 --no-pieces --time-budget-min 5 --out \$OUT/bench_video-v-padding.json"
   ;;
 *)
-  echo "usage: $0 grid | bwd-counters | bwd-split | session19 | session21 | session22 [tests|bench] | session23 [tests|props|bench|second|block-props] | session24 [tests|final|profile|bench] | session25 | session25-cost | session25-regress" >&2
+  echo "usage: $0 grid | bwd-counters | bwd-split | session19 | session21 | session22 [tests|bench] | session23 [tests|props|bench|second|block-props] | session24 [tests|final|profile|bench] | session25 | session25-cost | session25-regress | session25-steps" >&2
   exit 2
   ;;
 esac

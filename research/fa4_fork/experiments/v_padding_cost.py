@@ -18,7 +18,10 @@ the key blocks partial:
   built), ``no_fence``, ``no_barrier``, ``no_stores`` (fence and barrier only),
   ``no_zeroing`` (the entry re-read and the branch, nothing else). The ablations are wrong
   where padding is not finite (timed only); each needs its own process, since the kernel's
-  compile cache knows it by its `ForwardKernel` alone. ::
+  compile cache knows it by its `ForwardKernel` alone. ``pv_valid_steps`` is a design, not
+  an ablation (correct, checked against ``partial``): a partial block's P V issues only the
+  16-key k-steps below its valid size (the first always) and zeroes only the rows of the last
+  one past the size (none for a multiple of 16), instead of all 64 rows. ::
 
     for a in none no_fence no_barrier no_stores no_zeroing; do
       python3 -m research.fa4_fork.experiments.v_padding_cost --ablation $a --out DIR
@@ -35,7 +38,7 @@ import sys
 import time
 from pathlib import Path
 
-ABLATIONS = ("none", "no_fence", "no_barrier", "no_stores", "no_zeroing")
+ABLATIONS = ("none", "no_fence", "no_barrier", "no_stores", "no_zeroing", "pv_valid_steps")
 
 
 def install_ablation(ablation: str) -> None:
@@ -43,6 +46,9 @@ def install_ablation(ablation: str) -> None:
     from flash_attn_vsa.experimental import v_padding_sm90 as delta
 
     if ablation == "none":
+        return
+    if ablation == "pv_valid_steps":
+        delta._zeroing_before = _zeroing_before_valid_steps
         return
     stores = ablation not in ("no_stores", "no_zeroing")
     fence = ablation not in ("no_fence", "no_zeroing")
@@ -85,6 +91,96 @@ def install_ablation(ablation: str) -> None:
         return zero_rows_from
 
     delta._zero_rows_fn = ablated
+
+
+@functools.cache
+def _valid_steps_fns() -> tuple:
+    """The jitted pieces of ``pv_valid_steps``: the k-step limit, the zeroing of the rows
+    between the valid size and that limit, and the P V product over the steps below it."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.nvgpu import warpgroup
+    from quack import copy_utils
+
+    from flash_attn_vsa.experimental import v_padding_sm90 as delta
+
+    barrier_id = delta._barrier_id()
+    threads = delta.WARPGROUP_THREADS
+
+    @cute.jit
+    def row_limit(first_row: cutlass.Int32, needed: cutlass.Boolean, step: cutlass.Constexpr,
+                  rows: cutlass.Constexpr) -> cutlass.Int32:  # fmt: skip
+        limit = cutlass.Int32(rows)
+        if needed:  # the rows the issued k-steps read: the valid size rounded up to a step
+            limit = (first_row + (step - 1)) // step * step
+        return limit
+
+    @cute.jit
+    def zero_rows_between(stage: cute.Tensor, first_row: cutlass.Int32, end_row: cutlass.Int32,
+                          tidx: cutlass.Int32, needed: cutlass.Boolean):  # fmt: skip
+        if needed and first_row < end_row:
+            rows, cols = cute.size(stage, mode=[0]), cute.size(stage, mode=[1])
+            vector = 128 // stage.element_type.width
+            tiled = copy_utils.tiled_copy_2d(stage.element_type, cols // vector, threads, vector)
+            thread = tiled.get_slice(tidx)
+            destination = thread.partition_D(stage)
+            coords = thread.partition_D(cute.make_identity_tensor((rows, cols)))
+            zeros = cute.make_rmem_tensor_like(destination[None, 0, None])
+            zeros.fill(0)
+            for m in cutlass.range_constexpr(cute.size(destination, mode=[1])):
+                row = coords[0, m, 0][0]
+                if row >= first_row and row < end_row:
+                    cute.copy(tiled, zeros, destination[None, m, None])
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier(barrier_id=barrier_id, number_of_threads=threads)
+
+    @cute.jit
+    def product_below(tiled_mma, acc, tCrA, tCrB, limit: cutlass.Int32,
+                      zero_init: cutlass.Constexpr, wg_wait: cutlass.Constexpr,
+                      step: cutlass.Constexpr):  # fmt: skip
+        warpgroup.fence()
+        atom = cute.make_mma_atom(tiled_mma.op)
+        atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+        for k in cutlass.range_constexpr(cute.size(tCrA.shape[2])):
+            if cutlass.const_expr(k == 0):
+                cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+            else:
+                if k * step < limit:
+                    cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+            atom.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
+        if cutlass.const_expr(wg_wait >= 0):
+            warpgroup.wait_group(wg_wait)
+
+    return row_limit, zero_rows_between, product_below
+
+
+def _zeroing_before_valid_steps(product, first_row, needed):
+    """``pv_valid_steps``'s stand-in for delta 11's `_zeroing_before`: ``product`` is
+    upstream's ``partial(gemm_w_idx, tiled_mma_pv, acc_O, tOrP, tOrVt, ...)``."""
+    import cutlass.cute as cute
+
+    from flash_attn_vsa.experimental import v_padding_sm90 as delta
+
+    v = delta._stages()
+    tiled_mma, acc, tCrA, tCrB = product.args[:4]
+    row_limit, zero_rows_between, product_below = _valid_steps_fns()
+
+    def zero_then_product(*args, **kwargs):
+        if args:
+            raise RuntimeError("upstream's P V call passes keywords only")
+        given = {**product.keywords, **kwargs}
+        stage_index = given["B_idx"]
+        stage = v.sV[None, None, stage_index]
+        rows = cute.size(stage, mode=[0])
+        step = rows // cute.size(tCrA.shape[2])
+        limit = row_limit(first_row, needed, step, rows)
+        zero_rows_between(stage, first_row, limit, v.tidx, needed)
+        rB = tCrB[None, None, None, stage_index]
+        product_below(tiled_mma, acc, tCrA, rB, limit, given["zero_init"],
+                      given.get("wg_wait", -1), step)  # fmt: skip
+
+    return zero_then_product
 
 
 def run(args) -> int:
