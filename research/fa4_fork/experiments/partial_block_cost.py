@@ -116,6 +116,28 @@ def install_ablation() -> None:
         module.AttentionMask = AblatedMask
 
 
+def layouts_and_inputs(args, count: int) -> tuple[dict, tuple]:
+    """The 64x64 layouts at ``args``' sequence length, heads and sparsity on the GPU, ``"full"``
+    (every key block full) and ``"partial"`` (a quarter of them partial), and ``count`` random
+    bf16 tensors [1, S, H, 128] (q, k, v and, for a backward, dout)."""
+    import torch
+
+    from research.harness import benchmark_module
+
+    bench_vsa = benchmark_module("bench_vsa")
+    seq, heads = args.seq_len, args.heads
+    layouts = {
+        name: bench_vsa.sample_layout(seq, 1, heads, args.sparsity, (64, 64), 0, partial).to("cuda")
+        for name, partial in (("full", 0.0), ("partial", 0.25))
+    }
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    tensors = tuple(
+        torch.randn(1, seq, heads, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+        for _ in range(count)
+    )
+    return layouts, tensors
+
+
 def run(args) -> int:
     import torch
 
@@ -123,19 +145,10 @@ def run(args) -> int:
     from vsa_fa4 import launch, ops
     from vsa_fa4.schedule import make_plan
 
-    bench_vsa, bt = benchmark_module("bench_vsa"), benchmark_module("bench_timing")
+    bt = benchmark_module("bench_timing")
     install_ablation()
-    seq, heads, dim, scale = args.seq_len, args.heads, 128, 128**-0.5
-    layouts = {
-        "full": bench_vsa.sample_layout(seq, 1, heads, args.sparsity, (64, 64), 0, 0.0),
-        "partial": bench_vsa.sample_layout(seq, 1, heads, args.sparsity, (64, 64), 0, 0.25),
-    }
-    layouts = {name: lay.to("cuda") for name, lay in layouts.items()}
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v, dout = (
-        torch.randn(1, seq, heads, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
-        for _ in range(4)
-    )
+    scale = 128**-0.5
+    layouts, (q, k, v, dout) = layouts_and_inputs(args, 4)
     plan = make_plan((64, 64))
     original_masking = launch._masking
     original_lists = ops._forward_lists

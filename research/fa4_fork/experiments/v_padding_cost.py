@@ -58,10 +58,9 @@ def install_ablation(ablation: str) -> None:
     def ablated() -> object:
         import cutlass
         import cutlass.cute as cute
-        from quack import copy_utils
 
         barrier_id = delta._barrier_id()
-        threads = delta.WARPGROUP_THREADS
+        store_zeros = delta.store_zeros_fn()
 
         @cute.jit
         def zero_rows_from(
@@ -70,23 +69,13 @@ def install_ablation(ablation: str) -> None:
         ):  # fmt: skip
             if needed:
                 if cutlass.const_expr(stores):
-                    rows, cols = cute.size(stage, mode=[0]), cute.size(stage, mode=[1])
-                    vector = 128 // stage.element_type.width
-                    tiled = copy_utils.tiled_copy_2d(
-                        stage.element_type, cols // vector, threads, vector
-                    )
-                    thread = tiled.get_slice(tidx)
-                    destination = thread.partition_D(stage)
-                    coords = thread.partition_D(cute.make_identity_tensor((rows, cols)))
-                    zeros = cute.make_rmem_tensor_like(destination[None, 0, None])
-                    zeros.fill(0)
-                    for m in cutlass.range_constexpr(cute.size(destination, mode=[1])):
-                        if coords[0, m, 0][0] >= first_row:
-                            cute.copy(tiled, zeros, destination[None, m, None])
+                    store_zeros(stage, first_row, cute.size(stage, mode=[0]), tidx)
                 if cutlass.const_expr(fence):
                     cute.arch.fence_view_async_shared()
                 if cutlass.const_expr(barrier):
-                    cute.arch.barrier(barrier_id=barrier_id, number_of_threads=threads)
+                    cute.arch.barrier(
+                        barrier_id=barrier_id, number_of_threads=delta.WARPGROUP_THREADS
+                    )
 
         return zero_rows_from
 
@@ -100,12 +89,12 @@ def _valid_steps_fns() -> tuple:
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.nvgpu import warpgroup
-    from quack import copy_utils
 
     from flash_attn_vsa.experimental import v_padding_sm90 as delta
 
     barrier_id = delta._barrier_id()
     threads = delta.WARPGROUP_THREADS
+    store_zeros = delta.store_zeros_fn()
 
     @cute.jit
     def row_limit(first_row: cutlass.Int32, needed: cutlass.Boolean, step: cutlass.Constexpr,
@@ -119,18 +108,7 @@ def _valid_steps_fns() -> tuple:
     def zero_rows_between(stage: cute.Tensor, first_row: cutlass.Int32, end_row: cutlass.Int32,
                           tidx: cutlass.Int32, needed: cutlass.Boolean):  # fmt: skip
         if needed and first_row < end_row:
-            rows, cols = cute.size(stage, mode=[0]), cute.size(stage, mode=[1])
-            vector = 128 // stage.element_type.width
-            tiled = copy_utils.tiled_copy_2d(stage.element_type, cols // vector, threads, vector)
-            thread = tiled.get_slice(tidx)
-            destination = thread.partition_D(stage)
-            coords = thread.partition_D(cute.make_identity_tensor((rows, cols)))
-            zeros = cute.make_rmem_tensor_like(destination[None, 0, None])
-            zeros.fill(0)
-            for m in cutlass.range_constexpr(cute.size(destination, mode=[1])):
-                row = coords[0, m, 0][0]
-                if row >= first_row and row < end_row:
-                    cute.copy(tiled, zeros, destination[None, m, None])
+            store_zeros(stage, first_row, end_row, tidx)
             cute.arch.fence_view_async_shared()
             cute.arch.barrier(barrier_id=barrier_id, number_of_threads=threads)
 
@@ -186,24 +164,16 @@ def _zeroing_before_valid_steps(product, first_row, needed):
 def run(args) -> int:
     import torch
 
+    from research.fa4_fork.experiments.partial_block_cost import layouts_and_inputs
     from research.harness import benchmark_module
     from vsa_fa4 import ops
     from vsa_fa4.launch import SHIPPED, ForwardVariant, KernelChoice
     from vsa_fa4.schedule import make_plan
 
     install_ablation(args.ablation)
-    bench_vsa, bt = benchmark_module("bench_vsa"), benchmark_module("bench_timing")
-    seq, heads, dim, scale = args.seq_len, args.heads, 128, 128**-0.5
-    layouts = {
-        "full": bench_vsa.sample_layout(seq, 1, heads, args.sparsity, (64, 64), 0, 0.0),
-        "partial": bench_vsa.sample_layout(seq, 1, heads, args.sparsity, (64, 64), 0, 0.25),
-    }
-    layouts = {name: lay.to("cuda") for name, lay in layouts.items()}
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (
-        torch.randn(1, seq, heads, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
-        for _ in range(3)
-    )
+    bt = benchmark_module("bench_timing")
+    scale = 128**-0.5
+    layouts, (q, k, v) = layouts_and_inputs(args, 3)
     plan = make_plan((64, 64))
     zeroing = KernelChoice(ForwardVariant(zero_v_padding=True))
 

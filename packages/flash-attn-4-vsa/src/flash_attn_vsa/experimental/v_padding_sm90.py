@@ -71,31 +71,16 @@ class _VStages:
         self.full_count: Any = None
 
 
-class _RecordedCounts:
-    """The full lists' counts tensor, recording the count upstream's consumer reads for its
-    work tile (carried through upstream's loops as the wrapped tensor's values)."""
-
-    def __init__(self, inner: Any, stages: _VStages) -> None:
-        self._inner = inner
-        self._stages = stages
-
-    def __extract_mlir_values__(self) -> Any:
-        import cutlass
-
-        return cutlass.extract_mlir_values(self._inner)
-
-    def __new_from_mlir_values__(self, values: Any) -> _RecordedCounts:
-        import cutlass
-
-        return _RecordedCounts(cutlass.new_from_mlir_values(self._inner, values), self._stages)
+class _RecordedCounts(sm90_operands.PipelineStandIn):
+    """The full lists' counts tensor, recording in its `_VStages` the count upstream's consumer
+    reads for its work tile (carried through upstream's loops as the wrapped tensor's values,
+    like the fork's pipeline stand-ins)."""
 
     def __getitem__(self, index: Any) -> Any:
         result = self._inner[index]
-        self._stages.full_count = result
+        (stages,) = self._extra
+        stages.full_count = result
         return result
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
 
 
 @functools.cache
@@ -111,33 +96,52 @@ def _barrier_id() -> int:
 
 
 @functools.cache
+def store_zeros_fn() -> Any:
+    """The jitted stores of zeros into one V stage's rows ``first_row <= row < end_row`` by the
+    warpgroup's threads (16-byte stores, at most eight a thread), without fence or barrier
+    (experiment 19 builds its variants on it)."""
+    import cutlass
+    import cutlass.cute as cute
+    from quack import copy_utils
+
+    @cute.jit
+    def store_zeros(
+        stage: cute.Tensor, first_row: cutlass.Int32, end_row: cutlass.Int32, tidx: cutlass.Int32
+    ):
+        rows, cols = cute.size(stage, mode=[0]), cute.size(stage, mode=[1])
+        vector = 128 // stage.element_type.width  # 16-byte stores
+        tiled = copy_utils.tiled_copy_2d(
+            stage.element_type, cols // vector, WARPGROUP_THREADS, vector
+        )
+        thread = tiled.get_slice(tidx)
+        destination = thread.partition_D(stage)
+        coords = thread.partition_D(cute.make_identity_tensor((rows, cols)))
+        zeros = cute.make_rmem_tensor_like(destination[None, 0, None])
+        zeros.fill(0)
+        for m in cutlass.range_constexpr(cute.size(destination, mode=[1])):
+            row = coords[0, m, 0][0]
+            if row >= first_row and row < end_row:
+                cute.copy(tiled, zeros, destination[None, m, None])
+
+    return store_zeros
+
+
+@functools.cache
 def _zero_rows_fn() -> Any:
     """The jitted zeroing of one V stage's rows from ``first_row`` on, when ``needed`` (a
     dynamic ``if`` needs a jitted body), then the proxy fence and the warpgroup barrier."""
     import cutlass
     import cutlass.cute as cute
-    from quack import copy_utils
 
     barrier = _barrier_id()
+    store_zeros = store_zeros_fn()
 
     @cute.jit
     def zero_rows_from(
         stage: cute.Tensor, first_row: cutlass.Int32, tidx: cutlass.Int32, needed: cutlass.Boolean
     ):
         if needed:
-            rows, cols = cute.size(stage, mode=[0]), cute.size(stage, mode=[1])
-            vector = 128 // stage.element_type.width  # 16-byte stores
-            tiled = copy_utils.tiled_copy_2d(
-                stage.element_type, cols // vector, WARPGROUP_THREADS, vector
-            )
-            thread = tiled.get_slice(tidx)
-            destination = thread.partition_D(stage)
-            coords = thread.partition_D(cute.make_identity_tensor((rows, cols)))
-            zeros = cute.make_rmem_tensor_like(destination[None, 0, None])
-            zeros.fill(0)
-            for m in cutlass.range_constexpr(cute.size(destination, mode=[1])):
-                if coords[0, m, 0][0] >= first_row:
-                    cute.copy(tiled, zeros, destination[None, m, None])
+            store_zeros(stage, first_row, cute.size(stage, mode=[0]), tidx)
             cute.arch.fence_view_async_shared()  # generic-proxy stores before the wgmma reads
             cute.arch.barrier(barrier_id=barrier, number_of_threads=WARPGROUP_THREADS)
 
