@@ -237,14 +237,20 @@ def run(args) -> int:
     return 0
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments `layouts_and_inputs` and the timed rounds read (shared with experiment
+    19, `v_padding_cost`)."""
     parser.add_argument("--seq-len", type=int, default=32768)
     parser.add_argument("--heads", type=int, default=12)
     parser.add_argument("--sparsity", type=float, default=0.875)
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--out")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_run_arguments(parser)
     parser.add_argument(
         "--profile-arms",
         nargs="*",

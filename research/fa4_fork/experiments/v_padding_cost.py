@@ -215,14 +215,11 @@ def run(args) -> int:
 
 
 def main(argv=None) -> int:
+    from research.fa4_fork.experiments.partial_block_cost import add_run_arguments
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ablation", choices=ABLATIONS, default="none")
-    parser.add_argument("--seq-len", type=int, default=32768)
-    parser.add_argument("--heads", type=int, default=12)
-    parser.add_argument("--sparsity", type=float, default=0.875)
-    parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--calls", type=int, default=10)
-    parser.add_argument("--out")
+    add_run_arguments(parser)
     return run(parser.parse_args(argv))
 
 
