@@ -283,6 +283,14 @@ def test_reads_key_padding_as_is_only_where_its_forward_zeroes_v_padding(gpu):
         assert not variant.reads_key_padding_as_is(inference), names
     sm100 = dataclasses.replace(inference, capability=(10, 0))
     assert not backend.reads_key_padding_as_is(sm100)
+    from vsa_core.backends import get_backend, unregister_backend
+
+    name = backend_module.variant_backend(ForwardVariant(zero_v_padding=True))
+    try:  # what the README tells users to pass as backend=
+        assert name == "fa4+zero-v-padding"
+        assert get_backend(name).reads_key_padding_as_is(inference)
+    finally:
+        unregister_backend(name)
 
 
 def test_v_gets_a_zeroed_copy_where_the_kernel_cannot_zero_its_padding():
