@@ -173,7 +173,9 @@ SYMBOLS: tuple[Symbol, ...] = (
         "flash_attn.cute.block_sparse_utils",
         "consume_block_sparse_loads",
         "the sm_90 block-sparse forward loop: mask_mod (ours: mask_sm90's column limit) on the "
-        "partial lists only",
+        "partial lists only; experimental.v_padding_sm90 reads its order (the partial list "
+        "from its last entry, each entry read right before its step) and its mask_fn "
+        "partials (mask_mod on partial steps, mask_seqlen on the first full step)",
         source=True,
     ),
     Symbol(
@@ -226,7 +228,10 @@ SYMBOLS: tuple[Symbol, ...] = (
         "overrides _get_tiled_mma and wraps mma (by its parameter names), combine_sm90 wraps "
         "mma too (reads its aux_data, the launcher's aux tensors in order); persistent_sm90 "
         "extends _get_shared_storage_cls with an O buffer, which kernel's sO (the one tensor "
-        "it makes on storage.sQ with a dtype) is redirected to",
+        "it makes on storage.sQ with a dtype) is redirected to; experimental.v_padding_sm90 "
+        "wraps mma (sVt, tidx, blocksparse_tensors' full_block_cnt) and the P V product "
+        "(mma_pv_fn, called with B_idx after its stage's wait) of "
+        "mma_one_n_block_intrawg_overlap and last_half_block_overlap",
         methods=(
             "__init__",
             "__call__",
@@ -236,6 +241,9 @@ SYMBOLS: tuple[Symbol, ...] = (
             "load",
             "mma",
             "_get_tiled_mma",
+            "first_half_block_overlap",
+            "mma_one_n_block_intrawg_overlap",
+            "last_half_block_overlap",
         ),
         source=True,
     ),
@@ -265,6 +273,21 @@ SYMBOLS: tuple[Symbol, ...] = (
         "NamedBarrierBwd",
         "bwd_sm90_dq_parts meets the producer warp on dQEmptyWG0 (unused once upstream's dQ "
         "staging is gone) and uses PdS as the MMA warpgroup's own barrier",
+        source=True,
+    ),
+    Symbol(
+        "flash_attn.cute.named_barrier",
+        "NamedBarrierFwd",
+        "experimental.v_padding_sm90 takes the next named barrier after the forward's for its "
+        "warpgroup barrier",
+        source=True,
+    ),
+    Symbol(
+        "flash_attn.cute.block_sparse_utils",
+        "_get_curr_blocksparse_tensors",
+        "the consumer reads its work tile's counts by element and its lists by row: "
+        "valid_in_list_sm90 wraps the partial rows, experimental.v_padding_sm90 records the "
+        "full count",
         source=True,
     ),
     Symbol(

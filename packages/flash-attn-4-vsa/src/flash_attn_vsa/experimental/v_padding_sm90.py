@@ -1,9 +1,11 @@
 """Partial key blocks' V padding zeroed in shared memory (sm_90): the fork's eleventh delta
 (experimental: vsa-fa4 runs it on request, ``ForwardVariant(zero_v_padding=True)``), so that the
 64x64 forward reads V as it is, whatever its padding slots hold. Measured on an H200 (session
-25, `bench_video.py`, 87.5%): the op's inference peak 1.32x / 1.40x / 1.41x of dense FA4's at
-Wan 2.1 480p / 720p / HunyuanVideo instead of 2.54x / 2.62x / 2.58x with the copy, but its
-forward 9.6% / 12% / 10% slower back to back; see "Where" for what that cost is.
+25, `bench_video.py`, forward, 87.5%): the op's inference peak 1.32x / 1.40x / 1.41x of dense
+FA4's at Wan 2.1 480p / 720p / HunyuanVideo instead of 2.54x / 2.62x / 2.58x with the copy,
+but its forward 10.4% / 13.5% / 13.9% slower back to back. At the kernel level (experiment
+19, a quarter of the key blocks partial) +3.4% over the forward without it: about 14% of a
+partial step, half of it the proxy fence, half the stores.
 
 Why (issue 19's memory target; NOTES.md, session 23): FA4's forward lands a partial key
 block's whole 64-row V tile in shared memory, padding rows included, and P V multiplies them by
@@ -15,36 +17,37 @@ the V stage itself, after that stage lands and before the P V product that reads
 padding needs nothing (the column limit sets its scores to -inf whatever they were).
 
 Where, in upstream's consumer with intra-warpgroup overlap (the two-CTA 64x64 forward's): step
-j issues QK^T of block j, then P V of block j - 1, and waits for both. The zeroing of block j's
-V stage runs in step j right after that P V is issued, so both products run on the tensor cores
-while it waits for the stage, stores and synchronizes; block j's valid size is the one the
-consumer read at the top of step j (delta 10 carries it in the list entry,
-`valid_in_list_sm90`), so nothing has to be carried to the next step, whose P V reads the
-stage. A tile's first block (upstream's first half-step, no P V before it) zeroes after its
-QK^T. Per partial step and thread: one wait on the stage's full barrier, at most eight 16-byte
-shared stores (rows at and past the valid size), a proxy fence (the stores are generic-proxy
-writes, the wgmma an async-proxy read) and one named barrier over the warpgroup (all four warps
-wrote rows the next step's wgmma reads). Full steps (and the full list) are untouched: only
-partial-list entries are packed, and the step after a packed read is the one that zeroes
-(`_HeldValidSize.take_unconsumed`). With at least two key/value stages the P V product in
-flight reads the other stage. A first version zeroed at the end of step j instead, after both
-products had completed: on an H200 the op's forward took 13% longer than with the copy
-(Wan 2.1 480p 2.97 against 2.63 ms, 720p 51.9 against 45.1; NOTES.md, session 25).
+j issues QK^T of block j, waits for block j - 1's V stage, issues that block's P V, and waits
+for both. The zeroing runs right before that P V is issued (the stage has landed; QK^T of
+block j is in flight), on the stage P V reads, when block j - 1 is partial. Which it is, and
+its valid size, the step reads from the lists again: upstream walks the partial list from its
+end, so in a partial step block j - 1 is the partial list's next entry (delta 10's packed
+entry, `valid_in_list_sm90`: block and size in one int32); in the first full step after the
+partial list (the one upstream masks with the sequence length) it is the partial list's entry
+0; later full steps zero nothing; the tile's last half-step (the last block's P V) zeroes when
+the tile has no full block (the count upstream loads, recorded). Per partial block and thread:
+at most eight 16-byte shared stores (rows at and past the valid size), a proxy fence (the
+stores are generic-proxy writes, the wgmma an async-proxy read) and one named barrier over the
+warpgroup (all four warps wrote rows the wgmma reads). With at least two key/value stages no
+product in flight reads the stage being zeroed. Two other placements measured the same through
+the whole op (NOTES.md, session 25): at the end of step j on block j's stage, and in step j
+right after block j - 1's P V was issued.
 
 `with_v_padding_zeroed(base)` subclasses a sm_90 forward kernel class built with
-`valid_in_list_sm90.with_valid_sizes_in_list` (the size comes from its holder): its ``mma``
-records the V pipeline, V's stages and the thread index while upstream traces it, and its two
-overlapped step methods zero after upstream's step.
+`valid_in_list_sm90.with_valid_sizes_in_list` (the entries come from its holder): its ``mma``
+records V's stages, the thread index and the full counts while upstream traces it; its
+overlapped step and last half-step wrap upstream's P V product with the zeroing.
 
 Upstream internals this relies on (fingerprinted): ``FlashAttentionForwardSm90.mma`` taking
-``pipeline_v``, ``sVt`` (V's stages transposed, ``layout_utils.transpose_view``) and ``tidx``
-(0-127 for one MMA warpgroup); its block-sparse loop calling ``first_half_block_overlap`` and
-``mma_one_n_block_intrawg_overlap`` once per list entry right after reading it, the first
-returning the state of the block it started, the second taking the previous block's state
-first and its P V product as ``mma_pv_fn`` (a keyword), called once after this block's QK^T
-is issued; ``pipeline_v.consumer_wait`` / ``consumer_try_wait`` on such a state being
-repeatable until ``consumer_release``; ``NamedBarrierFwd`` listing the named barriers the
-forward uses.
+``sVt`` (V's stages transposed, ``layout_utils.transpose_view``), ``tidx`` (0-127 for one MMA
+warpgroup) and ``blocksparse_tensors`` (a named tuple whose ``full_block_cnt`` the consumer
+reads by element once per work tile); the block-sparse loop (``consume_block_sparse_loads``)
+walking the partial list from its last entry, reading each entry right before its step, and
+passing ``mma_one_n_block_intrawg_overlap`` its ``mask_fn`` as a ``functools.partial`` whose
+``mask_mod`` is set on partial steps only and whose ``mask_seqlen`` is set on the first full
+step only; ``mma_one_n_block_intrawg_overlap`` and ``last_half_block_overlap`` taking the P V
+product as the keyword ``mma_pv_fn`` and calling it with the stage as ``B_idx`` after that
+stage's wait; ``NamedBarrierFwd`` listing the named barriers the forward uses.
 """
 
 from __future__ import annotations
