@@ -19,8 +19,8 @@ choice turns on ``ForwardVariant.zero_v_padding`` (`variant_backend`) reads v as
 inference with unpaired 64x64 blocks (`FA4Backend.reads_key_padding_as_is`): its forward
 zeroes partial blocks' V padding rows in shared memory (the fork's
 `experimental.v_padding_sm90`), which saves the copy (peak memory 1.40x of dense instead of
-2.62x at Wan 2.1 720p) but costs the forward 8-12% (H200, session 25), so the shipped choice
-keeps the copy.
+2.62x at Wan 2.1 720p) but costs the op's forward 10-14% (H200, session 25), so the shipped
+choice keeps the copy.
 
 ``deterministic=True``: accepted for inference only (`DETERMINISTIC_BACKWARD_REFUSAL` says why
 the backward is not bitwise reproducible); the forward is, one CTA per query tile walking its

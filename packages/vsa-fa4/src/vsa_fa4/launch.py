@@ -62,7 +62,7 @@ class ForwardVariant:
     ``valid_in_list``): that forward zeroes partial key blocks' V padding rows in shared
     memory (delta 11, `zeroes_v_padding`), so inference reads v without a zeroed copy: peak
     memory 1.32x / 1.40x of dense instead of 2.54x / 2.62x at Wan 2.1 480p / 720p, but the
-    op's forward 8-12% slower (H200, session 25); off, v's padding must be finite (the ops
+    op's forward 10-14% slower (H200, session 25); off, v's padding must be finite (the ops
     then copy it). Benchmarks compare variants by passing one
     (`run_forward`'s ``variant``, a `KernelChoice`, or an fa4 backend registered with one:
     `vsa_fa4.backend.variant_backend`)."""
@@ -342,8 +342,8 @@ def zeroes_v_padding(
     """Whether `run_forward`'s kernel for this call (with partial key blocks) zeroes their V
     padding rows in shared memory (the fork's `experimental.v_padding_sm90`, delta 11), so that v's
     padding slots may hold anything, NaN and inf included: the valid-in-list forward
-    (`takes_valid_in_list`) unless the variant turns it off. Costs one barrier wait, a few
-    shared stores and a warpgroup barrier per partial step."""
+    (`takes_valid_in_list`) when the variant turns it on. Costs at most eight 16-byte shared
+    stores a thread, a proxy fence and a warpgroup barrier per partial block."""
     return variant.zero_v_padding and takes_valid_in_list(q, kv_valid_sizes, block_size, variant)
 
 
