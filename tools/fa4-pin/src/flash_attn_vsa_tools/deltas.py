@@ -207,7 +207,7 @@ DELTAS: tuple[Delta, ...] = (
         "`vsa_fa4.launch.ForwardVariant(zero_v_padding=True)` (off in the shipped choice): the "
         "64x64 forward with valid sizes in its lists reads v's padding as it is, so inference "
         "makes no zeroed copy of v; on an H200 the op's peak memory 1.32-1.41x of dense "
-        "instead of 2.54-2.62x, its forward 8-12% slower (session 25)",
+        "instead of 2.54-2.62x, its forward 10-14% slower (session 25)",
     ),
 )
 """Every kernel delta, by number."""
