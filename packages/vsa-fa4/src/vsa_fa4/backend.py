@@ -204,16 +204,14 @@ class FA4Backend(Backend):
 
     def _forward_zeroes_v_padding(self, block_shape: tuple[int, int], q_group_size: int) -> bool:
         """Whether this backend's forward of such a layout runs the kernel that zeroes partial
-        blocks' V padding (before the key-block count, `vsa_fa4.launch.zeroes_v_padding`)."""
+        blocks' V padding (before the key-block count, `vsa_fa4.launch.zeroes_v_padding`):
+        the native 64x64 plan (query blocks never paired) and a kernel choice that zeroes."""
         variant = self.kernels.forward
-        return (
-            block_shape == (64, 64)
-            and q_group_size % 2 == 1  # never paired: the native 64x64 plan
-            and self.schedule != "paired"
-            and variant.valid_in_list
-            and variant.zero_v_padding
-            and not variant.two_streams
-        )
+        if not variant.zero_v_padding or q_group_size % 2 == 0 or self.schedule == "paired":
+            return False  # the shipped choice stops here, on every forward, without an import
+        from vsa_fa4.launch import may_zero_v_padding
+
+        return may_zero_v_padding(block_shape, variant)
 
     def _v_for_kernels(
         self, q: torch.Tensor, v: torch.Tensor, layout: BlockSparseLayout, requires_grad: bool

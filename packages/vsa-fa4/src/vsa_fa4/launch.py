@@ -344,7 +344,22 @@ def zeroes_v_padding(
     padding slots may hold anything, NaN and inf included: the valid-in-list forward
     (`takes_valid_in_list`) when the variant turns it on. Costs at most eight 16-byte shared
     stores a thread, a proxy fence and a warpgroup barrier per partial block."""
-    return variant.zero_v_padding and takes_valid_in_list(q, kv_valid_sizes, block_size, variant)
+    return may_zero_v_padding(block_size, variant) and takes_valid_in_list(
+        q, kv_valid_sizes, block_size, variant
+    )
+
+
+def may_zero_v_padding(block_size: tuple[int, int], variant: ForwardVariant) -> bool:
+    """`zeroes_v_padding`'s verdict before the tensors are known (the backend asks it of a
+    call description): the variant zeroes, with valid sizes in the lists, on 64x64 blocks,
+    not as the two-stream kernel. False is final; True leaves the key-block count (at most
+    2^16) and the two-stream kernel's own fit to `zeroes_v_padding`."""
+    return (
+        variant.zero_v_padding
+        and variant.valid_in_list
+        and not variant.two_streams
+        and tuple(block_size) == (64, 64)
+    )
 
 
 def _runs_two_ctas(
