@@ -56,6 +56,7 @@ import functools
 from typing import Any
 
 from flash_attn_vsa import build_scope, sm90_operands
+from flash_attn_vsa.valid_in_list_sm90 import BLOCK_BITS, entry_valid_size
 
 __all__ = ["with_v_padding_zeroed"]
 
@@ -170,12 +171,6 @@ def _zeroing_before(product: Any, first_row: Any, needed: Any) -> Any:
     return zero_then_product
 
 
-def _partial_entries() -> Any:
-    from flash_attn_vsa.valid_in_list_sm90 import BLOCK_BITS, entry_valid_size
-
-    return entry_valid_size(), BLOCK_BITS
-
-
 @functools.cache
 def with_v_padding_zeroed(base: type) -> type:
     """A subclass of the sm_90 forward kernel class ``base`` (built with valid sizes in its
@@ -217,25 +212,24 @@ def with_v_padding_zeroed(base: type) -> type:
             partial_step = mask_fn.keywords.get("mask_mod") is not None
             first_full_after_partial = not partial_step and mask_fn.keywords.get("mask_seqlen")
             if partial_step or first_full_after_partial:
-                held, block_bits = _partial_entries()
+                held = entry_valid_size()
                 previous = held.row[held.index + 1] if partial_step else held.row[0]
                 kwargs["mma_pv_fn"] = _zeroing_before(
-                    kwargs["mma_pv_fn"], previous >> block_bits, cutlass.Boolean(True)
+                    kwargs["mma_pv_fn"], previous >> BLOCK_BITS, cutlass.Boolean(True)
                 )
             return super().mma_one_n_block_intrawg_overlap(smem_pipe_read, **kwargs)
 
         def last_half_block_overlap(self, *args: Any, **kwargs: Any) -> Any:
             # the last block: partial exactly when the tile has no full block (the partial
             # list's entry 0)
-            held, block_bits = _partial_entries()
-            v = _stages()
+            held, v = entry_valid_size(), _stages()
             if held.row is None or v.full_count is None:
                 raise RuntimeError(
                     "the last half-step ran before the lists were read; v_padding_sm90 needs a "
                     "review against this upstream version"
                 )
             kwargs["mma_pv_fn"] = _zeroing_before(
-                kwargs["mma_pv_fn"], held.row[0] >> block_bits, v.full_count == 0
+                kwargs["mma_pv_fn"], held.row[0] >> BLOCK_BITS, v.full_count == 0
             )
             return super().last_half_block_overlap(*args, **kwargs)
 
