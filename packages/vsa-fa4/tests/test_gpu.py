@@ -75,11 +75,16 @@ def make_inputs(layout, head_dim=128, dtype=torch.bfloat16, seed=1, requires_gra
         return torch.randn(shape, device="cuda", generator=gen, dtype=dtype)
 
     q, k, v = randn(layout.q_len), randn(layout.kv_len), randn(layout.kv_len)
-    token = torch.arange(layout.kv_block, device="cuda")
-    pad = (token >= layout.kv_valid_sizes.unsqueeze(-1)).flatten()
+    pad = padding_slots(layout)
     k[:, pad] = 30.0  # garbage in padding slots: finite, large, must be masked
     v[:, pad] = -30.0
     return [t.requires_grad_(requires_grad) for t in (q, k, v)]
+
+
+def padding_slots(layout) -> torch.Tensor:
+    """[kv_len] bool on the GPU: the key slots past their block's valid size."""
+    token = torch.arange(layout.kv_block, device="cuda")
+    return (token >= layout.kv_valid_sizes.unsqueeze(-1)).flatten()
 
 
 def rel_l2(got, want) -> float:
@@ -153,8 +158,7 @@ def test_nan_in_v_padding_never_reaches_the_output_of_the_zeroing_forward():
 
     layout = make_layout((64, 64))
     q, k, v = make_inputs(layout, requires_grad=False)
-    token = torch.arange(layout.kv_block, device="cuda")
-    pad = (token >= layout.kv_valid_sizes.unsqueeze(-1)).flatten()
+    pad = padding_slots(layout)
     k_nan, v_nan = k.clone(), v.clone()
     k_nan[:, pad], v_nan[:, pad] = float("inf"), float("nan")
     scale = 128**-0.5
