@@ -3,7 +3,8 @@
 64x64 forward reads V as it is, whatever its padding slots hold. Measured on an H200 (session
 25, `bench_video.py`, forward, 87.5%): the op's inference peak 1.32x / 1.40x / 1.41x of dense
 FA4's at Wan 2.1 480p / 720p / HunyuanVideo instead of 2.54x / 2.62x / 2.58x with the copy,
-but its forward 10.4% / 13.5% / 13.9% slower back to back. At the kernel level (experiment
+but its forward 10.4% / 13.5% / 13.9% slower back to back (7.6% / 15.3% / 14.6% one call
+waited for). At the kernel level (experiment
 19, a quarter of the key blocks partial) +3.4% over the forward without it: about 14% of a
 partial step, half of it the proxy fence, half the stores.
 
