@@ -252,6 +252,41 @@ def test_explicit_kernel_choices_match_the_reference(forward, backward):
         unregister_backend(name)
 
 
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or _capability() != (9, 0), reason="the fork's kernels: sm_90"
+)
+@pytest.mark.parametrize("chunked", [False, True], ids=["one-chunk", "head-chunks"])
+def test_ds_backward_matches_the_reference_and_reruns_bitwise(chunked, monkeypatch):
+    """The dS-writing backward (delta 12) and its dQ pass through the whole op: gradients
+    match the reference on a layout with partial, empty and unselected key blocks and empty
+    lists, and three runs on the same inputs (the third replays the kernel's launch) give the
+    same bits in dq, dk and dv. ``head-chunks``: a dS budget of three heads' tiles makes
+    chunks of 3 and 1 heads that share one dS buffer."""
+    from flash_attn_vsa.bwd_sm90 import KV64_DS_CONFIG
+    from vsa_core.backends import register_backend, unregister_backend
+    from vsa_fa4.launch import KernelChoice
+
+    layout = make_layout((64, 64))
+    tiles_per_head = layout.batch * layout.kv_indices.shape[2] * layout.kv_indices.shape[3]
+    if chunked:
+        monkeypatch.setattr(ops, "DS_BUDGET_BYTES", 3 * tiles_per_head * ops.DS_TILE_BYTES)
+        chunks = ops.head_chunks(layout.batch, HEADS, layout.q_len, 128, tiles_per_head)
+        assert len(chunks) == 2
+    name = "fa4-test-ds"
+    register_backend(FA4Backend(kernels=KernelChoice(backward=KV64_DS_CONFIG), name=name))
+    try:
+        q, k, v = make_inputs(layout)
+        out, _ = block_sparse_attn(q, k, v, layout, backend=name)
+        dout = torch.randn_like(out)
+        runs = [torch.autograd.grad(out, (q, k, v), dout, retain_graph=True) for _ in range(3)]
+        check_backward(runs[0], reference(q, k, v, layout, dout)[2])
+        for again in runs[1:]:
+            for got, first in zip(again, runs[0], strict=True):
+                assert torch.equal(got, first)
+    finally:
+        unregister_backend(name)
+
+
 @pytest.mark.parametrize("block_shape", BLOCK_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_forward_and_backward_match_the_reference(block_shape):
     reason = _refusal(block_shape)

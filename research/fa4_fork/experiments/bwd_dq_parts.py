@@ -96,7 +96,10 @@ def run_block(emit, seq: int, heads: int, keep: float, reps: int, sms: int, q_bl
     out, lse = forward_impl(q, k, v, idx, cnt, valid, scale, q_block, KV, False)
     configs = {"shipped": bwd_sm90.config_for(block)}
     named = {**bwd_configs.EXPERIMENTAL_CONFIGS, **bwd_configs.ABLATIONS}
-    configs.update((name, c) for name, c in named.items() if c.m_block_size == q_block)
+    # (the dS-writing configuration needs its dQ pass: experiment 21, `bwd_ds_out`)
+    configs.update(
+        (name, c) for name, c in named.items() if c.m_block_size == q_block and not c.dq_from_ds
+    )
     # arm -> (physical block, configuration, lists). Lists rotated by the CTAs running at once
     # (SMs x CTAs per SM), as the backward op does.
     arms = {

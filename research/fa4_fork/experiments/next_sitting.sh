@@ -190,8 +190,18 @@ session25)
     "step tests 200 python3 -m pytest -q -p no:warnings -m gpu packages/vsa-fa4/tests/test_gpu.py -k 'nan or valid_sizes_in_the_lists or video_sparse_attn or combined_forward'" \
     "step bench 330 python3 benchmarks/bench_video.py --shapes wan480p wan720p hunyuan720p --sparsities 0.875 --modes fwd --arms fa4 fa4_zero_v_padding --warmup 2 --reps 8 --no-pieces --time-budget-min 5 --out \$OUT/bench_video-v-padding.json"
   ;;
+session26)
+  # Prepared in session 26 (the CuTe bundle unpacked first): delta 12, the 64x64 backward
+  # writing dS, and its Triton dQ pass (issue 20 item 2): the positions and dQ pass against
+  # float64, the whole op's gradients against the reference and bitwise reruns, the shipped
+  # backward unchanged; then experiment 21 (its time, whole and in parts, against dense and
+  # the shipped backward).
+  bash benchmarks/gpu_sitting.sh \
+    "step tests 240 python3 -m pytest -q -p no:warnings -m gpu packages/vsa-fa4/tests/test_dq_from_ds.py packages/vsa-fa4/tests/test_gpu.py packages/flash-attn-4-vsa/tests/test_bwd_sm90.py -k 'ds or dq_pass or explicit_kernel or head_chunks or sm90_kv64 or bwd'" \
+    "step ds 240 python3 -m $X.bwd_ds_out --out \$OUT --seqs 32768 --reps 10"
+  ;;
 *)
-  echo "usage: $0 grid | bwd-counters | bwd-split | session19 | session21 | session22 [tests|bench] | session23 [tests|props|bench|second|block-props] | session24 [tests|final|profile|bench] | session25 | session25-cost | session25-regress | session25-steps" >&2
+  echo "usage: $0 grid | bwd-counters | bwd-split | session19 | session21 | session22 [tests|bench] | session23 [tests|props|bench|second|block-props] | session24 [tests|final|profile|bench] | session25 | session25-cost | session25-regress | session25-steps | session26" >&2
   exit 2
   ;;
 esac

@@ -66,6 +66,7 @@ __all__ = [
     "BWD_BLOCK_SIZES",
     "HEAD_DIMS",
     "KV64_CONFIG",
+    "KV64_DS_CONFIG",
     "KV64_STAGED_CONFIG",
     "KV64_TWO_CTAS_BASE",
     "Q128_KV64_CONFIG",
@@ -104,6 +105,10 @@ class TileConfig:
     ablate_dq: bool = False
     """Ours, experiments only (with ``dq_parts``): dQ computed and never sent, so dQ comes out
     zero; bounds what any dQ path could give the kernel."""
+    dq_from_ds: bool = False
+    """Ours (with ``dq_parts``, which then only sizes nothing): no dQ in this kernel; each step
+    writes its dS to the buffer in the call's last aux tensors, for a query-owned pass to
+    compute dQ from (delta 12, `bwd_sm90_ds_out`). dQ comes out of this call zero."""
     direction: ClassVar[str] = "bwd"  # what `build_scope.current` tells apart
 
     def upstream(self) -> Any:
@@ -118,9 +123,10 @@ class TileConfig:
             from flash_attn_vsa import bwd_sm90_dq_parts as parts
 
             staging = parts.DqStaging(self.dq_parts, self.dq_buffers, self.dq_sender)
-            return parts.kernel_class(self.ctas_per_sm, staging, send_dq=not self.ablate_dq)
-        if self.ctas_per_sm != 1 or self.ablate_dq:
-            raise ValueError("ctas_per_sm > 1 and ablate_dq need dq_parts")
+            path = "ds" if self.dq_from_ds else "none" if self.ablate_dq else "send"
+            return parts.kernel_class(self.ctas_per_sm, staging, dq_path=path)
+        if self.ctas_per_sm != 1 or self.ablate_dq or self.dq_from_ds:
+            raise ValueError("ctas_per_sm > 1, ablate_dq and dq_from_ds need dq_parts")
         return kernel_class()
 
 
@@ -171,6 +177,11 @@ sent by upstream's otherwise idle producer warp (mbarrier handover). On an H200 
 13d, S = 32k / 128k, lists rotated by the CTAs running at once: `ctas_per_sm`) 0.70 / 0.72 of
 dense against 0.65-0.66 / 0.68-0.69 for the staged kernel of session 8 (`KV64_STAGED_CONFIG`);
 the same kernel with dQ never sent runs 1.02-1.05: sending dQ is what is left."""
+
+
+KV64_DS_CONFIG = replace(KV64_TWO_CTAS_BASE, dq_parts=2, dq_from_ds=True)
+"""The 64x64 backward writing dS for a separate dQ pass (delta 12, `bwd_sm90_ds_out`): two
+CTAs per SM like `KV64_CONFIG`, without its dQ MMA and reduce-adds."""
 
 
 def config_for(block_size: tuple[int, int]) -> TileConfig:

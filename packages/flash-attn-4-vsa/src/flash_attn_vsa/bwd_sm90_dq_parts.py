@@ -136,22 +136,34 @@ def _mma_signature() -> inspect.Signature:
     return inspect.signature(FlashAttentionBackwardSm90.mma)
 
 
+DQ_PATHS = ("send", "none", "ds")
+"""What the kernel does with dQ: ``send`` reduces it into L2 as ``staging`` says; ``none``
+(an ablation for experiments) computes it (its MMA kept) and never sends it, so dQ comes out
+zero, which bounds what any dQ path could give the kernel; ``ds`` computes no dQ at all and
+writes each step's dS instead (delta 12, `flash_attn_vsa.bwd_sm90_ds_out`), for a separate
+query-owned pass to compute dQ from."""
+
+
 def kernel_class(
-    ctas_per_sm: int = 1, staging: DqStaging = DqStaging(), send_dq: bool = True
-) -> type:
+    ctas_per_sm: int = 1, staging: DqStaging = DqStaging(), send_dq: bool = True,
+    dq_path: str | None = None,
+) -> type:  # fmt: skip
     """The KV64 backward kernel class whose MMA warpgroup sends dQ itself as ``staging`` says,
-    sized for ``ctas_per_sm`` (1 or 2) CTAs per SM. ``send_dq=False`` is an ablation for
-    experiments: dQ is computed (its MMA kept) and never sent, so dQ comes out zero, which
-    bounds what any dQ path could give the kernel. One class object per combination."""
+    sized for ``ctas_per_sm`` (1 or 2) CTAs per SM. ``dq_path`` (one of `DQ_PATHS`) overrides
+    ``send_dq`` (False: the ``none`` ablation). One class object per combination."""
     if ctas_per_sm not in (1, 2):
         raise ValueError(f"ctas_per_sm must be 1 or 2, got {ctas_per_sm!r}")
     if not isinstance(staging, DqStaging):
         raise ValueError(f"staging must be a DqStaging, got {staging!r}")
-    return _kernel_class(ctas_per_sm, staging, bool(send_dq))
+    if dq_path is None:
+        dq_path = "send" if send_dq else "none"
+    if dq_path not in DQ_PATHS:
+        raise ValueError(f"dq_path must be one of {DQ_PATHS}, got {dq_path!r}")
+    return _kernel_class(ctas_per_sm, staging, dq_path)
 
 
 @functools.cache
-def _kernel_class(ctas_per_sm: int, staging: DqStaging, send_dq: bool) -> type:
+def _kernel_class(ctas_per_sm: int, staging: DqStaging, dq_path: str) -> type:
     from flash_attn_vsa.bwd_sm90_kv64 import kernel_class as kv64_class
     from flash_attn_vsa.sm90_blocks import BoundLauncher
 
@@ -173,6 +185,8 @@ def _kernel_class(ctas_per_sm: int, staging: DqStaging, send_dq: bool) -> type:
 
         def _get_shared_storage_cls(self) -> Any:
             upstream = base._get_shared_storage_cls(self)
+            if dq_path == "ds":  # no dQ buffers: one word, the tile's first step count
+                return storage_with_dq_buffers(upstream, DS_OUT_WORDS)
             values = staging.buffer_values(self.tile_m * self.tile_hdim)
             return storage_with_dq_buffers(upstream, values)
 
@@ -182,11 +196,16 @@ def _kernel_class(ctas_per_sm: int, staging: DqStaging, send_dq: bool) -> type:
 
         def dQaccum_store(self, mdQaccum: Any, sdQaccum: Any, *args: Any, **kwargs: Any) -> None:
             """Upstream's warp 1: with the producer sender, it sends the parts (`_producer`)."""
-            if staging.sender == "producer":
+            if staging.sender == "producer" and dq_path != "ds":
                 _producer()(self, sdQaccum)
 
         def mma(self, *args: Any, **kwargs: Any) -> Any:
             bound = _mma_signature().bind(self, *args, **kwargs).arguments
+            if dq_path == "ds":
+                from flash_attn_vsa import bwd_sm90_ds_out
+
+                with bwd_sm90_ds_out.traced_step_operands(bound):
+                    return base.mma(self, *args, **kwargs)
             names = ("mdQaccum", "sdQaccum", "r2s_tiled_copy_dQaccum", "tidx")
             if staging.sender == "producer":
                 _handover_init()(self, bound["sdQaccum"], bound["tidx"])
@@ -198,11 +217,14 @@ def _kernel_class(ctas_per_sm: int, staging: DqStaging, send_dq: bool) -> type:
                 _reductions_read()(bound["tidx"])
             return result
 
-        mma_one_m_block = _one_query_block(send_dq)
+        mma_one_m_block = _one_query_block(dq_path)
 
-    name = f"FlashAttentionBackwardSm90Dq{staging.parts}Parts{staging.buffers}Buffers"
-    name += "Producer" if staging.sender == "producer" else ""
-    name += ("TwoCtas" if ctas_per_sm == 2 else "") + ("" if send_dq else "NoDq")
+    if dq_path == "ds":
+        name = "FlashAttentionBackwardSm90DsOut"
+    else:
+        name = f"FlashAttentionBackwardSm90Dq{staging.parts}Parts{staging.buffers}Buffers"
+        name += "Producer" if staging.sender == "producer" else ""
+    name += ("TwoCtas" if ctas_per_sm == 2 else "") + ("NoDq" if dq_path == "none" else "")
     cls = FlashAttentionBackwardSm90DqParts
     cls.__name__ = cls.__qualname__ = name
     return cls
@@ -348,13 +370,20 @@ def _reductions_read() -> Any:
     return wait
 
 
-def _one_query_block(send_dq: bool = True) -> Any:
+DS_OUT_WORDS = 32
+"""float32 words of shared memory the ``ds`` path keeps in place of the dQ buffers (it uses
+the first: `bwd_sm90_ds_out`)."""
+
+
+def _one_query_block(dq_path: str = "send") -> Any:
     """Our ``mma_one_m_block``, traced by the DSL (its loops and ``const_expr`` branches are
     rewritten by the DSL's preprocessor, which resolves ``cutlass`` through this closure)."""
     import cutlass
     from cutlass import cute
     from cutlass.cute.nvgpu import warpgroup
     from quack import copy_utils, layout_utils
+
+    from flash_attn_vsa import bwd_sm90_ds_out as ds_out
 
     @cute.jit
     def send_dq_in_parts(self, acc_dQ, m_block, q_idx, mask_fn, barrier) -> None:
@@ -452,6 +481,8 @@ def _one_query_block(send_dq: bool = True) -> Any:
         do_idx = dO_state.index if cutlass.const_expr(self.dO_stage > 1) else 0
         pds_idx = q_idx if cutlass.const_expr(self.PdS_stage > 1) else 0
 
+        if cutlass.const_expr(dq_path == "ds"):
+            ds_out.note_first_step(consumer_state_Q, dKV_accumulate)  # before PdS barriers
         pipeline_Q.consumer_wait(consumer_state_Q, pipeline_Q.consumer_try_wait(consumer_state_Q))
         acc_S = mma_qk_fn(A_idx=q_idx, wg_wait=-1)
         lse = copy_utils.load_s2r(tLSEsLSE[None, q_idx])
@@ -484,15 +515,22 @@ def _one_query_block(send_dq: bool = True) -> Any:
         copy_dS_r2s(dS, dst_idx=pds_idx)
 
         mma_pdo_fn(A_idx=pds_idx, B_idx=do_idx, zero_init=not dKV_accumulate, wg_wait=-1)
+        if cutlass.const_expr(dq_path == "ds"):
+            # under the dV MMA; reads the first-step word between the PdS barriers
+            ds_out.store_ds(self, acc_dP, consumer_state_Q, mask_fn)
         cute.arch.fence_view_async_shared()
         PdS_barrier.arrive_and_wait()  # dS visible to the MMAs
-        acc_dQ = mma_dsk_fn(A_idx=pds_idx, wg_wait=1)  # dV done once this returns
-        pipeline_dO.consumer_release(dO_state)
-        mma_dsq_fn(A_idx=pds_idx, B_idx=q_idx, zero_init=not dKV_accumulate, wg_wait=1)
-        if cutlass.const_expr(send_dq):
-            send_dq_in_parts(self, acc_dQ, m_block, q_idx, mask_fn, PdS_barrier)  # under dK MMA
+        if cutlass.const_expr(dq_path == "ds"):
+            mma_dsq_fn(A_idx=pds_idx, B_idx=q_idx, zero_init=not dKV_accumulate, wg_wait=1)
+            pipeline_dO.consumer_release(dO_state)  # dV done once dK's MMA was issued
         else:
-            keep_dq(acc_dQ, _dq_target(self, m_block, mask_fn)[1])
+            acc_dQ = mma_dsk_fn(A_idx=pds_idx, wg_wait=1)  # dV done once this returns
+            pipeline_dO.consumer_release(dO_state)
+            mma_dsq_fn(A_idx=pds_idx, B_idx=q_idx, zero_init=not dKV_accumulate, wg_wait=1)
+            if cutlass.const_expr(dq_path == "send"):
+                send_dq_in_parts(self, acc_dQ, m_block, q_idx, mask_fn, PdS_barrier)  # under dK
+            else:
+                keep_dq(acc_dQ, _dq_target(self, m_block, mask_fn)[1])
         warpgroup.wait_group(0)
         pipeline_Q.consumer_release(consumer_state_Q)
 

@@ -231,6 +231,14 @@ CONFIGS: tuple[GateConfig, ...] = (
         "the 64x64 backward shipped until session 9: one CTA per SM, dQ staged for upstream's "
         "producer warp (flash_attn_vsa.experimental.bwd_configs; kept for comparison)",
     ),
+    GateConfig(
+        "bwd-sparse-q64-kv64-ds",
+        "bwd-kv64+kv64-ds",
+        (64, 64),
+        "FlashAttentionBackwardSm90DsOutTwoCtas",
+        "the 64x64 backward writing dS for a separate dQ pass, two CTAs per SM "
+        "(flash_attn_vsa.bwd_sm90_ds_out)",
+    ),
 )
 
 
@@ -540,6 +548,8 @@ def _fork_forward(direction: str, q: Any, k: Any, v: Any, sparse: Any) -> None:
 def _fork_backward(config: GateConfig, *tensors: Any) -> None:
     """The fork's KV64 backward; ``bwd-kv64+NAME`` passes it
     `flash_attn_vsa.experimental.bwd_configs.EXPERIMENTAL_CONFIGS` [NAME] as its ``config``."""
+    import torch
+
     from flash_attn_vsa import bwd_sm90
 
     _, *names = config.direction.split("+")
@@ -548,7 +558,17 @@ def _fork_backward(config: GateConfig, *tensors: Any) -> None:
         from flash_attn_vsa.experimental.bwd_configs import EXPERIMENTAL_CONFIGS
 
         tile_config = EXPERIMENTAL_CONFIGS[names[0]]
-    bwd_sm90.block_sparse_backward_kv64(*tensors, softmax_scale=HEAD_DIM**-0.5, config=tile_config)
+    extra: dict[str, Any] = {}
+    if tile_config is not None and tile_config.dq_from_ds:  # its dS buffer and slot starts
+        q = tensors[0]
+        blocks = SEQLEN // 64
+        extra["aux_tensors"] = [
+            q.new_empty((BATCH * HEADS * blocks * blocks * 64, 64)),
+            torch.empty(BATCH, HEADS, blocks, dtype=torch.int32, device="cuda"),
+        ]
+    bwd_sm90.block_sparse_backward_kv64(
+        *tensors, softmax_scale=HEAD_DIM**-0.5, config=tile_config, **extra
+    )
 
 
 def _compile_one(config: GateConfig, arch: str, counter: CountingCompile) -> GateResult:

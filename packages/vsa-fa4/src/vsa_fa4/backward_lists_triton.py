@@ -52,12 +52,13 @@ BLOCK_KV = 32
 def _mark_selected(
     kv_idx_ptr,  # [BH, NQ, W] listed key blocks per query block
     kv_cnt_ptr,  # [BH, NQ] how many of them are used
-    selected_ptr,  # out [BH, NQ, NKV] uint8, zeroed by the caller
+    selected_ptr,  # out [BH, NQ, NKV] uint8 (int16 with POSITIONS), zeroed by the caller
     num_q,
     num_kv,
     width,
     BLOCK_Q: tl.constexpr,
     BLOCK_W: tl.constexpr,
+    POSITIONS: tl.constexpr,
 ):
     bh = tl.program_id(0).to(tl.int64)
     q = tl.program_id(1) * BLOCK_Q + tl.arange(0, BLOCK_Q)
@@ -69,15 +70,18 @@ def _mark_selected(
         w = w0 + tl.arange(0, BLOCK_W)
         used = q_ok[:, None] & (w[None, :] < count[:, None])
         kv = tl.load(kv_idx_ptr + rows[:, None] * width + w[None, :], mask=used, other=0)
-        one = tl.full([BLOCK_Q, BLOCK_W], 1, dtype=tl.uint8)
-        tl.store(selected_ptr + rows[:, None] * num_kv + kv, one, mask=used)
+        if POSITIONS:  # the entry's place in its forward list, plus one
+            mark = (w[None, :] + 1 + tl.zeros([BLOCK_Q, BLOCK_W], dtype=tl.int32)).to(tl.int16)
+        else:
+            mark = tl.full([BLOCK_Q, BLOCK_W], 1, dtype=tl.uint8)
+        tl.store(selected_ptr + rows[:, None] * num_kv + kv, mark, mask=used)
         w0 += BLOCK_W
 
 
 @triton.jit
 def _hits(selected_ptr, bh, q0, kv, kv_ok, num_q, num_kv, BLOCK_Q: tl.constexpr):
-    """Query blocks ``q0 + [0, BLOCK_Q)`` and their [BLOCK_Q, BLOCK_KV] 0/1 hits (int32) on the
-    key blocks ``kv`` from the byte map."""
+    """Query blocks ``q0 + [0, BLOCK_Q)`` and their [BLOCK_Q, BLOCK_KV] marks (int32: 0 where
+    not selected) on the key blocks ``kv`` from the map."""
     q = q0 + tl.arange(0, BLOCK_Q)
     tile = (bh * num_q + q[:, None]) * num_kv + kv[None, :]
     inside = (q[:, None] < num_q) & kv_ok[None, :]
@@ -86,19 +90,22 @@ def _hits(selected_ptr, bh, q0, kv, kv_ok, num_q, num_kv, BLOCK_Q: tl.constexpr)
 
 @triton.jit
 def _rank_selected(
-    selected_ptr,  # [BH, NQ, NKV] uint8
+    selected_ptr,  # [BH, NQ, NKV] uint8 (int16 with POSITIONS)
     valid_ptr,  # [NKV] valid tokens per key block
     q_idx_ptr,  # out [BH, NKV, NQ * Q_SPLIT] int32
     full_cnt_ptr,  # out [BH, NKV] int32
     mask_cnt_ptr,  # out [BH, NKV] int32
+    positions_ptr,  # out with POSITIONS [BH, NQ, W] int32: each forward entry's backward place
     num_q,
     num_kv,
     kv_tile,
     rotate_sms,
+    width,
     Q_SPLIT: tl.constexpr,
     MASKED: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_KV: tl.constexpr,
+    POSITIONS: tl.constexpr,
 ):
     bh = tl.program_id(0).to(tl.int64)
     kv = tl.program_id(1) * BLOCK_KV + tl.arange(0, BLOCK_KV)
@@ -114,20 +121,25 @@ def _rank_selected(
         start = ((order * num_q) // rotate_sms) % num_q
         q0 = 0
         while q0 < num_q:
-            q, hit = _hits(selected_ptr, bh, q0, kv, kv_ok, num_q, num_kv, BLOCK_Q)
+            q, mark = _hits(selected_ptr, bh, q0, kv, kv_ok, num_q, num_kv, BLOCK_Q)
+            hit = (mark > 0).to(tl.int32)
             total += tl.sum(hit, axis=0)
             below += tl.sum(tl.where(q[:, None] < start[None, :], hit, 0), axis=0)
             q0 += BLOCK_Q
     offset = tl.zeros([BLOCK_KV], dtype=tl.int32)
     q0 = 0
     while q0 < num_q:
-        q, hit = _hits(selected_ptr, bh, q0, kv, kv_ok, num_q, num_kv, BLOCK_Q)
+        q, mark = _hits(selected_ptr, bh, q0, kv, kv_ok, num_q, num_kv, BLOCK_Q)
+        hit = (mark > 0).to(tl.int32)
         rank = tl.cumsum(hit, axis=0)  # inclusive, per key block, in query order
         place = offset[None, :] + rank - 1 - below[None, :]
         place = tl.where(place < 0, place + total[None, :], place)
         slot = place * Q_SPLIT
         for s in tl.static_range(Q_SPLIT):
             tl.store(out_rows[None, :] + slot + s, q[:, None] * Q_SPLIT + s, mask=hit > 0)
+        if POSITIONS:
+            entry = (bh * num_q + q[:, None]) * width + mark - 1
+            tl.store(positions_ptr + entry, place, mask=hit > 0)
         offset += tl.sum(hit, axis=0)
         q0 += BLOCK_Q
     counts = offset * Q_SPLIT
@@ -159,6 +171,40 @@ def backward_lists_triton(
 ) -> SparseLists:
     """`vsa_fa4.metadata.backward_lists` in two launches and a memset (same tensors, same
     values)."""
+    return _build(kv_indices, kv_counts, kv_valid_sizes, kv_tile, masked, q_split, rotate_sms)[0]
+
+
+def backward_lists_with_positions(
+    kv_indices: torch.Tensor,
+    kv_counts: torch.Tensor,
+    kv_valid_sizes: torch.Tensor,
+    kv_tile: int,
+    masked: bool = True,
+    rotate_sms: int = 0,
+) -> tuple[SparseLists, torch.Tensor]:
+    """`backward_lists_triton` (one query block per list entry) and, like ``kv_indices``
+    [..., NQ, W] int32, each used forward entry's place in its key block's backward list (as
+    stored: after the rotation), for the dQ pass of the dS-writing backward
+    (`vsa_fa4.dq_from_ds_triton`). Entries past a list's count are left unwritten."""
+    if kv_indices.shape[-1] >= 1 << 15:  # the marks are int16
+        raise ValueError(f"kv_indices lists must be shorter than 32768, got {kv_indices.shape}")
+    lists, positions = _build(
+        kv_indices, kv_counts, kv_valid_sizes, kv_tile, masked, 1, rotate_sms, positions=True
+    )
+    assert positions is not None
+    return lists, positions
+
+
+def _build(
+    kv_indices: torch.Tensor,
+    kv_counts: torch.Tensor,
+    kv_valid_sizes: torch.Tensor,
+    kv_tile: int,
+    masked: bool,
+    q_split: int,
+    rotate_sms: int,
+    positions: bool = False,
+) -> tuple[SparseLists, torch.Tensor | None]:
     *lead, num_q, width = kv_indices.shape
     num_kv = kv_valid_sizes.shape[0]
     rows = 1
@@ -168,8 +214,12 @@ def backward_lists_triton(
     q_indices = torch.empty(*lead, num_kv, num_q * q_split, dtype=torch.int32, device=device)
     full_cnt = torch.empty(*lead, num_kv, dtype=torch.int32, device=device)
     mask_cnt = torch.empty_like(full_cnt)
+    places = None
+    if positions:
+        places = torch.empty(*lead, num_q, width, dtype=torch.int32, device=device)
     if rows and num_kv and num_q:
-        selected = torch.zeros(rows, num_q, num_kv, dtype=torch.uint8, device=device)
+        mark_type = torch.int16 if positions else torch.uint8
+        selected = torch.zeros(rows, num_q, num_kv, dtype=mark_type, device=device)
         if width:
             launch(
                 _mark_selected,
@@ -182,6 +232,7 @@ def backward_lists_triton(
                 width,
                 BLOCK_Q=BLOCK_Q,
                 BLOCK_W=BLOCK_W,
+                POSITIONS=positions,
             )
         launch(
             _rank_selected,
@@ -191,18 +242,21 @@ def backward_lists_triton(
             q_indices,
             full_cnt,
             mask_cnt,
+            full_cnt if places is None else places,  # not written without positions
             num_q,
             num_kv,
             kv_tile,
             rotate_sms,
+            width,
             Q_SPLIT=q_split,
             MASKED=masked,
             BLOCK_Q=BLOCK_Q,
             BLOCK_KV=BLOCK_KV,
+            POSITIONS=positions,
         )
     else:
         full_cnt.zero_()
         mask_cnt.zero_()
     if not masked:
-        return SparseLists(mask_cnt, mask_cnt.unsqueeze(-1), full_cnt, q_indices)
-    return SparseLists(mask_cnt, q_indices, full_cnt, q_indices)
+        return SparseLists(mask_cnt, mask_cnt.unsqueeze(-1), full_cnt, q_indices), places
+    return SparseLists(mask_cnt, q_indices, full_cnt, q_indices), places

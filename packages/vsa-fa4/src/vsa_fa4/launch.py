@@ -489,20 +489,28 @@ def run_backward(
     block_size: tuple[int, int],
     masked: bool = True,
     config: TileConfig | None = None,
+    ds_out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """FA4 block-sparse backward (key-block-owned ``lists``) into ``dq``, ``dk``, ``dv``.
 
     64-token key blocks (64x64 and 128x64 physical blocks) run on the fork's sm_90 kernels
     (`flash_attn_vsa.bwd_sm90`; upstream refuses them) with the tile configuration ``config``
     (None: the shipped one for the block size), everything else on upstream's
-    ``_flash_attn_bwd`` (``config`` must then be None)."""
+    ``_flash_attn_bwd`` (``config`` must then be None). ``ds_out``: (the dS buffer, the slot
+    starts) for a ``config`` that writes dS (``dq_from_ds``: dq then comes out zero, for
+    `vsa_fa4.dq_from_ds_triton` to compute), and only for one."""
     tensors_cls, mask_mod = _upstream()
     fork = _runs_on_fork_kv64(block_size)
     if config is not None and not fork:
         raise ValueError(
             f"a backward tile config applies to 64-token key blocks only, got blocks {block_size}"
         )
+    writes_ds = config is not None and config.dq_from_ds
+    if writes_ds != (ds_out is not None):
+        raise ValueError("ds_out must be given exactly when the config writes dS (dq_from_ds)")
     masking = _masking(mask_mod, kv_valid_sizes, block_size, masked)
+    if ds_out is not None:
+        masking["aux_tensors"] = [*(masking["aux_tensors"] or ()), *ds_out]
     tensors = _block_sparse(tensors_cls, lists, block_size)
     with _on_device(q.device):
         if fork:

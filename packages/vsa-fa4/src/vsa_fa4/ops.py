@@ -186,12 +186,30 @@ backward call) one backward launch may take: larger calls run in head chunks. At
 fa4's training step needs beyond Triton's (7,684 against 5,593 MiB on an H200, 2026-11-29)."""
 
 
-def head_chunks(batch: int, heads: int, q_len: int, head_dim: int) -> list[slice]:
+DS_BUDGET_BYTES = 2 << 30
+"""Most bytes of the dS buffer (one 64x64 tile in q's dtype per listed (query block, key
+block) pair: batch x NQ x W x 8 KB a head at 2 bytes) one backward launch of the dS-writing
+backward may take (`flash_attn_vsa.bwd_sm90_ds_out`): larger calls run in head chunks, one
+head a chunk at least. At S=32768 with 64 of 512 key blocks a head takes 256 MiB; at Wan 2.1
+720p (1,440 query blocks, 180 listed) 2.0 GiB."""
+
+
+def head_chunks(
+    batch: int, heads: int, q_len: int, head_dim: int, ds_tiles_per_head: int = 0
+) -> list[slice]:
     """Head ranges whose backward calls each keep FA4's dQ accumulator within
-    `DQ_ACCUM_BUDGET_BYTES` (one range, all heads, when the whole call does)."""
+    `DQ_ACCUM_BUDGET_BYTES` and, with ``ds_tiles_per_head`` (the dS-writing backward's 64x64
+    tiles a head), the dS buffer within `DS_BUDGET_BYTES` (one range, all heads, when the
+    whole call does)."""
     per_head = batch * q_len * head_dim * 4
     step = max(1, min(heads, DQ_ACCUM_BUDGET_BYTES // max(per_head, 1)))
+    if ds_tiles_per_head:
+        step = max(1, min(step, DS_BUDGET_BYTES // (ds_tiles_per_head * DS_TILE_BYTES)))
     return [slice(h, min(h + step, heads)) for h in range(0, heads, step)]
+
+
+DS_TILE_BYTES = 64 * 64 * 2
+"""Bytes of one dS tile (64x64, 16-bit)."""
 
 
 def backward_impl(
@@ -224,6 +242,9 @@ def backward_impl(
     config = launch.KernelChoice.decode(kernels).backward
     rotate = rotation_width(q.device) * launch.backward_ctas_per_sm((q_tile, kv_tile), config)
     tensors = (dout, q, k, v, out, lse, dq, dk, dv, kv_indices, kv_counts)
+    if config is not None and config.dq_from_ds:
+        _backward_from_ds(tensors, valid, scale, (q_tile, kv_tile), masked, config, rotate)
+        return dq, dk, dv
     for chunk in _head_ranges(tensors, head_chunks(batch, heads, q_len, head_dim)):
         *grads_from, indices, counts = chunk
         lists = backward_lists(indices, counts, valid, kv_tile, masked, rotate_sms=rotate)
@@ -231,6 +252,43 @@ def backward_impl(
             *grads_from, lists, valid, scale, (q_tile, kv_tile), masked, config=config
         )
     return dq, dk, dv
+
+
+def _backward_from_ds(
+    tensors: tuple[torch.Tensor, ...],
+    valid: torch.Tensor,
+    scale: float,
+    block_size: tuple[int, int],
+    masked: bool,
+    config: launch.TileConfig,
+    rotate: int,
+) -> None:
+    """`backward_impl` on the dS-writing backward (delta 12): per head chunk, the key-owned
+    kernel writes dK, dV and every pair's dS, then `dq_from_ds` computes dQ from them in a
+    fixed order (no atomics: dq, dk and dv are bitwise reproducible). One dS buffer, sized
+    for the largest chunk, serves every chunk in turn."""
+    from vsa_fa4.backward_lists_triton import backward_lists_with_positions
+    from vsa_fa4.dq_from_ds_triton import dq_from_ds, slot_starts
+
+    if tuple(block_size) != (64, 64):
+        raise ValueError(f"the dS-writing backward runs 64x64 blocks, got {block_size}")
+    q, kv_indices = tensors[1], tensors[-2]
+    batch, q_len, heads, head_dim = q.shape
+    tiles_per_head = batch * kv_indices.shape[-2] * kv_indices.shape[-1]
+    chunks = head_chunks(batch, heads, q_len, head_dim, tiles_per_head)
+    most = max(c.stop - c.start for c in chunks)
+    ds = q.new_empty((max(tiles_per_head * most, 1) * 64, 64))
+    for chunk in _head_ranges(tensors, chunks):
+        dout, q, k, v, out, lse, dq, dk, dv, indices, counts = chunk
+        lists, positions = backward_lists_with_positions(
+            indices, counts, valid, block_size[1], masked, rotate
+        )
+        starts = slot_starts(lists)
+        launch.run_backward(
+            dout, q, k, v, out, lse, dq, dk, dv, lists, valid, scale, block_size, masked,
+            config=config, ds_out=(ds, starts),
+        )  # fmt: skip
+        dq_from_ds(ds, k, dq, indices, counts, positions, starts, valid, scale)
 
 
 _HEAD_DIMS = (2, 2, 2, 2, 2, 1, 2, 2, 2, 1, 1)

@@ -11,12 +11,18 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from flash_attn_vsa.bwd_sm90 import KV64_STAGED_CONFIG, KV64_TWO_CTAS_BASE, TileConfig
+from flash_attn_vsa.bwd_sm90 import (
+    KV64_DS_CONFIG,
+    KV64_STAGED_CONFIG,
+    KV64_TWO_CTAS_BASE,
+    TileConfig,
+)
 
 __all__ = ["ABLATIONS", "EXPERIMENTAL_CONFIGS"]
 
 EXPERIMENTAL_CONFIGS: dict[str, TileConfig] = {
     "kv64-staged": KV64_STAGED_CONFIG,
+    "kv64-ds": KV64_DS_CONFIG,
     "kv64-dq-4parts-2buffers-two-ctas": replace(KV64_TWO_CTAS_BASE, dq_parts=4, dq_buffers=2),
     "kv64-dq-1part-2buffers": replace(KV64_STAGED_CONFIG, dq_parts=1, dq_buffers=2),
     "kv64-dq-2parts-two-ctas": replace(KV64_TWO_CTAS_BASE, dq_parts=2),

@@ -1,0 +1,138 @@
+"""The KV64 backward writing dS instead of reducing dQ: the fork's twelfth delta (the key-owned
+half of a deterministic backward; issue 20, item 2).
+
+Why (NOTES.md, session 10): the shipped 64x64 backward (delta 8) computes each (query block,
+key tile) pair's dQ = dS K in its key-owned walk and reduce-adds it into a float32 accumulator
+in L2, 32 KB per pair: 13.1 GB over the SM->L2 port at S=32768, 91.6% busy, which caps the
+kernel at 0.765 of dense; and float32 additions in the order the CTAs happen to arrive make
+dQ vary run to run. The same kernel with dQ computed and never sent runs at dense speed.
+
+Here the walk computes no dQ at all: each step writes its dS tile (64x64, in q's dtype, 8 KB:
+a quarter of the pair's dQ bytes, stored rather than reduced) to a buffer, and a separate
+query-owned pass (`vsa_fa4.dq_from_ds_triton`) computes dQ = scale * sum over the query
+block's list of dS K in registers, in list order, with no atomics: dQ, dK and dV are bitwise
+reproducible run to run. The dQ MMA and its 64 accumulator registers per thread leave this
+kernel.
+
+Where a step's dS goes. The kernel takes two more aux tensors, after any the mask reads:
+
+- ``ds`` [slots * 64, 64] in q's dtype, row-major: slot ``s`` holds rows ``64 s .. 64 s + 63``
+  (query rows of the block, key columns of the tile);
+- ``slot_starts`` [B, H, NKV] int32: the first slot of each key tile's list.
+
+Step ``u`` of key tile ``n``'s list (the list's order as stored, partial list then full list,
+one of them empty for any key tile) writes slot ``slot_starts[b, h, n] + u``. The step's
+``u`` is the MMA consumer's Q pipeline count minus the count at the tile's first step, kept in
+one shared-memory word (written by every MMA thread at the first step, before the step's
+first PdS barrier, read after it and before the next: no step's read races the next tile's
+write).
+
+`vsa_fa4` builds ``slot_starts`` (an exclusive sum of the lists' counts) and, for the dQ pass,
+each forward list entry's position in its key tile's list (`vsa_fa4.backward_lists_triton`).
+
+Upstream internals this relies on (fingerprinted): ``FlashAttentionBackwardSm90.mma``'s
+parameters ``tiled_mma_SdP``, ``tidx``, ``aux_data`` (the launcher's aux tensors in order) and
+``sdQaccum``; the block-sparse loop's ``mask_fn`` a ``functools.partial`` carrying
+``batch_idx``, ``head_idx`` and ``n_block``, and its ``dKV_accumulate`` False exactly at a
+tile's first step; ``consume_block_sparse_mma_bwd_sm90`` walking the partial list, then the
+full list, in stored order.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from flash_attn_vsa.build_scope import trace_stack, traced
+
+__all__ = ["DS_AUX_TENSORS", "note_first_step", "store_ds", "traced_step_operands"]
+
+DS_AUX_TENSORS = 2
+"""Aux tensors the ``ds`` path appends: the dS buffer, then the slot starts."""
+
+_STACK = "ds_out"
+
+
+@contextmanager
+def traced_step_operands(bound: dict[str, Any]) -> Iterator[None]:
+    """While upstream traces the kernel's ``mma`` (arguments ``bound``), what each step needs:
+    the S/dP MMA, the thread index, the aux tensors and the shared word."""
+    aux = bound.get("aux_data")
+    tensors = tuple(getattr(aux, "tensors", None) or ())
+    if len(tensors) < DS_AUX_TENSORS:
+        raise ValueError(
+            f"the dS-writing backward needs its {DS_AUX_TENSORS} aux tensors (dS, slot starts) "
+            f"after the mask's, got {len(tensors)} aux tensors"
+        )
+    names = ("tiled_mma_SdP", "tidx", "sdQaccum")
+    with traced(_STACK, (*(bound[n] for n in names), tensors[-2], tensors[-1])):
+        yield
+
+
+def _operands() -> tuple[Any, ...]:
+    return trace_stack(_STACK)[-1]
+
+
+def _first_step_word() -> Any:
+    """The shared Int32 holding the Q pipeline count at this tile's first step."""
+    import cutlass
+    from cutlass import cute
+
+    sdQaccum = _operands()[2]
+    return cute.make_tensor(
+        cute.recast_ptr(sdQaccum.iterator, dtype=cutlass.Int32), cute.make_layout(1)
+    )
+
+
+@functools.cache
+def _jitted() -> tuple[Any, Any]:
+    import cutlass
+    from cutlass import cute
+
+    @cute.jit
+    def note_first_step(consumer_state_Q: Any, dKV_accumulate: Any) -> None:
+        """At a tile's first step (nothing accumulated yet), remember the Q pipeline count."""
+        if not dKV_accumulate:
+            _first_step_word()[0] = consumer_state_Q.count
+
+    @cute.jit
+    def store_ds(kernel: Any, acc_dS: Any, consumer_state_Q: Any, mask_fn: Any) -> None:
+        """This step's dS (the float32 accumulator of dP, turned into dS in place) rounded to
+        the kernel's dtype and stored from registers to its slot."""
+        from flash_attn.cute import utils
+
+        tiled_mma, tidx, _, ds, slot_starts = _operands()
+        tile = getattr(mask_fn, "keywords", {})
+        batch_idx, head_idx, n_block = (tile[k] for k in ("batch_idx", "head_idx", "n_block"))
+        step = consumer_state_Q.count - _first_step_word()[0]
+        slot = slot_starts[batch_idx, head_idx, n_block] + step
+        # A static row-major layout (the aux tensor's strides are dynamic), so that each
+        # thread's column pairs go out as 32-bit stores.
+        tile_values = kernel.tile_m * kernel.tile_n
+        start = cute.make_ptr(
+            kernel.dtype,
+            (ds.iterator + cutlass.Int64(slot) * tile_values).toint(),
+            cute.AddressSpace.gmem,
+            assumed_align=16,
+        )
+        gds = cute.make_tensor(
+            start, cute.make_layout((kernel.tile_m, kernel.tile_n), stride=(kernel.tile_n, 1))
+        )
+        tdsg = tiled_mma.get_slice(tidx).partition_C(gds)
+        values = utils.cvt_f16(acc_dS, kernel.dtype)
+        cute.autovec_copy(values, tdsg)
+
+    return note_first_step, store_ds
+
+
+def note_first_step(consumer_state_Q: Any, dKV_accumulate: Any) -> None:
+    """Called by the step at its start, before any PdS barrier (`_jitted`)."""
+    _jitted()[0](consumer_state_Q, dKV_accumulate)
+
+
+def store_ds(kernel: Any, acc_dS: Any, consumer_state_Q: Any, mask_fn: Any) -> None:
+    """Called by the step between the PdS barrier before dS is staged and the one after
+    (`_jitted`)."""
+    _jitted()[1](kernel, acc_dS, consumer_state_Q, mask_fn)

@@ -1,0 +1,142 @@
+"""dQ from the dS the key-owned backward wrote (the fork's delta 12,
+`flash_attn_vsa.bwd_sm90_ds_out`): the query-owned half of the dS-writing backward, in Triton.
+
+One program per (batch x head, 64-row query block) walks the block's forward list in order and
+accumulates ``dS[slot] @ K[key block]`` in float32 registers, then writes ``scale *`` the sum
+in dQ's dtype: no atomics and a fixed order, so dQ is bitwise the same run to run. A pair's
+slot is its key block's first slot plus the pair's place in that key block's backward list
+(`vsa_fa4.backward_lists_triton.backward_lists_with_positions`). Key blocks with no valid
+token are never walked by the key-owned kernel, so their slots hold nothing of theirs: the
+loads are masked off for them (they add zero, as the reference's empty blocks do). K's rows
+past a partial block's valid size are not read either.
+
+Loops are ``while`` loops over a loaded count, like `vsa_fa4.backward_lists_triton`'s: the CPU
+tests run this kernel under Triton's interpreter.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from vsa_fa4.lists import SparseLists
+from vsa_triton.launch_cache import launch
+from vsa_triton.tensor_args import bshd_strides
+
+BLOCK = 64
+"""Query and key block size (the dS tiles are BLOCK x BLOCK)."""
+
+
+@triton.jit
+def _dq_from_ds(
+    ds_ptr,  # [slots * BLOCK, BLOCK] row-major dS tiles
+    k_ptr,  # [B, S_k, H, D]
+    dq_ptr,  # out [B, S_q, H, D]
+    kv_idx_ptr,  # [BH, NQ, W] forward lists
+    kv_cnt_ptr,  # [BH, NQ]
+    positions_ptr,  # [BH, NQ, W] each entry's place in its key block's backward list
+    slot_starts_ptr,  # [BH, NKV] first slot of each key block's list
+    valid_ptr,  # [NKV] valid tokens per key block
+    heads,
+    num_q,
+    num_kv,
+    width,
+    q_len,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_qb,
+    stride_qs,
+    stride_qh,
+    scale,
+    BLOCK: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    bh = tl.program_id(0)
+    i = tl.program_id(1)
+    b = (bh // heads).to(tl.int64)
+    h = (bh % heads).to(tl.int64)
+    rows = tl.arange(0, BLOCK)
+    dims = tl.arange(0, HEAD_DIM)
+    list_row = (bh.to(tl.int64) * num_q + i) * width
+    count = tl.load(kv_cnt_ptr + bh.to(tl.int64) * num_q + i)
+    k_head = k_ptr + b * stride_kb + h * stride_kh
+    acc = tl.zeros([BLOCK, HEAD_DIM], dtype=tl.float32)
+    t = 0
+    while t < count:
+        j = tl.load(kv_idx_ptr + list_row + t)
+        valid = tl.load(valid_ptr + j)
+        slot = tl.load(slot_starts_ptr + bh.to(tl.int64) * num_kv + j)
+        slot = (slot + tl.load(positions_ptr + list_row + t)).to(tl.int64)
+        tile = ds_ptr + slot * (BLOCK * BLOCK) + rows[:, None] * BLOCK + rows[None, :]
+        ds = tl.load(tile, mask=(valid > 0) & (rows[None, :] < valid), other=0.0)
+        keys = j.to(tl.int64) * BLOCK + rows
+        kb = tl.load(
+            k_head + keys[:, None] * stride_ks + dims[None, :],
+            mask=rows[:, None] < valid,
+            other=0.0,
+        )
+        acc = tl.dot(ds, kb, acc)
+        t += 1
+    q_rows = i.to(tl.int64) * BLOCK + rows
+    out = dq_ptr + b * stride_qb + h * stride_qh + q_rows[:, None] * stride_qs + dims[None, :]
+    tl.store(out, (acc * scale).to(dq_ptr.dtype.element_ty), mask=q_rows[:, None] < q_len)
+
+
+def slot_starts(lists: SparseLists) -> torch.Tensor:
+    """Each key block's first dS slot [..., NKV] int32: the exclusive running sum of the
+    backward ``lists``' counts (partial and full) over every (batch, head, key block) in
+    order. The slots a call needs are at most the forward lists' used entries."""
+    counts = (lists.full_block_cnt + lists.mask_block_cnt).flatten()
+    starts = torch.cumsum(counts, 0, dtype=torch.int32) - counts
+    return starts.view(lists.full_block_cnt.shape)
+
+
+def dq_from_ds(
+    ds: torch.Tensor,
+    k: torch.Tensor,
+    dq: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_counts: torch.Tensor,
+    positions: torch.Tensor,
+    slot_starts: torch.Tensor,
+    kv_valid_sizes: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Write ``dq`` [B, S_q, H, D] (BSHD, head dim contiguous) = ``scale`` * the sum over each
+    64-row query block's forward list (``kv_indices`` [B, H, NQ, W], ``kv_counts`` [B, H, NQ])
+    of its dS tiles times K's key blocks; ``positions`` [B, H, NQ, W] and ``slot_starts``
+    [B, H, NKV] say where each pair's tile is in ``ds`` [slots * 64, 64]. Rows of dq past the
+    last query block are left as they are. Returns ``dq``."""
+    batch, q_len, heads, head_dim = dq.shape
+    num_q, width = kv_indices.shape[-2:]
+    num_kv = kv_valid_sizes.shape[0]
+    if k.stride(-1) != 1 or dq.stride(-1) != 1:
+        raise ValueError("k and dq need a contiguous head dim")
+    if batch * heads and num_q:
+        launch(
+            _dq_from_ds,
+            (batch * heads, num_q),
+            ds,
+            k,
+            dq,
+            kv_indices.contiguous(),
+            kv_counts.contiguous(),
+            positions.contiguous(),
+            slot_starts.contiguous(),
+            kv_valid_sizes.contiguous(),
+            heads,
+            num_q,
+            num_kv,
+            width,
+            min(q_len, num_q * BLOCK),
+            *bshd_strides(k),
+            *bshd_strides(dq),
+            scale,
+            BLOCK=BLOCK,
+            HEAD_DIM=head_dim,
+            num_warps=4,
+            num_stages=3,
+        )
+    return dq

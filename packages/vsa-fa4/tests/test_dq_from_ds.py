@@ -1,0 +1,125 @@
+"""The dS-writing backward's two host-side pieces (delta 12's dQ pass, issue 20 item 2):
+
+- `backward_lists_with_positions`: the same key-owned lists as `backward_lists_triton`, and
+  for every used forward entry (query block ``i``, slot ``t``, key block ``j``) the place ``p``
+  with ``q_indices[j, p] == i``, rotated lists included;
+- `dq_from_ds`: dQ from dS tiles laid out by those places and `slot_starts`, against a float64
+  sum over each query block's list. Key blocks with no valid token and K's and dS's columns
+  past a partial block's size hold NaN: none may reach dQ.
+
+On a GPU the kernels run compiled; on a CPU machine under Triton's interpreter in a child
+process (the interpreter must be chosen before triton is first imported).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_lists_triton import random_lists
+
+CASES = [(1, 1, 1), (3, 5, 2), (33, 31, 17), (70, 33, 33), (40, 65, 5)]  # (num_q, num_kv, width)
+HEAD_DIM = 32
+
+
+def check_positions(idx, cnt, valid, lists, positions, where: str) -> None:
+    heads, num_q, width = idx.shape[1:]
+    used = torch.arange(width, device=idx.device) < cnt[..., None]
+    bh = torch.arange(heads, device=idx.device)[:, None, None].expand(heads, num_q, width)
+    rows = torch.arange(num_q, device=idx.device)[None, :, None].expand(heads, num_q, width)
+    places = torch.where(used[0], positions[0], 0).long()  # unused entries are unwritten
+    placed = lists.full_block_idx[0][bh, idx[0].long(), places]
+    assert torch.equal(placed[used[0]], rows[used[0]].to(placed.dtype)), where
+
+
+def expected_dq(tiles, k, idx, cnt, valid, scale):
+    """float64: dq[b, 64 i + r, h] = scale * sum_t tiles[h, i, t] @ k[b, 64 j_t + :, h]."""
+    _, heads, num_q, _ = idx.shape
+    dq = torch.zeros(1, num_q * 64, heads, HEAD_DIM, dtype=torch.float64)
+    for h in range(heads):
+        for i in range(num_q):
+            for t in range(int(cnt[0, h, i])):
+                j, size = int(idx[0, h, i, t]), int(valid[int(idx[0, h, i, t])])
+                if size == 0:
+                    continue
+                keys = k[0, 64 * j : 64 * j + size, h].double()
+                dq[0, 64 * i : 64 * i + 64, h] += tiles[h, i, t][:, :size].double() @ keys
+    return dq * scale
+
+
+def compare_on(device: str) -> int:
+    from vsa_fa4.backward_lists_triton import backward_lists_triton, backward_lists_with_positions
+    from vsa_fa4.dq_from_ds_triton import dq_from_ds, slot_starts
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    checked = 0
+    for seed, (num_q, num_kv, width) in enumerate(CASES):
+        idx, cnt, valid = (x.to(device) for x in random_lists(seed, num_q, num_kv, width, 64))
+        for rotate in (0, 7):
+            where = f"num_q={num_q} num_kv={num_kv} width={width} rotate={rotate}"
+            lists, positions = backward_lists_with_positions(idx, cnt, valid, 64, True, rotate)
+            plain = backward_lists_triton(idx, cnt, valid, 64, True, 1, rotate)
+            for a, b in zip(plain, lists, strict=True):
+                assert torch.equal(a, b), where
+            check_positions(idx, cnt, valid, lists, positions, where)
+            checked += 1
+        # dQ from tiles placed where the key-owned kernel would write them
+        gen = torch.Generator().manual_seed(seed)
+        heads, width = idx.shape[1], idx.shape[-1]
+        tiles = torch.randn(heads, num_q, width, 64, 64, generator=gen).to(dtype)
+        k = torch.randn(1, num_kv * 64, heads, HEAD_DIM, generator=gen).to(dtype)
+        for j, size in enumerate(valid.tolist()):
+            k[0, 64 * j + size : 64 * j + 64] = float("nan")
+        starts = slot_starts(lists)
+        slots = max(int(cnt.sum()), 1)
+        ds = torch.full((slots * 64, 64), float("nan"), dtype=dtype)
+        for h in range(heads):
+            for i in range(num_q):
+                for t in range(int(cnt[0, h, i])):
+                    j = int(idx[0, h, i, t])
+                    size = int(valid[j])
+                    if size == 0:
+                        continue
+                    slot = int(starts[0, h, j]) + int(positions[0, h, i, t])
+                    tile = tiles[h, i, t].clone()
+                    tile[:, size:] = float("nan")
+                    ds[64 * slot : 64 * slot + 64] = tile
+        dq = torch.full((1, num_q * 64, heads, HEAD_DIM), 7.0, dtype=dtype, device=device)
+        dq_from_ds(ds.to(device), k.to(device), dq, idx, cnt, positions, starts, valid, 0.125)
+        want = expected_dq(tiles, k, idx.cpu(), cnt.cpu(), valid.cpu(), 0.125)
+        tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+        err = (dq.cpu().double() - want).abs().max().item()
+        assert err <= tol * max(want.abs().max().item(), 1.0), f"dq {where}: {err}"
+        checked += 1
+    return checked
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_positions_and_dq_pass_on_the_gpu():
+    assert compare_on("cuda") == 3 * len(CASES)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the kernels run compiled")
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"), reason="already interpreting"
+)
+def test_positions_and_dq_pass_under_the_interpreter():
+    pytest.importorskip("triton")
+    result = subprocess.run(
+        [sys.executable, str(Path(__file__)), "cpu"],
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert result.stdout.strip() == f"checked {3 * len(CASES)}"
+
+
+if __name__ == "__main__":
+    print(f"checked {compare_on(sys.argv[1])}")
