@@ -200,8 +200,15 @@ session26)
     "step tests 240 python3 -m pytest -q -p no:warnings -m gpu packages/vsa-fa4/tests/test_dq_from_ds.py packages/vsa-fa4/tests/test_gpu.py packages/flash-attn-4-vsa/tests/test_bwd_sm90.py -k 'ds or dq_pass or explicit_kernel or head_chunks or sm90_kv64 or bwd'" \
     "step ds 240 python3 -m $X.bwd_ds_out --out \$OUT --seqs 32768 --reps 10"
   ;;
+session26b)
+  # the dS tile staged in shared memory and sent as one bulk copy; the dQ pass's loads
+  # pipelined (tl.range)
+  bash benchmarks/gpu_sitting.sh \
+    "step tests 200 python3 -m pytest -q -p no:warnings -m gpu packages/vsa-fa4/tests/test_dq_from_ds.py packages/vsa-fa4/tests/test_gpu.py -k 'ds or dq_pass'" \
+    "step ds 240 python3 -m $X.bwd_ds_out --out \$OUT --seqs 32768 131072 --reps 10"
+  ;;
 *)
-  echo "usage: $0 grid | bwd-counters | bwd-split | session19 | session21 | session22 [tests|bench] | session23 [tests|props|bench|second|block-props] | session24 [tests|final|profile|bench] | session25 | session25-cost | session25-regress | session25-steps | session26" >&2
+  echo "usage: $0 grid | bwd-counters | bwd-split | session19 | session21 | session22 [tests|bench] | session23 [tests|props|bench|second|block-props] | session24 [tests|final|profile|bench] | session25 | session25-cost | session25-regress | session25-steps | session26 | session26b" >&2
   exit 2
   ;;
 esac

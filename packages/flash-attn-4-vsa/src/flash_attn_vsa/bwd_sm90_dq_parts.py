@@ -185,7 +185,7 @@ def _kernel_class(ctas_per_sm: int, staging: DqStaging, dq_path: str) -> type:
 
         def _get_shared_storage_cls(self) -> Any:
             upstream = base._get_shared_storage_cls(self)
-            if dq_path == "ds":  # no dQ buffers: one word, the tile's first step count
+            if dq_path == "ds":  # no dQ buffers: dS's staging tile and one word
                 return storage_with_dq_buffers(upstream, DS_OUT_WORDS)
             values = staging.buffer_values(self.tile_m * self.tile_hdim)
             return storage_with_dq_buffers(upstream, values)
@@ -205,7 +205,9 @@ def _kernel_class(ctas_per_sm: int, staging: DqStaging, dq_path: str) -> type:
                 from flash_attn_vsa import bwd_sm90_ds_out
 
                 with bwd_sm90_ds_out.traced_step_operands(bound):
-                    return base.mma(self, *args, **kwargs)
+                    result = base.mma(self, *args, **kwargs)
+                    _reductions_read()(bound["tidx"])  # the last dS copy has read its tile
+                return result
             names = ("mdQaccum", "sdQaccum", "r2s_tiled_copy_dQaccum", "tidx")
             if staging.sender == "producer":
                 _handover_init()(self, bound["sdQaccum"], bound["tidx"])
@@ -370,9 +372,9 @@ def _reductions_read() -> Any:
     return wait
 
 
-DS_OUT_WORDS = 32
-"""float32 words of shared memory the ``ds`` path keeps in place of the dQ buffers (it uses
-the first: `bwd_sm90_ds_out`)."""
+DS_OUT_WORDS = 64 * 64 * 2 // 4 + 32
+"""32-bit words of shared memory the ``ds`` path keeps in place of the dQ buffers: dS's 8 KB
+staging tile, then the first-step word (`bwd_sm90_ds_out`)."""
 
 
 def _one_query_block(dq_path: str = "send") -> Any:
@@ -515,12 +517,14 @@ def _one_query_block(dq_path: str = "send") -> Any:
         copy_dS_r2s(dS, dst_idx=pds_idx)
 
         mma_pdo_fn(A_idx=pds_idx, B_idx=do_idx, zero_init=not dKV_accumulate, wg_wait=-1)
+        ds_address = None
         if cutlass.const_expr(dq_path == "ds"):
             # under the dV MMA; reads the first-step word between the PdS barriers
-            ds_out.store_ds(self, acc_dP, consumer_state_Q, mask_fn)
+            ds_address = ds_out.stage_ds(self, acc_dP, consumer_state_Q, mask_fn)
         cute.arch.fence_view_async_shared()
-        PdS_barrier.arrive_and_wait()  # dS visible to the MMAs
+        PdS_barrier.arrive_and_wait()  # dS visible to the MMAs (and the staged dS to TMA)
         if cutlass.const_expr(dq_path == "ds"):
+            ds_out.send_ds(self, ds_address)
             mma_dsq_fn(A_idx=pds_idx, B_idx=q_idx, zero_init=not dKV_accumulate, wg_wait=1)
             pipeline_dO.consumer_release(dO_state)  # dV done once dK's MMA was issued
         else:

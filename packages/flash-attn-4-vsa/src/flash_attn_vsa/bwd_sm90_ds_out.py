@@ -47,7 +47,14 @@ from typing import Any
 
 from flash_attn_vsa.build_scope import trace_stack, traced
 
-__all__ = ["DS_AUX_TENSORS", "note_first_step", "store_ds", "traced_step_operands"]
+__all__ = [
+    "DS_AUX_TENSORS",
+    "STAGING_WORDS",
+    "note_first_step",
+    "send_ds",
+    "stage_ds",
+    "traced_step_operands",
+]
 
 DS_AUX_TENSORS = 2
 """Aux tensors the ``ds`` path appends: the dS buffer, then the slot starts."""
@@ -67,12 +74,28 @@ def traced_step_operands(bound: dict[str, Any]) -> Iterator[None]:
             f"after the mask's, got {len(tensors)} aux tensors"
         )
     names = ("tiled_mma_SdP", "tidx", "sdQaccum")
-    with traced(_STACK, (*(bound[n] for n in names), tensors[-2], tensors[-1])):
+    dtype = bound["self"].dtype
+    with traced(_STACK, (*(bound[n] for n in names), tensors[-2], tensors[-1], dtype)):
         yield
 
 
 def _operands() -> tuple[Any, ...]:
     return trace_stack(_STACK)[-1]
+
+
+STAGING_WORDS = 64 * 64 * 2 // 4
+"""32-bit words of the dS staging buffer (one 64x64 16-bit tile, row-major) at the start of the
+kernel's shared words; the first-step word follows it."""
+
+
+def _staging() -> Any:
+    """The row-major dS staging tile in shared memory (the kernel's dtype)."""
+    from cutlass import cute
+
+    sdQaccum, dtype = _operands()[2], _operands()[5]
+    return cute.make_tensor(
+        cute.recast_ptr(sdQaccum.iterator, dtype=dtype), cute.make_layout((64, 64), stride=(64, 1))
+    )
 
 
 def _first_step_word() -> Any:
@@ -82,49 +105,55 @@ def _first_step_word() -> Any:
 
     sdQaccum = _operands()[2]
     return cute.make_tensor(
-        cute.recast_ptr(sdQaccum.iterator, dtype=cutlass.Int32), cute.make_layout(1)
+        cute.recast_ptr(sdQaccum.iterator + STAGING_WORDS, dtype=cutlass.Int32),
+        cute.make_layout(1),
     )
 
 
 @functools.cache
-def _jitted() -> tuple[Any, Any]:
+def _jitted() -> tuple[Any, Any, Any]:
     import cutlass
     from cutlass import cute
+    from quack import copy_utils
 
     @cute.jit
     def note_first_step(consumer_state_Q: Any, dKV_accumulate: Any) -> None:
-        """At a tile's first step (nothing accumulated yet), remember the Q pipeline count."""
+        """At a tile's first step (nothing accumulated yet), remember the Q pipeline count;
+        thread 0 waits until the last step's bulk copy has read the staging tile (the others
+        write it only after the step's PdS barrier, which thread 0 reaches after this)."""
+        tidx = _operands()[1]
+        if tidx == 0:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
         if not dKV_accumulate:
             _first_step_word()[0] = consumer_state_Q.count
 
     @cute.jit
-    def store_ds(kernel: Any, acc_dS: Any, consumer_state_Q: Any, mask_fn: Any) -> None:
+    def stage_ds(kernel: Any, acc_dS: Any, consumer_state_Q: Any, mask_fn: Any) -> Any:
         """This step's dS (the float32 accumulator of dP, turned into dS in place) rounded to
-        the kernel's dtype and stored from registers to its slot."""
+        the kernel's dtype into the row-major staging tile; returns where the tile goes (its
+        slot's address in the dS buffer, read here, before the next PdS barrier)."""
         from flash_attn.cute import utils
 
-        tiled_mma, tidx, _, ds, slot_starts = _operands()
+        tiled_mma, tidx, _, ds, slot_starts, _ = _operands()
         tile = getattr(mask_fn, "keywords", {})
         batch_idx, head_idx, n_block = (tile[k] for k in ("batch_idx", "head_idx", "n_block"))
         step = consumer_state_Q.count - _first_step_word()[0]
         slot = slot_starts[batch_idx, head_idx, n_block] + step
-        # A static row-major layout (the aux tensor's strides are dynamic), so that each
-        # thread's column pairs go out as 32-bit stores.
-        tile_values = kernel.tile_m * kernel.tile_n
-        start = cute.make_ptr(
-            kernel.dtype,
-            (ds.iterator + cutlass.Int64(slot) * tile_values).toint(),
-            cute.AddressSpace.gmem,
-            assumed_align=16,
-        )
-        gds = cute.make_tensor(
-            start, cute.make_layout((kernel.tile_m, kernel.tile_n), stride=(kernel.tile_n, 1))
-        )
-        tdsg = tiled_mma.get_slice(tidx).partition_C(gds)
-        values = utils.cvt_f16(acc_dS, kernel.dtype)
-        cute.autovec_copy(values, tdsg)
+        tds = tiled_mma.get_slice(tidx).partition_C(_staging())
+        cute.autovec_copy(utils.cvt_f16(acc_dS, kernel.dtype), tds)
+        return (ds.iterator + cutlass.Int64(slot) * (kernel.tile_m * kernel.tile_n)).toint()
 
-    return note_first_step, store_ds
+    @cute.jit
+    def send_ds(kernel: Any, address: Any) -> None:
+        """Thread 0 sends the staged tile to ``address`` as one bulk copy (after the PdS
+        barrier that follows the staging writes and their proxy fence)."""
+        tidx = _operands()[1]
+        if tidx == 0:
+            target = cute.make_ptr(kernel.dtype, address, cute.AddressSpace.gmem, assumed_align=16)
+            copy_utils.cpasync_bulk_s2g(_staging().iterator, target, 64 * 64 * 2)
+            cute.arch.cp_async_bulk_commit_group()
+
+    return note_first_step, stage_ds, send_ds
 
 
 def note_first_step(consumer_state_Q: Any, dKV_accumulate: Any) -> None:
@@ -132,7 +161,12 @@ def note_first_step(consumer_state_Q: Any, dKV_accumulate: Any) -> None:
     _jitted()[0](consumer_state_Q, dKV_accumulate)
 
 
-def store_ds(kernel: Any, acc_dS: Any, consumer_state_Q: Any, mask_fn: Any) -> None:
-    """Called by the step between the PdS barrier before dS is staged and the one after
-    (`_jitted`)."""
-    _jitted()[1](kernel, acc_dS, consumer_state_Q, mask_fn)
+def stage_ds(kernel: Any, acc_dS: Any, consumer_state_Q: Any, mask_fn: Any) -> Any:
+    """Called by the step between the PdS barrier before dS is staged for the MMAs and the one
+    after (`_jitted`); returns the tile's address for `send_ds`."""
+    return _jitted()[1](kernel, acc_dS, consumer_state_Q, mask_fn)
+
+
+def send_ds(kernel: Any, address: Any) -> None:
+    """Called by the step right after the PdS barrier that follows `stage_ds` (`_jitted`)."""
+    _jitted()[2](kernel, address)

@@ -10,8 +10,9 @@ token are never walked by the key-owned kernel, so their slots hold nothing of t
 loads are masked off for them (they add zero, as the reference's empty blocks do). K's rows
 past a partial block's valid size are not read either.
 
-Loops are ``while`` loops over a loaded count, like `vsa_fa4.backward_lists_triton`'s: the CPU
-tests run this kernel under Triton's interpreter.
+The loop runs to a loaded count with ``tl.range`` (its loads pipelined on the GPU); under
+Triton's interpreter (the CPU tests) as a ``while`` loop, which is all Triton 3.6's interpreter
+takes with a loaded bound.
 """
 
 from __future__ import annotations
@@ -21,11 +22,35 @@ import triton
 import triton.language as tl
 
 from vsa_fa4.lists import SparseLists
+from vsa_triton.environment import interpreting
 from vsa_triton.launch_cache import launch
 from vsa_triton.tensor_args import bshd_strides
 
 BLOCK = 64
 """Query and key block size (the dS tiles are BLOCK x BLOCK)."""
+STAGES = 3
+"""Loads in flight along a list (Triton's software pipeline over the loop)."""
+
+
+@triton.jit
+def _add_pair(
+    acc, t, ds_ptr, k_head, kv_idx_ptr, positions_ptr, starts_row, valid_ptr, list_row,
+    stride_ks, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    """``acc`` plus the list entry ``t``'s dS tile times its key block (zero for an empty
+    key block; only K's valid rows and dS's valid columns are read)."""
+    rows = tl.arange(0, BLOCK)
+    dims = tl.arange(0, HEAD_DIM)
+    j = tl.load(kv_idx_ptr + list_row + t)
+    valid = tl.load(valid_ptr + j)
+    slot = (tl.load(starts_row + j) + tl.load(positions_ptr + list_row + t)).to(tl.int64)
+    tile = ds_ptr + slot * (BLOCK * BLOCK) + rows[:, None] * BLOCK + rows[None, :]
+    ds = tl.load(tile, mask=(valid > 0) & (rows[None, :] < valid), other=0.0)
+    keys = j.to(tl.int64) * BLOCK + rows
+    kb = tl.load(
+        k_head + keys[:, None] * stride_ks + dims[None, :], mask=rows[:, None] < valid, other=0.0
+    )
+    return tl.dot(ds, kb, acc)
 
 
 @triton.jit
@@ -52,33 +77,30 @@ def _dq_from_ds(
     scale,
     BLOCK: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    STAGES: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
-    bh = tl.program_id(0)
+    bh = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1)
-    b = (bh // heads).to(tl.int64)
-    h = (bh % heads).to(tl.int64)
+    b = bh // heads
+    h = bh % heads
+    list_row = (bh * num_q + i) * width
+    count = tl.load(kv_cnt_ptr + bh * num_q + i)
+    k_head = k_ptr + b * stride_kb + h * stride_kh
+    starts_row = slot_starts_ptr + bh * num_kv
+    acc = tl.zeros([BLOCK, HEAD_DIM], dtype=tl.float32)
+    if INTERPRET:  # the interpreter takes no loaded loop bound in range()
+        t = 0
+        while t < count:
+            acc = _add_pair(acc, t, ds_ptr, k_head, kv_idx_ptr, positions_ptr, starts_row,
+                            valid_ptr, list_row, stride_ks, BLOCK, HEAD_DIM)  # fmt: skip
+            t += 1
+    else:
+        for t in tl.range(0, count, num_stages=STAGES):
+            acc = _add_pair(acc, t, ds_ptr, k_head, kv_idx_ptr, positions_ptr, starts_row,
+                            valid_ptr, list_row, stride_ks, BLOCK, HEAD_DIM)  # fmt: skip
     rows = tl.arange(0, BLOCK)
     dims = tl.arange(0, HEAD_DIM)
-    list_row = (bh.to(tl.int64) * num_q + i) * width
-    count = tl.load(kv_cnt_ptr + bh.to(tl.int64) * num_q + i)
-    k_head = k_ptr + b * stride_kb + h * stride_kh
-    acc = tl.zeros([BLOCK, HEAD_DIM], dtype=tl.float32)
-    t = 0
-    while t < count:
-        j = tl.load(kv_idx_ptr + list_row + t)
-        valid = tl.load(valid_ptr + j)
-        slot = tl.load(slot_starts_ptr + bh.to(tl.int64) * num_kv + j)
-        slot = (slot + tl.load(positions_ptr + list_row + t)).to(tl.int64)
-        tile = ds_ptr + slot * (BLOCK * BLOCK) + rows[:, None] * BLOCK + rows[None, :]
-        ds = tl.load(tile, mask=(valid > 0) & (rows[None, :] < valid), other=0.0)
-        keys = j.to(tl.int64) * BLOCK + rows
-        kb = tl.load(
-            k_head + keys[:, None] * stride_ks + dims[None, :],
-            mask=rows[:, None] < valid,
-            other=0.0,
-        )
-        acc = tl.dot(ds, kb, acc)
-        t += 1
     q_rows = i.to(tl.int64) * BLOCK + rows
     out = dq_ptr + b * stride_qb + h * stride_qh + q_rows[:, None] * stride_qs + dims[None, :]
     tl.store(out, (acc * scale).to(dq_ptr.dtype.element_ty), mask=q_rows[:, None] < q_len)
@@ -136,7 +158,8 @@ def dq_from_ds(
             scale,
             BLOCK=BLOCK,
             HEAD_DIM=head_dim,
+            STAGES=STAGES,
+            INTERPRET=interpreting(),
             num_warps=4,
-            num_stages=3,
         )
     return dq
