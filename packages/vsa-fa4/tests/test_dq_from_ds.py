@@ -3,9 +3,11 @@
 - `backward_lists_with_positions`: the same key-owned lists as `backward_lists_triton`, and
   for every used forward entry (query block ``i``, slot ``t``, key block ``j``) the place ``p``
   with ``q_indices[j, p] == i``, rotated lists included;
-- `dq_from_ds`: dQ from dS tiles laid out by those places and `slot_starts`, against a float64
-  sum over each query block's list. Key blocks with no valid token and K's and dS's columns
-  past a partial block's size hold NaN: none may reach dQ.
+- `dq_from_ds`: dQ from dS tiles laid out by those places and `slot_starts` (each row's
+  16-byte chunks permuted as the key kernel stages them), against a float64 sum over each
+  query block's list. The slots of key blocks with no valid token and K's rows past a partial
+  block's size hold NaN: none may reach dQ (dS past a partial block's size is zero, as the
+  key kernel writes it).
 
 On a GPU the kernels run compiled; on a CPU machine under Triton's interpreter in a child
 process (the interpreter must be chosen before triton is first imported).
@@ -51,6 +53,15 @@ def expected_dq(tiles, k, idx, cnt, valid, scale):
     return dq * scale
 
 
+def swizzled(tile: torch.Tensor) -> torch.Tensor:
+    """A 64x64 tile as the key kernel stages it: row r's 16-byte chunk c at chunk c ^ (r % 8)."""
+    rows = torch.arange(64)[:, None]
+    cols = torch.arange(64)[None, :]
+    out = torch.empty_like(tile)
+    out[rows, ((cols // 8) ^ (rows % 8)) * 8 + cols % 8] = tile
+    return out
+
+
 def compare_on(device: str) -> int:
     from vsa_fa4.backward_lists_triton import backward_lists_triton, backward_lists_with_positions
     from vsa_fa4.dq_from_ds_triton import dq_from_ds, slot_starts
@@ -86,8 +97,8 @@ def compare_on(device: str) -> int:
                         continue
                     slot = int(starts[0, h, j]) + int(positions[0, h, i, t])
                     tile = tiles[h, i, t].clone()
-                    tile[:, size:] = float("nan")
-                    ds[64 * slot : 64 * slot + 64] = tile
+                    tile[:, size:] = 0.0  # the key kernel's dS past a partial block's size
+                    ds[64 * slot : 64 * slot + 64] = swizzled(tile)
         dq = torch.full((1, num_q * 64, heads, HEAD_DIM), 7.0, dtype=dtype, device=device)
         dq_from_ds(ds.to(device), k.to(device), dq, idx, cnt, positions, starts, valid, 0.125)
         want = expected_dq(tiles, k, idx.cpu(), cnt.cpu(), valid.cpu(), 0.125)

@@ -15,9 +15,11 @@ Model (NOTES.md, session 26), S=32768, H=12, 64 of 512 key blocks a list (393,21
 Arms at each length (D=128, random top-k lists, all blocks full, lists rotated as the op
 does): dense FA4's backward; ``shipped`` (`vsa_fa4.ops.backward_impl`, the shipped kernels);
 ``ds`` (the same op with `flash_attn_vsa.bwd_sm90.KV64_DS_CONFIG`: lists with positions, the
-key-owned kernel, the dQ pass); and ``ds`` in parts: ``ds-lists`` (the lists and positions
-alone), ``ds-keys`` (the key-owned kernel alone, on lists built once), ``ds-dq`` (the dQ pass
-alone). First the gradients: ``ds`` against ``shipped`` (relative L2), and each of them run
+key-owned kernel, the dQ pass); ``ds`` in parts: ``ds-lists`` (the lists and positions
+alone), ``ds-keys`` (the key-owned kernel alone, on lists built once), ``ds-dq-sS-wW`` (the
+dQ pass alone, compiled with S stages and W warps); and ``no-dq-bound``, the shipped kernel
+with dQ computed and never sent (session 9's ablation: what the key-owned pass could at best
+be). First the gradients: ``ds`` against ``shipped`` (relative L2), and each of them run
 twice on the same inputs, bitwise equal or not (``ds`` must be; ``shipped``'s dQ need not). ::
 
     python3 -m research.fa4_fork.experiments.bwd_ds_out --out DIR --seqs 32768   # H200
@@ -32,12 +34,20 @@ import torch
 KV = 64
 
 
+def _dq_pass_configs():
+    from vsa_fa4.dq_from_ds_triton import DqPassConfig
+
+    return [DqPassConfig(s, w) for s, w in ((2, 4), (3, 4), (4, 4), (3, 8), (4, 8))]
+
+
 def run_length(emit, seq: int, heads: int, keep: float, reps: int, sms: int) -> None:
     from flash_attn_vsa.bwd_sm90 import KV64_DS_CONFIG
+    from flash_attn_vsa.experimental.bwd_configs import ABLATIONS
     from vsa_core.rotation import rotation_width
     from vsa_fa4 import launch
     from vsa_fa4.backward_lists_triton import backward_lists_with_positions
     from vsa_fa4.dq_from_ds_triton import dq_from_ds, slot_starts
+    from vsa_fa4.metadata import backward_lists
     from vsa_fa4.ops import backward_impl, forward_impl
 
     from .bwd_dq_parts import topk_lists
@@ -80,12 +90,24 @@ def run_length(emit, seq: int, heads: int, keep: float, reps: int, sms: int) -> 
         launch.run_backward(dout, q, k, v, out, lse, *grads, lists, valid, scale, (KV, KV),
                             False, config=KV64_DS_CONFIG, ds_out=(ds, starts))  # fmt: skip
 
+    no_dq = ABLATIONS["kv64-two-ctas-no-dq"]
+    plain = backward_lists(idx, cnt, valid, KV, masked=False, rotate_sms=rotate)
+
+    def keys_no_dq():  # the shipped kernel with dQ computed and never sent: the bound
+        launch.run_backward(dout, q, k, v, out, lse, *grads, plain, valid, scale, (KV, KV),
+                            False, config=no_dq)  # fmt: skip
+
+    def dq_pass(config):
+        return lambda: dq_from_ds(ds, k, grads[0], idx, cnt, positions, starts, valid, scale,
+                                  config)  # fmt: skip
+
     calls = {
         "shipped": lambda: op(""),
+        "no-dq-bound": keys_no_dq,
         "ds": lambda: op(ds_kernels),
         "ds-lists": lambda: backward_lists_with_positions(idx, cnt, valid, KV, False, rotate),
         "ds-keys": keys,
-        "ds-dq": lambda: dq_from_ds(ds, k, grads[0], idx, cnt, positions, starts, valid, scale),
+        **{f"ds-dq-s{c.stages}-w{c.warps}": dq_pass(c) for c in _dq_pass_configs()},
     }
     time_backwards_against_dense(emit, q, k, v, dout, scale, calls, lay, reps, sms=sms)
 

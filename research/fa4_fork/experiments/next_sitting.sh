@@ -207,8 +207,15 @@ session26b)
     "step tests 200 python3 -m pytest -q -p no:warnings -m gpu packages/vsa-fa4/tests/test_dq_from_ds.py packages/vsa-fa4/tests/test_gpu.py -k 'ds or dq_pass'" \
     "step ds 240 python3 -m $X.bwd_ds_out --out \$OUT --seqs 32768 131072 --reps 10"
   ;;
+session26c)
+  # dS staged with its 16-byte chunks permuted by row (no bank conflicts), the slot from one
+  # load a tile; the dQ pass without column masks, in five compilations; the no-dQ bound
+  bash benchmarks/gpu_sitting.sh \
+    "step tests 200 python3 -m pytest -q -p no:warnings -m gpu packages/vsa-fa4/tests/test_dq_from_ds.py packages/vsa-fa4/tests/test_gpu.py -k 'ds or dq_pass'" \
+    "step ds 240 python3 -m $X.bwd_ds_out --out \$OUT --seqs 32768 --reps 10"
+  ;;
 *)
-  echo "usage: $0 grid | bwd-counters | bwd-split | session19 | session21 | session22 [tests|bench] | session23 [tests|props|bench|second|block-props] | session24 [tests|final|profile|bench] | session25 | session25-cost | session25-regress | session25-steps | session26 | session26b" >&2
+  echo "usage: $0 grid | bwd-counters | bwd-split | session19 | session21 | session22 [tests|bench] | session23 [tests|props|bench|second|block-props] | session24 [tests|final|profile|bench] | session25 | session25-cost | session25-regress | session25-steps | session26 | session26b | session26c" >&2
   exit 2
   ;;
 esac

@@ -484,7 +484,7 @@ def _one_query_block(dq_path: str = "send") -> Any:
         pds_idx = q_idx if cutlass.const_expr(self.PdS_stage > 1) else 0
 
         if cutlass.const_expr(dq_path == "ds"):
-            ds_out.note_first_step(consumer_state_Q, dKV_accumulate)  # before PdS barriers
+            ds_out.note_first_step(consumer_state_Q, dKV_accumulate, mask_fn)  # before barriers
         pipeline_Q.consumer_wait(consumer_state_Q, pipeline_Q.consumer_try_wait(consumer_state_Q))
         acc_S = mma_qk_fn(A_idx=q_idx, wg_wait=-1)
         lse = copy_utils.load_s2r(tLSEsLSE[None, q_idx])
@@ -520,7 +520,7 @@ def _one_query_block(dq_path: str = "send") -> Any:
         ds_address = None
         if cutlass.const_expr(dq_path == "ds"):
             # under the dV MMA; reads the first-step word between the PdS barriers
-            ds_address = ds_out.stage_ds(self, acc_dP, consumer_state_Q, mask_fn)
+            ds_address = ds_out.stage_ds(self, acc_dP, consumer_state_Q)
         cute.arch.fence_view_async_shared()
         PdS_barrier.arrive_and_wait()  # dS visible to the MMAs (and the staged dS to TMA)
         if cutlass.const_expr(dq_path == "ds"):

@@ -16,16 +16,21 @@ kernel.
 
 Where a step's dS goes. The kernel takes two more aux tensors, after any the mask reads:
 
-- ``ds`` [slots * 64, 64] in q's dtype, row-major: slot ``s`` holds rows ``64 s .. 64 s + 63``
-  (query rows of the block, key columns of the tile);
+- ``ds`` [slots * 64, 64] in q's dtype: slot ``s`` holds rows ``64 s .. 64 s + 63`` (query
+  rows of the block, key columns of the tile), each row's 16-byte chunks permuted
+  (`DS_SWIZZLE`);
 - ``slot_starts`` [B, H, NKV] int32: the first slot of each key tile's list.
 
 Step ``u`` of key tile ``n``'s list (the list's order as stored, partial list then full list,
-one of them empty for any key tile) writes slot ``slot_starts[b, h, n] + u``. The step's
-``u`` is the MMA consumer's Q pipeline count minus the count at the tile's first step, kept in
-one shared-memory word (written by every MMA thread at the first step, before the step's
-first PdS barrier, read after it and before the next: no step's read races the next tile's
-write).
+one of them empty for any key tile) writes slot ``slot_starts[b, h, n] + u``. At a tile's first
+step every MMA thread writes ``slot_starts[b, h, n]`` minus the MMA consumer's Q pipeline count
+to one shared word (before the step's first PdS barrier; a step reads it after that barrier
+and before the next, so no read races the next tile's write), and a step's slot is the word
+plus the count: one global load a tile. The step writes its dS into an 8 KB staging tile in
+shared memory (where upstream's dQ buffers were), and after the PdS barrier that makes it
+visible, MMA thread 0 sends it as one bulk copy; thread 0 waits for the copy's read at the
+next step's start. (Stored straight from registers, 16 32-bit stores a thread a step, the
+kernel ran 4.25 ms against 4.05 for this at S=32768; session 26.)
 
 `vsa_fa4` builds ``slot_starts`` (an exclusive sum of the lists' counts) and, for the dQ pass,
 each forward list entry's position in its key tile's list (`vsa_fa4.backward_lists_triton`).
@@ -49,6 +54,7 @@ from flash_attn_vsa.build_scope import trace_stack, traced
 
 __all__ = [
     "DS_AUX_TENSORS",
+    "DS_SWIZZLE",
     "STAGING_WORDS",
     "note_first_step",
     "send_ds",
@@ -89,17 +95,27 @@ kernel's shared words; the first-step word follows it."""
 
 
 def _staging() -> Any:
-    """The row-major dS staging tile in shared memory (the kernel's dtype)."""
+    """The dS staging tile in shared memory (the kernel's dtype): row-major with each row's
+    16-byte chunks permuted by `DS_SWIZZLE`, so that the eight rows one store instruction
+    writes fall in different banks."""
     from cutlass import cute
 
     sdQaccum, dtype = _operands()[2], _operands()[5]
-    return cute.make_tensor(
-        cute.recast_ptr(sdQaccum.iterator, dtype=dtype), cute.make_layout((64, 64), stride=(64, 1))
+    layout = cute.make_composed_layout(
+        cute.make_swizzle(*DS_SWIZZLE), 0, cute.make_layout((64, 64), stride=(64, 1))
     )
+    return cute.make_tensor(cute.recast_ptr(sdQaccum.iterator, dtype=dtype), layout)
+
+
+DS_SWIZZLE = (3, 3, 3)
+"""The dS tiles' layout in the buffer (as staged; `vsa_fa4.dq_from_ds_triton` reads it back):
+element (r, c) of a 64x64 tile at ``64 r + 8 ((c // 8) ^ (r % 8)) + c % 8``, CuTe's
+``Swizzle<3, 3, 3>`` over the row-major offset."""
 
 
 def _first_step_word() -> Any:
-    """The shared Int32 holding the Q pipeline count at this tile's first step."""
+    """The shared Int32 holding this tile's first slot minus the Q pipeline count at its first
+    step."""
     import cutlass
     from cutlass import cute
 
@@ -117,28 +133,31 @@ def _jitted() -> tuple[Any, Any, Any]:
     from quack import copy_utils
 
     @cute.jit
-    def note_first_step(consumer_state_Q: Any, dKV_accumulate: Any) -> None:
-        """At a tile's first step (nothing accumulated yet), remember the Q pipeline count;
-        thread 0 waits until the last step's bulk copy has read the staging tile (the others
-        write it only after the step's PdS barrier, which thread 0 reaches after this)."""
-        tidx = _operands()[1]
+    def note_first_step(consumer_state_Q: Any, dKV_accumulate: Any, mask_fn: Any) -> None:
+        """At a tile's first step (nothing accumulated yet), keep the tile's first slot minus
+        the Q pipeline count, so that a step's slot is that plus its count (one global load
+        a tile, not one a step in the MMAs' path); thread 0 waits until the last step's bulk
+        copy has read the staging tile (the others write it only after the step's PdS
+        barrier, which thread 0 reaches after this)."""
+        tidx, slot_starts = _operands()[1], _operands()[4]
         if tidx == 0:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
         if not dKV_accumulate:
-            _first_step_word()[0] = consumer_state_Q.count
+            tile = getattr(mask_fn, "keywords", {})
+            batch_idx, head_idx, n_block = (tile[k] for k in ("batch_idx", "head_idx", "n_block"))
+            first = slot_starts[batch_idx, head_idx, n_block]
+            _first_step_word()[0] = first - consumer_state_Q.count
 
     @cute.jit
-    def stage_ds(kernel: Any, acc_dS: Any, consumer_state_Q: Any, mask_fn: Any) -> Any:
+    def stage_ds(kernel: Any, acc_dS: Any, consumer_state_Q: Any) -> Any:
         """This step's dS (the float32 accumulator of dP, turned into dS in place) rounded to
-        the kernel's dtype into the row-major staging tile; returns where the tile goes (its
-        slot's address in the dS buffer, read here, before the next PdS barrier)."""
+        the kernel's dtype into the staging tile; returns where the tile goes (its slot's
+        address in the dS buffer, from the first-step word read here, before the next PdS
+        barrier)."""
         from flash_attn.cute import utils
 
-        tiled_mma, tidx, _, ds, slot_starts, _ = _operands()
-        tile = getattr(mask_fn, "keywords", {})
-        batch_idx, head_idx, n_block = (tile[k] for k in ("batch_idx", "head_idx", "n_block"))
-        step = consumer_state_Q.count - _first_step_word()[0]
-        slot = slot_starts[batch_idx, head_idx, n_block] + step
+        tiled_mma, tidx, _, ds, _, _ = _operands()
+        slot = _first_step_word()[0] + consumer_state_Q.count
         tds = tiled_mma.get_slice(tidx).partition_C(_staging())
         cute.autovec_copy(utils.cvt_f16(acc_dS, kernel.dtype), tds)
         return (ds.iterator + cutlass.Int64(slot) * (kernel.tile_m * kernel.tile_n)).toint()
@@ -156,15 +175,15 @@ def _jitted() -> tuple[Any, Any, Any]:
     return note_first_step, stage_ds, send_ds
 
 
-def note_first_step(consumer_state_Q: Any, dKV_accumulate: Any) -> None:
+def note_first_step(consumer_state_Q: Any, dKV_accumulate: Any, mask_fn: Any) -> None:
     """Called by the step at its start, before any PdS barrier (`_jitted`)."""
-    _jitted()[0](consumer_state_Q, dKV_accumulate)
+    _jitted()[0](consumer_state_Q, dKV_accumulate, mask_fn)
 
 
-def stage_ds(kernel: Any, acc_dS: Any, consumer_state_Q: Any, mask_fn: Any) -> Any:
+def stage_ds(kernel: Any, acc_dS: Any, consumer_state_Q: Any) -> Any:
     """Called by the step between the PdS barrier before dS is staged for the MMAs and the one
     after (`_jitted`); returns the tile's address for `send_ds`."""
-    return _jitted()[1](kernel, acc_dS, consumer_state_Q, mask_fn)
+    return _jitted()[1](kernel, acc_dS, consumer_state_Q)
 
 
 def send_ds(kernel: Any, address: Any) -> None:

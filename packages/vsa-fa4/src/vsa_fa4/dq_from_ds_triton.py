@@ -5,10 +5,13 @@ One program per (batch x head, 64-row query block) walks the block's forward lis
 accumulates ``dS[slot] @ K[key block]`` in float32 registers, then writes ``scale *`` the sum
 in dQ's dtype: no atomics and a fixed order, so dQ is bitwise the same run to run. A pair's
 slot is its key block's first slot plus the pair's place in that key block's backward list
-(`vsa_fa4.backward_lists_triton.backward_lists_with_positions`). Key blocks with no valid
-token are never walked by the key-owned kernel, so their slots hold nothing of theirs: the
-loads are masked off for them (they add zero, as the reference's empty blocks do). K's rows
-past a partial block's valid size are not read either.
+(`vsa_fa4.backward_lists_triton.backward_lists_with_positions`); in a tile, row r's 16-byte
+chunks are permuted by r % 8, as the key kernel stages them
+(`flash_attn_vsa.bwd_sm90_ds_out.DS_SWIZZLE`). Key blocks with no valid token are never
+walked by the key-owned kernel, so their slots hold nothing of theirs: the loads are masked
+off for them (they add zero, as the reference's empty blocks do). K's rows past a partial
+block's valid size are not read; dS is zero in those columns (P is, and V's padding is
+finite), so they add zero. (Masking dS's columns too cost the loads their vectors.)
 
 The loop runs to a loaded count with ``tl.range`` (its loads pipelined on the GPU); under
 Triton's interpreter (the CPU tests) as a ``while`` loop, which is all Triton 3.6's interpreter
@@ -16,6 +19,8 @@ takes with a loaded bound.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -28,8 +33,24 @@ from vsa_triton.tensor_args import bshd_strides
 
 BLOCK = 64
 """Query and key block size (the dS tiles are BLOCK x BLOCK)."""
-STAGES = 3
-"""Loads in flight along a list (Triton's software pipeline over the loop)."""
+
+
+@dataclass(frozen=True)
+class DqPassConfig:
+    """How the dQ pass is compiled: ``stages`` of loads in flight along a list (Triton's
+    software pipeline over the loop) and ``warps`` per program."""
+
+    stages: int = 3
+    warps: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("stages", "warps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+SHIPPED_DQ_PASS = DqPassConfig()
 
 
 @triton.jit
@@ -44,8 +65,10 @@ def _add_pair(
     j = tl.load(kv_idx_ptr + list_row + t)
     valid = tl.load(valid_ptr + j)
     slot = (tl.load(starts_row + j) + tl.load(positions_ptr + list_row + t)).to(tl.int64)
-    tile = ds_ptr + slot * (BLOCK * BLOCK) + rows[:, None] * BLOCK + rows[None, :]
-    ds = tl.load(tile, mask=(valid > 0) & (rows[None, :] < valid), other=0.0)
+    # the key kernel's tile layout: row r's 16-byte chunks permuted by r % 8 (DS_SWIZZLE)
+    chunk = (rows[None, :] // 8) ^ (rows[:, None] % 8)
+    tile = ds_ptr + slot * (BLOCK * BLOCK) + rows[:, None] * BLOCK + chunk * 8 + rows[None, :] % 8
+    ds = tl.load(tile, mask=valid > 0, other=0.0)
     keys = j.to(tl.int64) * BLOCK + rows
     kb = tl.load(
         k_head + keys[:, None] * stride_ks + dims[None, :], mask=rows[:, None] < valid, other=0.0
@@ -125,12 +148,14 @@ def dq_from_ds(
     slot_starts: torch.Tensor,
     kv_valid_sizes: torch.Tensor,
     scale: float,
+    config: DqPassConfig = SHIPPED_DQ_PASS,
 ) -> torch.Tensor:
     """Write ``dq`` [B, S_q, H, D] (BSHD, head dim contiguous) = ``scale`` * the sum over each
     64-row query block's forward list (``kv_indices`` [B, H, NQ, W], ``kv_counts`` [B, H, NQ])
     of its dS tiles times K's key blocks; ``positions`` [B, H, NQ, W] and ``slot_starts``
     [B, H, NKV] say where each pair's tile is in ``ds`` [slots * 64, 64]. Rows of dq past the
-    last query block are left as they are. Returns ``dq``."""
+    last query block are left as they are. ``config``: how the kernel is compiled. Returns
+    ``dq``."""
     batch, q_len, heads, head_dim = dq.shape
     num_q, width = kv_indices.shape[-2:]
     num_kv = kv_valid_sizes.shape[0]
@@ -158,8 +183,8 @@ def dq_from_ds(
             scale,
             BLOCK=BLOCK,
             HEAD_DIM=head_dim,
-            STAGES=STAGES,
+            STAGES=config.stages,
             INTERPRET=interpreting(),
-            num_warps=4,
+            num_warps=config.warps,
         )
     return dq
