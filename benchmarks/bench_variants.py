@@ -30,6 +30,9 @@ run (the before and after of a change, at the same clock).
   the fork's `experimental.v_padding_sm90`), so the ops make no copy of v in inference.
   Session 25's runs, made while it was briefly the default, call it ``fa4`` and the shipped
   path ``fa4_v_copy``.
+- ``fa4_ds_backward``: the fa4 backend whose 64x64 backward writes dS and computes dQ from it
+  in a query-owned pass (``KernelChoice(backward=KV64_DS_CONFIG)``, delta 12, the fork's
+  `bwd_sm90_ds_out` and `vsa_fa4.dq_from_ds_triton`): bitwise reproducible gradients.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ UNFUSED_TRITON = "triton_unfused"
 UNFUSED_FA4 = "fa4_unfused"
 UNPACKED_FA4 = "fa4_unpacked"
 ZERO_V_PADDING_FA4 = "fa4_zero_v_padding"
+DS_BACKWARD_FA4 = "fa4_ds_backward"
 OWN_LISTS_FA4 = "fa4_own_lists"
 SDPA_COARSE_FA4 = "fa4_sdpa_coarse"
 ATTEND_IN_LOOP_FA4 = "fa4_attend_in_loop"
@@ -52,6 +56,9 @@ _KERNEL_CHOICES = {
     ZERO_V_PADDING_FA4: {"zero_v_padding": True},
 }
 """fa4 variants that are a kernel choice: `vsa_fa4.launch.ForwardVariant`'s fields."""
+_BACKWARD_CHOICES = {DS_BACKWARD_FA4: "KV64_DS_CONFIG"}
+"""fa4 variants whose backward is another tile configuration: its name in
+`flash_attn_vsa.bwd_sm90`."""
 _STAGE_OF = {SDPA_COARSE_FA4: SEPARATE_STAGE, ATTEND_IN_LOOP_FA4: ATTEND_IN_LOOP_STAGE}
 _SWITCHED_OFF = {
     COPYING_TRITON: ("triton", {"reads_raster": False, "fuses_combine": False}),
@@ -65,11 +72,16 @@ def register_variant(name: str) -> bool:
     """Register the variant called ``name`` (True), or do nothing for any other name (False)."""
     from vsa_core.backends import register_backend
 
-    if name in _KERNEL_CHOICES:  # a kernel choice: the backend's argument
+    if name in _KERNEL_CHOICES or name in _BACKWARD_CHOICES:  # the backend's argument
         from vsa_fa4.backend import FA4Backend
         from vsa_fa4.launch import ForwardVariant, KernelChoice
 
-        choice = KernelChoice(ForwardVariant(**_KERNEL_CHOICES[name]))
+        if name in _BACKWARD_CHOICES:
+            from flash_attn_vsa import bwd_sm90
+
+            choice = KernelChoice(backward=getattr(bwd_sm90, _BACKWARD_CHOICES[name]))
+        else:
+            choice = KernelChoice(ForwardVariant(**_KERNEL_CHOICES[name]))
         variant = type(name, (FA4Backend,), {"name": name, "priority": -1})
         register_backend(variant(kernels=choice))
         return True

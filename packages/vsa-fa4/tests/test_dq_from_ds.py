@@ -5,9 +5,9 @@
   with ``q_indices[j, p] == i``, rotated lists included;
 - `dq_from_ds`: dQ from dS tiles laid out by those places and `slot_starts` (each row's
   16-byte chunks permuted as the key kernel stages them), against a float64 sum over each
-  query block's list. The slots of key blocks with no valid token and K's rows past a partial
-  block's size hold NaN: none may reach dQ (dS past a partial block's size is zero, as the
-  key kernel writes it).
+  query block's list. The slots of key blocks with no valid token hold NaN and K's rows past a
+  partial block's size large finite garbage: neither may reach dQ (dS past a partial block's
+  size is zero, as the key kernel writes it).
 
 On a GPU the kernels run compiled; on a CPU machine under Triton's interpreter in a child
 process (the interpreter must be chosen before triton is first imported).
@@ -64,7 +64,7 @@ def swizzled(tile: torch.Tensor) -> torch.Tensor:
 
 def compare_on(device: str) -> int:
     from vsa_fa4.backward_lists_triton import backward_lists_triton, backward_lists_with_positions
-    from vsa_fa4.dq_from_ds_triton import dq_from_ds, slot_starts
+    from vsa_fa4.dq_from_ds_triton import dq_from_ds, entry_slots, slot_starts
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     checked = 0
@@ -83,8 +83,8 @@ def compare_on(device: str) -> int:
         heads, width = idx.shape[1], idx.shape[-1]
         tiles = torch.randn(heads, num_q, width, 64, 64, generator=gen).to(dtype)
         k = torch.randn(1, num_kv * 64, heads, HEAD_DIM, generator=gen).to(dtype)
-        for j, size in enumerate(valid.tolist()):
-            k[0, 64 * j + size : 64 * j + 64] = float("nan")
+        for j, size in enumerate(valid.tolist()):  # finite padding garbage: must add zero
+            k[0, 64 * j + size : 64 * j + 64] = 1.0e4
         starts = slot_starts(lists)
         slots = max(int(cnt.sum()), 1)
         ds = torch.full((slots * 64, 64), float("nan"), dtype=dtype)
@@ -100,7 +100,8 @@ def compare_on(device: str) -> int:
                     tile[:, size:] = 0.0  # the key kernel's dS past a partial block's size
                     ds[64 * slot : 64 * slot + 64] = swizzled(tile)
         dq = torch.full((1, num_q * 64, heads, HEAD_DIM), 7.0, dtype=dtype, device=device)
-        dq_from_ds(ds.to(device), k.to(device), dq, idx, cnt, positions, starts, valid, 0.125)
+        slots_of = entry_slots(idx, cnt, positions, starts, valid)
+        dq_from_ds(ds.to(device), k.to(device), dq, idx, cnt, slots_of, 0.125)
         want = expected_dq(tiles, k, idx.cpu(), cnt.cpu(), valid.cpu(), 0.125)
         tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
         err = (dq.cpu().double() - want).abs().max().item()

@@ -37,7 +37,7 @@ KV = 64
 def _dq_pass_configs():
     from vsa_fa4.dq_from_ds_triton import DqPassConfig
 
-    return [DqPassConfig(s, w) for s, w in ((2, 4), (3, 4), (4, 4), (3, 8), (4, 8))]
+    return [DqPassConfig(s, w) for s, w in ((2, 4), (3, 4), (4, 4), (5, 4))]
 
 
 def run_length(emit, seq: int, heads: int, keep: float, reps: int, sms: int) -> None:
@@ -46,7 +46,7 @@ def run_length(emit, seq: int, heads: int, keep: float, reps: int, sms: int) -> 
     from vsa_core.rotation import rotation_width
     from vsa_fa4 import launch
     from vsa_fa4.backward_lists_triton import backward_lists_with_positions
-    from vsa_fa4.dq_from_ds_triton import dq_from_ds, slot_starts
+    from vsa_fa4.dq_from_ds_triton import dq_from_ds, entry_slots, slot_starts
     from vsa_fa4.metadata import backward_lists
     from vsa_fa4.ops import backward_impl, forward_impl
 
@@ -97,9 +97,10 @@ def run_length(emit, seq: int, heads: int, keep: float, reps: int, sms: int) -> 
         launch.run_backward(dout, q, k, v, out, lse, *grads, plain, valid, scale, (KV, KV),
                             False, config=no_dq)  # fmt: skip
 
+    slots = entry_slots(idx, cnt, positions, starts, valid)
+
     def dq_pass(config):
-        return lambda: dq_from_ds(ds, k, grads[0], idx, cnt, positions, starts, valid, scale,
-                                  config)  # fmt: skip
+        return lambda: dq_from_ds(ds, k, grads[0], idx, cnt, slots, scale, config)
 
     calls = {
         "shipped": lambda: op(""),

@@ -214,8 +214,16 @@ session26c)
     "step tests 200 python3 -m pytest -q -p no:warnings -m gpu packages/vsa-fa4/tests/test_dq_from_ds.py packages/vsa-fa4/tests/test_gpu.py -k 'ds or dq_pass'" \
     "step ds 240 python3 -m $X.bwd_ds_out --out \$OUT --seqs 32768 --reps 10"
   ;;
+session26d)
+  # the dQ pass on precomputed entry slots (no dependent load in its loop), upstream's dQ
+  # conversion skipped for the dS-writing backward; the whole op's training step with it
+  bash benchmarks/gpu_sitting.sh \
+    "step tests 200 python3 -m pytest -q -p no:warnings -m gpu packages/vsa-fa4/tests/test_dq_from_ds.py packages/vsa-fa4/tests/test_gpu.py packages/flash-attn-4-vsa/tests/test_launch_replay.py -k 'ds or dq_pass or replay'" \
+    "step ds 150 python3 -m $X.bwd_ds_out --out \$OUT --seqs 32768 --reps 10" \
+    "step bench 300 python3 benchmarks/bench_video.py --shapes wan480p wan720p --sparsities 0.875 --modes fwd+bwd --arms fa4 fa4_ds_backward --warmup 2 --reps 5 --no-pieces --time-budget-min 4.5 --out \$OUT/bench_video-ds.json"
+  ;;
 *)
-  echo "usage: $0 grid | bwd-counters | bwd-split | session19 | session21 | session22 [tests|bench] | session23 [tests|props|bench|second|block-props] | session24 [tests|final|profile|bench] | session25 | session25-cost | session25-regress | session25-steps | session26 | session26b | session26c" >&2
+  echo "usage: $0 grid | bwd-counters | bwd-split | session19 | session21 | session22 [tests|bench] | session23 [tests|props|bench|second|block-props] | session24 [tests|final|profile|bench] | session25 | session25-cost | session25-regress | session25-steps | session26 | session26b | session26c | session26d" >&2
   exit 2
   ;;
 esac

@@ -15,8 +15,10 @@ block-sparse forward, two CTAs per SM), ``flash_attn_vsa.q_regs_sm90`` (Q in reg
 QK^T, in that two-CTA forward), ``flash_attn_vsa.mask_sm90`` (partial key blocks masked as one
 column limit per tile), ``flash_attn_vsa.fwd_sm90_paired`` (128x64 blocks over pairs of
 64-token key blocks) and ``flash_attn_vsa.combine_sm90`` (VSA's combine in the two-CTA
-forward's epilogue, for inference) and ``flash_attn_vsa.valid_in_list_sm90`` (partial key
-blocks' valid sizes carried in the two-CTA forward's list entries). Experimental, in
+forward's epilogue, for inference), ``flash_attn_vsa.valid_in_list_sm90`` (partial key
+blocks' valid sizes carried in the two-CTA forward's list entries) and
+``flash_attn_vsa.bwd_sm90_ds_out`` (the 64x64 backward writing dS for a query-owned dQ pass:
+bitwise reproducible gradients; run for the kernel choice that asks for it). Experimental, in
 ``flash_attn_vsa.experimental`` (correct on an H200 but measured slower; only on request, a
 ``vsa_fa4.launch.ForwardVariant`` passed down):
 ``flash_attn_vsa.experimental.fwd_sm90_streams`` (two 64-row query streams per 128-row tile)

@@ -202,8 +202,9 @@ def _building_config(*args: Any, **kwargs: Any) -> Any:
 def _install() -> None:
     """Once per process: upstream's sm_90 backward takes its configuration (``BwdConfig``), its
     kernel class and its compile cache from the `TileConfig` a fork entry point is building on
-    the calling thread (`_building`), and exactly what it took before everywhere else (other
-    callers of upstream, other threads)."""
+    the calling thread (`_building`), and skips its dQ conversion for one that writes dS
+    (`_building_postprocess`); exactly what it took before everywhere else (other callers of
+    upstream, other threads)."""
     import flash_attn.cute.interface as interface
 
     _building_config.__wrapped__ = interface._tile_size_bwd_sm90  # type: ignore[attr-defined]
@@ -220,6 +221,22 @@ def _install() -> None:
     interface.FlashAttentionBackwardSm90 = ScopedKernelClass
     bwd = interface._flash_attn_bwd
     bwd.compile_cache = ScopedCompileCache(bwd.compile_cache, _building_class)
+    postprocess = interface._bwd_postprocess_convert
+    _building_postprocess.__wrapped__ = postprocess  # type: ignore[attr-defined]
+    # upstream's function reads its cache through the module global: the stand-in carries it
+    _building_postprocess.compile_cache = postprocess.compile_cache  # type: ignore[attr-defined]
+    interface._bwd_postprocess_convert = _building_postprocess
+
+
+def _building_postprocess(*args: Any, **kwargs: Any) -> Any:
+    """``interface._bwd_postprocess_convert`` as upstream's backward sees it (see `_install`):
+    nothing while a configuration that writes dS is building on this thread (its dQ comes
+    from the dS pass; upstream's float32 accumulator, which the conversion reads, stays zero),
+    else upstream's own conversion."""
+    config = build_scope.current("bwd")
+    if config is not None and config.dq_from_ds:
+        return None
+    return _building_postprocess.__wrapped__(*args, **kwargs)  # type: ignore[attr-defined]
 
 
 def _building_class() -> type | None:

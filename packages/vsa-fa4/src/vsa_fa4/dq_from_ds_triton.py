@@ -1,21 +1,26 @@
 """dQ from the dS the key-owned backward wrote (the fork's delta 12,
 `flash_attn_vsa.bwd_sm90_ds_out`): the query-owned half of the dS-writing backward, in Triton.
 
-One program per (batch x head, 64-row query block) walks the block's forward list in order and
-accumulates ``dS[slot] @ K[key block]`` in float32 registers, then writes ``scale *`` the sum
-in dQ's dtype: no atomics and a fixed order, so dQ is bitwise the same run to run. A pair's
-slot is its key block's first slot plus the pair's place in that key block's backward list
-(`vsa_fa4.backward_lists_triton.backward_lists_with_positions`); in a tile, row r's 16-byte
-chunks are permuted by r % 8, as the key kernel stages them
-(`flash_attn_vsa.bwd_sm90_ds_out.DS_SWIZZLE`). Key blocks with no valid token are never
-walked by the key-owned kernel, so their slots hold nothing of theirs: the loads are masked
-off for them (they add zero, as the reference's empty blocks do). K's rows past a partial
-block's valid size are not read; dS is zero in those columns (P is, and V's padding is
-finite), so they add zero. (Masking dS's columns too cost the loads their vectors.)
+`entry_slots` first says where each forward list entry's dS tile is: its key block's first
+slot (`slot_starts`) plus the entry's place in that key block's backward list
+(`vsa_fa4.backward_lists_triton.backward_lists_with_positions`), or -1 for a key block with no
+valid token (the key-owned kernel never walks it, so no tile is its). Then `dq_from_ds`, one
+program per (batch x head, 64-row query block), walks the block's forward list in order and
+accumulates ``dS[slot] @ K[key block]`` in float32 registers, and writes ``scale *`` the sum in
+dQ's dtype: no atomics and a fixed order, so dQ is bitwise the same run to run. In a tile, row
+r's 16-byte chunks are permuted by r % 8, as the key kernel stages them
+(`flash_attn_vsa.bwd_sm90_ds_out.DS_SWIZZLE`).
 
-The loop runs to a loaded count with ``tl.range`` (its loads pipelined on the GPU); under
-Triton's interpreter (the CPU tests) as a ``while`` loop, which is all Triton 3.6's interpreter
-takes with a loaded bound.
+What the pass reads unmasked: K's padding rows (a partial key block's rows past its valid
+size) must be finite, as the key-owned kernel requires too; dS is zero in those columns (P is,
+and V's padding is finite), so they add zero. A slot of -1 adds zero. Each step's loads are
+independent of the others' values (the slots are computed beforehand), so Triton's software
+pipeline keeps them in flight (reading the slot start through the key block inside the loop
+made each step wait for a dependent load: 1.63 ms at S=32768, H=12, 87.5%, H200, session 26;
+masking dS's columns as well cost the loads their vectors: 2.26 ms).
+
+The loop runs to a loaded count with ``tl.range``; under Triton's interpreter (the CPU tests)
+as a ``while`` loop, which is all Triton 3.6's interpreter takes with a loaded bound.
 """
 
 from __future__ import annotations
@@ -54,41 +59,59 @@ SHIPPED_DQ_PASS = DqPassConfig()
 
 
 @triton.jit
-def _add_pair(
-    acc, t, ds_ptr, k_head, kv_idx_ptr, positions_ptr, starts_row, valid_ptr, list_row,
-    stride_ks, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
+def _entry_slots(
+    kv_idx_ptr,  # [BH, NQ, W] forward lists
+    kv_cnt_ptr,  # [BH, NQ]
+    positions_ptr,  # [BH, NQ, W] each entry's place in its key block's backward list
+    slot_starts_ptr,  # [BH, NKV]
+    valid_ptr,  # [NKV]
+    slots_ptr,  # out [BH, NQ, W]: the entry's dS slot, -1 for an empty key block
+    num_q,
+    num_kv,
+    width,
+    BLOCK_E: tl.constexpr,
+):
+    bh = tl.program_id(0).to(tl.int64)
+    e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    inside = e < num_q * width
+    used = inside & ((e % width) < tl.load(kv_cnt_ptr + bh * num_q + e // width, mask=inside))
+    row = bh * num_q * width
+    j = tl.load(kv_idx_ptr + row + e, mask=used, other=0)
+    valid = tl.load(valid_ptr + j, mask=used, other=0)
+    slot = tl.load(slot_starts_ptr + bh * num_kv + j, mask=used, other=0)
+    slot += tl.load(positions_ptr + row + e, mask=used, other=0)
+    tl.store(slots_ptr + row + e, tl.where(valid > 0, slot, -1), mask=used)
+
+
+@triton.jit
+def _add_entry(
+    acc, t, ds_ptr, k_head, kv_idx_ptr, slots_ptr, list_row, stride_ks,
+    BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):  # fmt: skip
-    """``acc`` plus the list entry ``t``'s dS tile times its key block (zero for an empty
-    key block; only K's valid rows and dS's valid columns are read)."""
+    """``acc`` plus list entry ``t``'s dS tile times its key block (zero for slot -1)."""
     rows = tl.arange(0, BLOCK)
     dims = tl.arange(0, HEAD_DIM)
     j = tl.load(kv_idx_ptr + list_row + t)
-    valid = tl.load(valid_ptr + j)
-    slot = (tl.load(starts_row + j) + tl.load(positions_ptr + list_row + t)).to(tl.int64)
+    slot = tl.load(slots_ptr + list_row + t)
     # the key kernel's tile layout: row r's 16-byte chunks permuted by r % 8 (DS_SWIZZLE)
     chunk = (rows[None, :] // 8) ^ (rows[:, None] % 8)
-    tile = ds_ptr + slot * (BLOCK * BLOCK) + rows[:, None] * BLOCK + chunk * 8 + rows[None, :] % 8
-    ds = tl.load(tile, mask=valid > 0, other=0.0)
+    offsets = rows[:, None] * BLOCK + chunk * 8 + rows[None, :] % 8
+    ds = tl.load(ds_ptr + slot.to(tl.int64) * (BLOCK * BLOCK) + offsets, mask=slot >= 0, other=0.0)
     keys = j.to(tl.int64) * BLOCK + rows
-    kb = tl.load(
-        k_head + keys[:, None] * stride_ks + dims[None, :], mask=rows[:, None] < valid, other=0.0
-    )
+    kb = tl.load(k_head + keys[:, None] * stride_ks + dims[None, :])
     return tl.dot(ds, kb, acc)
 
 
 @triton.jit
 def _dq_from_ds(
-    ds_ptr,  # [slots * BLOCK, BLOCK] row-major dS tiles
+    ds_ptr,  # [slots * BLOCK, BLOCK] dS tiles
     k_ptr,  # [B, S_k, H, D]
     dq_ptr,  # out [B, S_q, H, D]
     kv_idx_ptr,  # [BH, NQ, W] forward lists
     kv_cnt_ptr,  # [BH, NQ]
-    positions_ptr,  # [BH, NQ, W] each entry's place in its key block's backward list
-    slot_starts_ptr,  # [BH, NKV] first slot of each key block's list
-    valid_ptr,  # [NKV] valid tokens per key block
+    slots_ptr,  # [BH, NQ, W] each entry's dS slot (`entry_slots`)
     heads,
     num_q,
-    num_kv,
     width,
     q_len,
     stride_kb,
@@ -110,18 +133,17 @@ def _dq_from_ds(
     list_row = (bh * num_q + i) * width
     count = tl.load(kv_cnt_ptr + bh * num_q + i)
     k_head = k_ptr + b * stride_kb + h * stride_kh
-    starts_row = slot_starts_ptr + bh * num_kv
     acc = tl.zeros([BLOCK, HEAD_DIM], dtype=tl.float32)
     if INTERPRET:  # the interpreter takes no loaded loop bound in range()
         t = 0
         while t < count:
-            acc = _add_pair(acc, t, ds_ptr, k_head, kv_idx_ptr, positions_ptr, starts_row,
-                            valid_ptr, list_row, stride_ks, BLOCK, HEAD_DIM)  # fmt: skip
+            acc = _add_entry(acc, t, ds_ptr, k_head, kv_idx_ptr, slots_ptr, list_row, stride_ks,
+                             BLOCK, HEAD_DIM)  # fmt: skip
             t += 1
     else:
         for t in tl.range(0, count, num_stages=STAGES):
-            acc = _add_pair(acc, t, ds_ptr, k_head, kv_idx_ptr, positions_ptr, starts_row,
-                            valid_ptr, list_row, stride_ks, BLOCK, HEAD_DIM)  # fmt: skip
+            acc = _add_entry(acc, t, ds_ptr, k_head, kv_idx_ptr, slots_ptr, list_row, stride_ks,
+                             BLOCK, HEAD_DIM)  # fmt: skip
     rows = tl.arange(0, BLOCK)
     dims = tl.arange(0, HEAD_DIM)
     q_rows = i.to(tl.int64) * BLOCK + rows
@@ -138,27 +160,61 @@ def slot_starts(lists: SparseLists) -> torch.Tensor:
     return starts.view(lists.full_block_cnt.shape)
 
 
+ENTRY_BLOCK = 1024
+"""List entries an `entry_slots` program handles."""
+
+
+def entry_slots(
+    kv_indices: torch.Tensor,
+    kv_counts: torch.Tensor,
+    positions: torch.Tensor,
+    starts: torch.Tensor,
+    kv_valid_sizes: torch.Tensor,
+) -> torch.Tensor:
+    """Each used forward list entry's dS slot, like ``kv_indices`` [B, H, NQ, W] int32: its key
+    block's first slot (``starts`` [B, H, NKV], `slot_starts`) plus its place in the key
+    block's backward list (``positions``), or -1 where the key block has no valid token.
+    Entries past a list's count are left unwritten."""
+    *lead, num_q, width = kv_indices.shape
+    rows = 1
+    for n in lead:
+        rows *= n
+    slots = torch.empty_like(kv_indices, dtype=torch.int32)
+    if rows and num_q * width:
+        launch(
+            _entry_slots,
+            (rows, -(-num_q * width // ENTRY_BLOCK)),
+            kv_indices.contiguous(),
+            kv_counts.contiguous(),
+            positions.contiguous(),
+            starts.contiguous(),
+            kv_valid_sizes.contiguous(),
+            slots,
+            num_q,
+            kv_valid_sizes.shape[0],
+            width,
+            BLOCK_E=ENTRY_BLOCK,
+        )
+    return slots
+
+
 def dq_from_ds(
     ds: torch.Tensor,
     k: torch.Tensor,
     dq: torch.Tensor,
     kv_indices: torch.Tensor,
     kv_counts: torch.Tensor,
-    positions: torch.Tensor,
-    slot_starts: torch.Tensor,
-    kv_valid_sizes: torch.Tensor,
+    slots: torch.Tensor,
     scale: float,
     config: DqPassConfig = SHIPPED_DQ_PASS,
 ) -> torch.Tensor:
     """Write ``dq`` [B, S_q, H, D] (BSHD, head dim contiguous) = ``scale`` * the sum over each
     64-row query block's forward list (``kv_indices`` [B, H, NQ, W], ``kv_counts`` [B, H, NQ])
-    of its dS tiles times K's key blocks; ``positions`` [B, H, NQ, W] and ``slot_starts``
-    [B, H, NKV] say where each pair's tile is in ``ds`` [slots * 64, 64]. Rows of dq past the
-    last query block are left as they are. ``config``: how the kernel is compiled. Returns
-    ``dq``."""
-    batch, q_len, heads, head_dim = dq.shape
+    of its dS tiles (in ``ds`` [slots * 64, 64] at ``slots``, `entry_slots`) times K's key
+    blocks (K's padding rows finite: see the module doc). Rows of dq past the last query block
+    are left as they are. ``config``: how the kernel is compiled. Returns ``dq``."""
+    batch, q_len, heads, _ = dq.shape
     num_q, width = kv_indices.shape[-2:]
-    num_kv = kv_valid_sizes.shape[0]
     if k.stride(-1) != 1 or dq.stride(-1) != 1:
         raise ValueError("k and dq need a contiguous head dim")
     if batch * heads and num_q:
@@ -170,19 +226,16 @@ def dq_from_ds(
             dq,
             kv_indices.contiguous(),
             kv_counts.contiguous(),
-            positions.contiguous(),
-            slot_starts.contiguous(),
-            kv_valid_sizes.contiguous(),
+            slots.contiguous(),
             heads,
             num_q,
-            num_kv,
             width,
             min(q_len, num_q * BLOCK),
             *bshd_strides(k),
             *bshd_strides(dq),
             scale,
             BLOCK=BLOCK,
-            HEAD_DIM=head_dim,
+            HEAD_DIM=dq.shape[-1],
             STAGES=config.stages,
             INTERPRET=interpreting(),
             num_warps=config.warps,

@@ -268,7 +268,7 @@ def _backward_from_ds(
     fixed order (no atomics: dq, dk and dv are bitwise reproducible). One dS buffer, sized
     for the largest chunk, serves every chunk in turn."""
     from vsa_fa4.backward_lists_triton import backward_lists_with_positions
-    from vsa_fa4.dq_from_ds_triton import dq_from_ds, slot_starts
+    from vsa_fa4.dq_from_ds_triton import dq_from_ds, entry_slots, slot_starts
 
     if tuple(block_size) != (64, 64):
         raise ValueError(f"the dS-writing backward runs 64x64 blocks, got {block_size}")
@@ -288,7 +288,8 @@ def _backward_from_ds(
             dout, q, k, v, out, lse, dq, dk, dv, lists, valid, scale, block_size, masked,
             config=config, ds_out=(ds, starts),
         )  # fmt: skip
-        dq_from_ds(ds, k, dq, indices, counts, positions, starts, valid, scale)
+        slots = entry_slots(indices, counts, positions, starts, valid)
+        dq_from_ds(ds, k, dq, indices, counts, slots, scale)
 
 
 _HEAD_DIMS = (2, 2, 2, 2, 2, 1, 2, 2, 2, 1, 1)

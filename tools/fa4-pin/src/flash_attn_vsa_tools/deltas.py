@@ -209,6 +209,17 @@ DELTAS: tuple[Delta, ...] = (
         "makes no zeroed copy of v; on an H200 the op's peak memory 1.32-1.41x of dense "
         "instead of 2.54-2.62x, its forward 10-14% slower (session 25)",
     ),
+    Delta(
+        12,
+        "bwd_sm90_ds_out",
+        "The 64x64 backward writing dS instead of reducing dQ",
+        _BWD,
+        "shipped",
+        "`vsa_fa4.ops.backward_impl` for a kernel choice whose backward writes dS "
+        "(`bwd_sm90.KV64_DS_CONFIG`): per head chunk the key-owned kernel writes dK, dV and "
+        "each pair's dS, then `vsa_fa4.dq_from_ds_triton` computes dQ in a fixed order; dq, dk "
+        "and dv bitwise reproducible (H200, session 26)",
+    ),
 )
 """Every kernel delta, by number."""
 

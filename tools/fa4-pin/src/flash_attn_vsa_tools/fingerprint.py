@@ -80,9 +80,11 @@ SYMBOLS: tuple[Symbol, ...] = (
         _IFACE,
         "_flash_attn_bwd",
         "backward entry point the adapter calls (dense and block-sparse); compile gate; "
-        "bwd_sm90 runs it with stand-ins for _tile_size_bwd_sm90 and FlashAttentionBackwardSm90 "
-        "(it must look both up as module globals) and its compile_cache (in, get, set) scoped "
-        "to our kernel class; launch_replay records and replays it as the forward's",
+        "bwd_sm90 runs it with stand-ins for _tile_size_bwd_sm90, FlashAttentionBackwardSm90 "
+        "and _bwd_postprocess_convert (it must look all three up as module globals; the dQ "
+        "conversion is its one call of the last for sm_90 without GQA) and its compile_cache "
+        "(in, get, set) scoped to our kernel class; launch_replay records and replays it as "
+        "the forward's",
         source=True,
     ),
     Symbol(
@@ -110,6 +112,14 @@ SYMBOLS: tuple[Symbol, ...] = (
         _IFACE,
         "_fit_sm90_fwd_tile_to_block_sparsity",
         "shrinks sm_90 forward tiles to 64-token sparse blocks",
+        source=True,
+    ),
+    Symbol(
+        _IFACE,
+        "_bwd_postprocess_convert",
+        "the backward's float32-accumulator conversion: bwd_sm90's stand-in skips it for the "
+        "dS-writing configuration (delta 12) and hands upstream's body its compile_cache, "
+        "which the body reads through the module global",
         source=True,
     ),
     Symbol(
@@ -255,7 +265,8 @@ SYMBOLS: tuple[Symbol, ...] = (
         "replaces mma_one_m_block (called by keyword names, the block-sparse loop's mask_fn a "
         "partial with batch_idx and head_idx) and dQaccum_store (run by warp 1), wraps mma (by "
         "its parameter names: mdQaccum, sdQaccum, r2s_tiled_copy_dQaccum, tidx) and rebuilds "
-        "_get_shared_storage_cls's struct with its own dQ buffers",
+        "_get_shared_storage_cls's struct with its own dQ buffers; bwd_sm90_ds_out reads "
+        "mma's tiled_mma_SdP, tidx, sdQaccum and aux_data (the launcher's aux tensors)",
         methods=(
             "__init__",
             "__call__",
@@ -293,8 +304,10 @@ SYMBOLS: tuple[Symbol, ...] = (
     Symbol(
         "flash_attn.cute.block_sparse_utils",
         "consume_block_sparse_mma_bwd_sm90",
-        "the sm_90 backward consumer loop: passes mask_fn partials carrying batch_idx and "
-        "head_idx, from which bwd_sm90_dq_parts finds a step's dQ accumulator",
+        "the sm_90 backward consumer loop: passes mask_fn partials carrying batch_idx, "
+        "head_idx and n_block, from which bwd_sm90_dq_parts finds a step's dQ accumulator and "
+        "bwd_sm90_ds_out its key tile's first dS slot; dKV_accumulate False exactly at a "
+        "tile's first step; the partial list walked, then the full list, in stored order",
         source=True,
     ),
     Symbol(
