@@ -51,8 +51,9 @@ efficiency (single-GPU op time / (N x sequence-parallel time)) and the peak memo
         --shapes wan720p --out results/bench_video_sp2.json
 
 ``--deterministic``: every arm of our op (and the sequence-parallel op) runs with
-``deterministic=True`` (``auto`` resolved for it: triton in training, fa4's backward is not
-reproducible); the same command without it, against the same dense baseline, gives the cost.
+``deterministic=True`` (``auto`` resolved for it: in training fa4's dS-writing backward for
+64x64 blocks on sm_90, triton elsewhere); the same command without it, against the same dense
+baseline, gives the cost.
 The pieces (coarse attention and fine attention timed apart) stay the default ones.
 """
 

@@ -126,39 +126,39 @@ def _loaded(name):
     return entry.backend
 
 
-def test_fa4_refuses_deterministic_backward_and_keeps_deterministic_inference():
+_FA4_SHAPE = {"head_dim": 128, "dtype": torch.bfloat16, "capability": (9, 0)}
+
+
+def test_fa4_trains_deterministically_on_64x64_blocks_and_refuses_other_backwards():
+    """fa4 on sm_90 (a description: no GPU needed): deterministic training with 64x64 blocks
+    accepted (its dS-writing backward), with 128x128 blocks refused with the reason; its
+    deterministic inference accepted at both."""
     fa4 = _loaded("fa4")
-    shape = {
-        "head_dim": 128,
-        "block_shape": (64, 64),
-        "dtype": torch.bfloat16,
-        "capability": (9, 0),
-    }
-    reason = refusal(fa4, _call(device="cuda", **shape))
+    small, wide = dict(_FA4_SHAPE, block_shape=(64, 64)), dict(_FA4_SHAPE, block_shape=(128, 128))
+    reason = refusal(fa4, _call(device="cuda", **wide))
     if reason is not None and "deterministic" not in reason:
         pytest.skip(f"fa4 refuses this call for another reason: {reason}")
-    assert reason.startswith("deterministic=True with gradients")
-    assert "cp.reduce.async.bulk" in reason and "not associative" in reason
-    assert refusal(fa4, _call(device="cuda", requires_grad=False, **shape)) is None
-    assert refusal(fa4, _call(device="cuda", deterministic=False, **shape)) is None
+    assert reason.startswith("deterministic=True with gradients runs on fa4 for 64x64 blocks")
+    assert "not associative" in reason
+    assert refusal(fa4, _call(device="cuda", **small)) is None
+    for shape in (small, wide):
+        assert refusal(fa4, _call(device="cuda", requires_grad=False, **shape)) is None
+        assert refusal(fa4, _call(device="cuda", deterministic=False, **shape)) is None
 
 
-def test_auto_takes_triton_for_deterministic_training_on_cuda():
+def test_auto_takes_fa4_or_triton_for_deterministic_training_on_cuda():
     """What ``auto`` picks for a Wan-like CUDA call (a description: no GPU needed): fa4 when
-    nothing is asked, triton for deterministic training, fa4 again for deterministic
-    inference (its forward is reproducible)."""
+    nothing is asked; for deterministic training fa4 with 64x64 blocks (its dS-writing
+    backward) and triton with 128x128 ones; fa4 again for deterministic inference (its forward
+    is reproducible)."""
     _loaded("fa4"), _loaded("triton")
-    shape = {
-        "head_dim": 128,
-        "block_shape": (64, 64),
-        "dtype": torch.bfloat16,
-        "capability": (9, 0),
-    }
-    plain = select_backend(_call(device="cuda", deterministic=False, **shape), "auto").name
+    small, wide = dict(_FA4_SHAPE, block_shape=(64, 64)), dict(_FA4_SHAPE, block_shape=(128, 128))
+    plain = select_backend(_call(device="cuda", deterministic=False, **wide), "auto").name
     if plain != "fa4":
         pytest.skip(f"auto picks {plain} for this description on this machine")
-    assert select_backend(_call(device="cuda", **shape), "auto").name == "triton"
-    inference = _call(device="cuda", requires_grad=False, **shape)
+    assert select_backend(_call(device="cuda", **small), "auto").name == "fa4"
+    assert select_backend(_call(device="cuda", **wide), "auto").name == "triton"
+    inference = _call(device="cuda", requires_grad=False, **wide)
     assert select_backend(inference, "auto").name == "fa4"
 
 

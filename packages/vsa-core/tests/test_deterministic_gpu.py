@@ -1,6 +1,7 @@
 """``deterministic=True`` on a CUDA GPU: the whole op, forward and backward, run twice at a
-realistic size on every backend that accepts it, bitwise equal; fa4's and the reference's
-backwards refused, their reasons named.
+realistic size on every backend that accepts it, bitwise equal (fa4's training with 64x64
+blocks on sm_90 through its dS-writing backward); fa4's other backwards and the reference's
+refused, their reasons named.
 
 The latent is Wan 2.1 480p's (21x30x52: partial tiles on all three sides), 12 heads of 128,
 bf16, 87.5% sparse, with a per-token coarse gate that requires a gradient, as a DiT's gate
@@ -105,17 +106,26 @@ def test_deterministic_result_matches_the_default_op():
         assert rel < 2e-2, f"{name}: relative L2 {rel:.3g}"
 
 
-def test_fa4_backward_is_refused_and_auto_moves_to_triton():
+def test_fa4_trains_deterministically_on_64x64_blocks_only():
+    """fa4 accepts deterministic training with 64x64 blocks on sm_90 (its dS-writing backward,
+    rerun bitwise above) and auto takes it there; other block shapes are refused with the
+    reason, and so is every block shape off sm_90."""
     entry = backend_entries().get("fa4")
     if entry is None or entry.backend is None or entry.backend.availability() is not None:
         pytest.skip("fa4 is not available here")
-    reason = refusal(entry.backend, _call(True))
+    fa4 = entry.backend
+    on_sm90 = torch.cuda.get_device_capability() == (9, 0)
+    assert (refusal(fa4, _call(True)) is None) == on_sm90
+    if on_sm90:
+        assert select_backend(_call(True), "auto").name == "fa4"
+        twin = fa4.for_call(_call(True))
+        assert twin.kernels.backward is not None and twin.kernels.backward.dq_from_ds
+        assert fa4.for_call(_call(True, deterministic=False)) is fa4
+    wider = AttentionCall(torch.device("cuda"), torch.bfloat16, DIM, (128, 128), True,
+                          deterministic=True)  # fmt: skip
+    reason = refusal(fa4, wider)
     assert reason is not None and reason.startswith("deterministic=True with gradients")
-    with pytest.raises(ValueError, match=r"backend='fa4' cannot run this call: deterministic"):
-        _run("fa4")
-    assert select_backend(_call(True, deterministic=False), "auto").name == "fa4"
-    assert select_backend(_call(True), "auto").name == "triton"
-    assert refusal(entry.backend, _call(False)) is None  # its forward stays
+    assert refusal(fa4, _call(False)) is None  # its forward stays
 
 
 def test_reference_backward_on_cuda_is_refused():

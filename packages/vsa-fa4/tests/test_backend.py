@@ -312,3 +312,35 @@ def test_v_gets_a_zeroed_copy_where_the_kernel_cannot_zero_its_padding():
         if copied:  # real slots kept, padding zeroed
             assert torch.isnan(got[:, :69]).all() and not got[:, 69:128].isnan().any()
         assert backend._v_for_kernels(q, v, layout, requires_grad=True) is v
+
+
+def test_deterministic_training_runs_the_ds_backward_on_64x64_blocks_on_sm90(gpu):
+    """deterministic=True with gradients: accepted for 64x64 blocks on sm_90, where `for_call`
+    hands the call a backend with the dS-writing backward (delta 12) on the native plan, the
+    forward variant kept; refused, with the reason, for other blocks and off sm_90, and for a
+    kernel choice whose backward reduces dQ."""
+    from flash_attn_vsa.bwd_sm90 import KV64_CONFIG
+    from vsa_fa4.launch import ForwardVariant, KernelChoice
+
+    fa4 = gpu((9, 0))
+    deterministic = dataclasses.replace(call((64, 64), grad=True), deterministic=True)
+    assert fa4.supports(deterministic) is None
+    twin = fa4.for_call(deterministic)
+    assert twin is not fa4 and twin.name == fa4.name and twin.schedule == "native"
+    assert twin.kernels.backward.dq_from_ds and twin.kernels.forward == fa4.kernels.forward
+    assert twin.for_call(deterministic) is twin and twin.supports(deterministic) is None
+    for plain in (
+        call((64, 64), grad=True),
+        dataclasses.replace(deterministic, requires_grad=False),
+    ):
+        assert fa4.for_call(plain) is fa4
+    variant = FA4Backend(kernels=KernelChoice(ForwardVariant(q_in_registers=False)))
+    assert variant.for_call(deterministic).kernels.forward == variant.kernels.forward
+    refused = [
+        dataclasses.replace(call((128, 128), grad=True), deterministic=True),
+        dataclasses.replace(deterministic, capability=(10, 0)),
+    ]
+    for other in refused:
+        assert fa4.supports(other).startswith("deterministic=True with gradients runs on fa4")
+    reducing = FA4Backend(kernels=KernelChoice(backward=KV64_CONFIG))
+    assert reducing.supports(deterministic).startswith("deterministic=True with gradients")

@@ -94,8 +94,10 @@ if RUNS_KERNELS:
             assert torch.equal(a, b)
 
     def test_auto_takes_triton_for_deterministic_training():
+        """Where fa4 does not train deterministically (not installed, or blocks other than
+        64x64 on sm_90: vsa-core's test_deterministic_gpu covers fa4's side)."""
         call = AttentionCall(
-            torch.device(DEVICE), torch.float16, 64, (64, 64), True, deterministic=True
+            torch.device(DEVICE), torch.float16, 64, (128, 128), True, deterministic=True
         )
         assert select_backend(call, "auto").name == "triton"
 

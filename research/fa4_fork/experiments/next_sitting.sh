@@ -222,8 +222,15 @@ session26d)
     "step ds 150 python3 -m $X.bwd_ds_out --out \$OUT --seqs 32768 --reps 10" \
     "step bench 300 python3 benchmarks/bench_video.py --shapes wan480p wan720p --sparsities 0.875 --modes fwd+bwd --arms fa4 fa4_ds_backward --warmup 2 --reps 5 --no-pieces --time-budget-min 4.5 --out \$OUT/bench_video-ds.json"
   ;;
+session26e)
+  # fa4's deterministic training (its dS-writing backward through Backend.for_call): the
+  # GPU tests of the routing and reruns, then the whole op with --deterministic
+  bash benchmarks/gpu_sitting.sh \
+    "step tests 240 python3 -m pytest -q -p no:warnings -m gpu packages/vsa-core/tests/test_deterministic_gpu.py packages/vsa-triton/tests/test_deterministic.py packages/vsa-fa4/tests/test_gpu.py -k 'determin or ds or head_chunks'" \
+    "step bench 300 python3 benchmarks/bench_video.py --shapes wan480p wan720p --sparsities 0.875 --modes fwd+bwd --arms auto triton --deterministic --warmup 2 --reps 5 --no-pieces --time-budget-min 4.5 --out \$OUT/bench_video-deterministic.json"
+  ;;
 *)
-  echo "usage: $0 grid | bwd-counters | bwd-split | session19 | session21 | session22 [tests|bench] | session23 [tests|props|bench|second|block-props] | session24 [tests|final|profile|bench] | session25 | session25-cost | session25-regress | session25-steps | session26 | session26b | session26c | session26d" >&2
+  echo "usage: $0 grid | bwd-counters | bwd-split | session19 | session21 | session22 [tests|bench] | session23 [tests|props|bench|second|block-props] | session24 [tests|final|profile|bench] | session25 | session25-cost | session25-regress | session25-steps | session26 | session26b | session26c | session26d | session26e" >&2
   exit 2
   ;;
 esac

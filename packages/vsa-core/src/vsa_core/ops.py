@@ -14,9 +14,11 @@ the same inputs, device, versions and settings. What each part of the op does fo
 - the fine attention goes to a backend that accepts deterministic calls (`Backend.
   handles_deterministic`; ``auto`` picks one, a named backend that cannot raises ValueError
   naming ``deterministic``): ``triton`` always (no atomics: every output element is summed by
-  one program in list order), ``fa4`` only without gradients (its backward reduce-adds float32
-  dQ partials across key tiles in scheduling order), ``reference`` except its backward off the
-  CPU (``torch.gather``'s backward scatter-adds with atomics on CUDA);
+  one program in list order), ``fa4`` without gradients, and with them for 64x64 blocks on
+  sm_90, where it runs its dS-writing backward and a query-owned dQ pass in list order (its
+  shipped backward reduce-adds float32 dQ partials across key tiles in scheduling order),
+  ``reference`` except its backward off the CPU (``torch.gather``'s backward scatter-adds
+  with atomics on CUDA);
 - the coarse attention runs on SDPA's math backend (matmuls and a softmax, through autograd):
   the flash, memory-efficient and cuDNN backends' backwards may accumulate dQ with atomics;
 - the coarse stage must be ``torch`` or ``triton`` (`DETERMINISTIC_COARSE_STAGES`), both
@@ -345,15 +347,15 @@ def _fine_backend(
     backend, _override, _generation, device, dtype, head_dim, block_shape, requires_grad,
     q_group_size, kv_blocks_full, query_rows, query_len, deterministic, raster_inputs,
 ):  # fmt: skip
-    """The backend `select_backend` picks for a call so described and whether it reads key
-    padding as it is there (decided once per description; the override variable and the
-    registered backends are part of the key)."""
+    """The backend `select_backend` picks for a call so described (as it runs that call:
+    `Backend.for_call`) and whether it reads key padding as it is there (decided once per
+    description; the override variable and the registered backends are part of the key)."""
     call = AttentionCall(
         device, dtype, head_dim, block_shape, requires_grad, q_group_size, kv_blocks_full,
         query_rows=query_rows, query_len=query_len, deterministic=deterministic,
         raster_inputs=raster_inputs,
     )  # fmt: skip
-    chosen = select_backend(call, backend)
+    chosen = select_backend(call, backend).for_call(call)
     return chosen, chosen.reads_key_padding_as_is(call)
 
 

@@ -22,9 +22,15 @@ zeroes partial blocks' V padding rows in shared memory (the fork's
 2.62x at Wan 2.1 720p) but costs the op's forward 10-14% (H200, session 25), so the shipped
 choice keeps the copy.
 
-``deterministic=True``: accepted for inference only (`DETERMINISTIC_BACKWARD_REFUSAL` says why
-the backward is not bitwise reproducible); the forward is, one CTA per query tile walking its
-key list in order with no reduction across CTAs (no split over keys).
+``deterministic=True``: the forward is bitwise reproducible (one CTA per query tile walking its
+key list in order, no reduction across CTAs, no split over keys). With gradients, 64x64 blocks
+on sm_90 run the fork's dS-writing backward (delta 12, `flash_attn_vsa.bwd_sm90_ds_out`, and
+`vsa_fa4.dq_from_ds_triton`'s dQ pass in list order): `FA4Backend.for_call` hands such calls a
+backend with that kernel choice on the native plan. Its cost (H200, session 26): as fast as the
+shipped backward at S=32768 (0.70 of dense), the whole op's training step 5% slower at Wan 2.1
+480p and 3.5% faster at 720p, and a dS buffer (8 KB a selected block pair, at most
+`vsa_fa4.ops.DS_BUDGET_BYTES` a launch: peak memory 5.3x of dense's at 480p against 2.3x).
+Other calls refuse (`DETERMINISTIC_BACKWARD_REFUSAL` says why).
 """
 
 from __future__ import annotations
@@ -119,17 +125,19 @@ rule") and move the threshold if the crossing moves."""
 
 
 DETERMINISTIC_BACKWARD_REFUSAL = (
-    "deterministic=True with gradients: FA4's block-sparse backward is not bitwise "
-    "reproducible. One CTA per key tile computes dK and dV in registers (deterministic) and, per "
-    "query tile of its list, a float32 dQ partial dS K that it adds into a float32 dQ "
-    "accumulator in global memory with bulk reduce-adds (cp.reduce.async.bulk .add.f32: the "
-    "fork's KV64 kernel, flash_attn_vsa.bwd_sm90_dq_parts, for 64-token key blocks; upstream's "
-    "dQaccum_store for the others). The partials of one query tile come from CTAs running at "
-    "the same time, so they are added in scheduling order, and float32 addition is not "
-    "associative: dQ's bits change run to run. Upstream's semaphore-ordered deterministic "
-    "backward is not implemented for block sparsity on sm_90 and the fork's kernel refuses it. "
-    "The forward has no reduction across CTAs: inference calls (no gradient) are accepted"
+    "deterministic=True with gradients runs on fa4 for 64x64 blocks on sm_90 only (the fork's "
+    "dS-writing backward, flash_attn_vsa.bwd_sm90_ds_out, with a dQ pass in list order). "
+    "Elsewhere FA4's block-sparse backward is not bitwise reproducible: one CTA per key tile "
+    "computes dK and dV in registers (deterministic) and, per query tile of its list, a float32 "
+    "dQ partial dS K that it adds into a float32 dQ accumulator in global memory with bulk "
+    "reduce-adds, in the order the CTAs run, and float32 addition is not associative. "
+    "Upstream's semaphore-ordered deterministic backward is not implemented for block sparsity "
+    "on sm_90. The forward has no reduction across CTAs: inference calls (no gradient) are "
+    "accepted"
 )
+
+DETERMINISTIC_BLOCK_SHAPE = (64, 64)
+"""The block shape whose training calls fa4 runs deterministically (on sm_90)."""
 
 
 class FA4Backend(Backend):
@@ -185,11 +193,32 @@ class FA4Backend(Backend):
         reason = self._call_refusal(call)
         if reason is not None:
             return reason
-        if call.deterministic and call.requires_grad:
+        if call.deterministic and call.requires_grad and not self._backward_deterministic(call):
             return DETERMINISTIC_BACKWARD_REFUSAL
         return plan_refusal(
             call.capability, call.head_dim, native_plan(call.block_shape), call.requires_grad
         )
+
+    def _backward_deterministic(self, call: AttentionCall) -> bool:
+        """Whether this backend can run ``call``'s backward bitwise reproducibly: 64x64 blocks
+        on sm_90, with the shipped backward (which `for_call` replaces) or the dS-writing one."""
+        backward = self.kernels.backward
+        return (
+            tuple(call.block_shape) == DETERMINISTIC_BLOCK_SHAPE
+            and call.capability == (9, 0)
+            and (backward is None or backward.dq_from_ds)
+        )
+
+    def for_call(self, call: AttentionCall) -> FA4Backend:
+        """Deterministic training (64x64 blocks, sm_90: `supports` accepts no other): this
+        backend's forward with the dS-writing backward, on the native plan (its backward is
+        64x64); every other call: this backend."""
+        if not (call.deterministic and call.requires_grad):
+            return self
+        backward = self.kernels.backward
+        if self.schedule == "native" and backward is not None and backward.dq_from_ds:
+            return self  # already the twin
+        return _deterministic_twin(self)
 
     def reads_key_padding_as_is(self, call: AttentionCall) -> bool:
         """True for inference with unpaired 64x64 blocks on sm_90 when the kernel choice runs
@@ -321,6 +350,15 @@ class FA4Backend(Backend):
             coarse, gate, layout.q_group_size, layout.kv_blocks_full, self.kernels,
             layout.forward_split,
         )  # fmt: skip
+
+
+def _deterministic_twin(backend: FA4Backend) -> FA4Backend:
+    """``backend`` with the dS-writing backward on the native plan, under its name."""
+    from flash_attn_vsa.bwd_sm90 import KV64_DS_CONFIG
+    from vsa_fa4.launch import KernelChoice
+
+    kernels = KernelChoice(backend.kernels.forward, KV64_DS_CONFIG)
+    return FA4Backend("native", kernels, name=backend.name)
 
 
 @resolved_once

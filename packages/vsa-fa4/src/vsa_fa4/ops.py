@@ -200,11 +200,12 @@ def head_chunks(
     """Head ranges whose backward calls each keep FA4's dQ accumulator within
     `DQ_ACCUM_BUDGET_BYTES` and, with ``ds_tiles_per_head`` (the dS-writing backward's 64x64
     tiles a head), the dS buffer within `DS_BUDGET_BYTES` (one range, all heads, when the
-    whole call does)."""
+    whole call does), in as few ranges as that allows, of sizes as even as they go."""
     per_head = batch * q_len * head_dim * 4
     step = max(1, min(heads, DQ_ACCUM_BUDGET_BYTES // max(per_head, 1)))
     if ds_tiles_per_head:
         step = max(1, min(step, DS_BUDGET_BYTES // (ds_tiles_per_head * DS_TILE_BYTES)))
+    step = -(-heads // -(-heads // step))  # as many chunks, as even as they go (12: 4+4+4)
     return [slice(h, min(h + step, heads)) for h in range(0, heads, step)]
 
 

@@ -145,6 +145,13 @@ class Backend:
         alone (the ops decide once per call description)."""
         return self.key_padding_safe
 
+    def for_call(self, call: AttentionCall) -> Backend:
+        """The backend that runs ``call`` once this one is chosen for it (default: itself). A
+        backend whose kernels for some calls differ from its default returns a configured
+        instance of itself for them (fa4: its dS-writing backward for deterministic
+        training); the ops ask once per call description, after `supports` accepted it."""
+        return self
+
     def priority_for(self, call: AttentionCall) -> int:
         """This backend's rank for ``call`` under ``backend="auto"`` (default: ``priority``).
         Override to step back on calls another backend is measured to run faster."""
