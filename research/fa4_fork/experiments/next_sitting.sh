@@ -229,8 +229,13 @@ session26e)
     "step tests 240 python3 -m pytest -q -p no:warnings -m gpu packages/vsa-core/tests/test_deterministic_gpu.py packages/vsa-triton/tests/test_deterministic.py packages/vsa-fa4/tests/test_gpu.py -k 'determin or ds or head_chunks'" \
     "step bench 300 python3 benchmarks/bench_video.py --shapes wan480p wan720p --sparsities 0.875 --modes fwd+bwd --arms auto triton --deterministic --warmup 2 --reps 5 --no-pieces --time-budget-min 4.5 --out \$OUT/bench_video-deterministic.json"
   ;;
+session26f)
+  # what bounds the dQ pass (1.56 ms against floors of 0.42 tensor / 0.67 HBM): Nsight Compute
+  bash benchmarks/gpu_sitting.sh \
+    "step ncu 200 ncu --clock-control none --kernel-name regex:_dq_from_ds --launch-skip 2 --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats --csv --page details python3 -m $X.dq_pass_alone"
+  ;;
 *)
-  echo "usage: $0 grid | bwd-counters | bwd-split | session19 | session21 | session22 [tests|bench] | session23 [tests|props|bench|second|block-props] | session24 [tests|final|profile|bench] | session25 | session25-cost | session25-regress | session25-steps | session26 | session26b | session26c | session26d | session26e" >&2
+  echo "usage: $0 grid | bwd-counters | bwd-split | session19 | session21 | session22 [tests|bench] | session23 [tests|props|bench|second|block-props] | session24 [tests|final|profile|bench] | session25 | session25-cost | session25-regress | session25-steps | session26 | session26b | session26c | session26d | session26e | session26f" >&2
   exit 2
   ;;
 esac
