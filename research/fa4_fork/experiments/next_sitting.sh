@@ -234,8 +234,15 @@ session26f)
   bash benchmarks/gpu_sitting.sh \
     "step ncu 200 ncu --clock-control none --kernel-name regex:_dq_from_ds --launch-skip 2 --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats --csv --page details python3 -m $X.dq_pass_alone"
   ;;
+session26g)
+  # the dQ pass with query blocks fastest in its grid (one head's K in L2 at a time)
+  bash benchmarks/gpu_sitting.sh \
+    "step tests 150 python3 -m pytest -q -p no:warnings -m gpu packages/vsa-fa4/tests/test_dq_from_ds.py packages/vsa-fa4/tests/test_gpu.py -k 'ds or dq_pass'" \
+    "step ds 150 python3 -m $X.bwd_ds_out --out \$OUT --seqs 32768 --reps 10" \
+    "step ncu 100 ncu --clock-control none --kernel-name regex:_dq_from_ds --launch-skip 2 --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis --csv --page details python3 -m $X.dq_pass_alone"
+  ;;
 *)
-  echo "usage: $0 grid | bwd-counters | bwd-split | session19 | session21 | session22 [tests|bench] | session23 [tests|props|bench|second|block-props] | session24 [tests|final|profile|bench] | session25 | session25-cost | session25-regress | session25-steps | session26 | session26b | session26c | session26d | session26e | session26f" >&2
+  echo "usage: $0 grid | bwd-counters | bwd-split | session19 | session21 | session22 [tests|bench] | session23 [tests|props|bench|second|block-props] | session24 [tests|final|profile|bench] | session25 | session25-cost | session25-regress | session25-steps | session26 | session26b | session26c | session26d | session26e | session26f | session26g" >&2
   exit 2
   ;;
 esac
