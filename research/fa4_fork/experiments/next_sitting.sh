@@ -241,8 +241,14 @@ session26g)
     "step ds 150 python3 -m $X.bwd_ds_out --out \$OUT --seqs 32768 --reps 10" \
     "step ncu 100 ncu --clock-control none --kernel-name regex:_dq_from_ds --launch-skip 2 --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis --csv --page details python3 -m $X.dq_pass_alone"
   ;;
+session26h)
+  # the whole op's training step with the dS-writing backward (dQ pass: query blocks fastest,
+  # 5 stages) against the shipped one
+  bash benchmarks/gpu_sitting.sh \
+    "step bench 200 python3 benchmarks/bench_video.py --shapes wan480p wan720p --sparsities 0.875 --modes fwd+bwd --arms fa4 fa4_ds_backward --warmup 2 --reps 4 --no-pieces --time-budget-min 3 --out \$OUT/bench_video-ds.json"
+  ;;
 *)
-  echo "usage: $0 grid | bwd-counters | bwd-split | session19 | session21 | session22 [tests|bench] | session23 [tests|props|bench|second|block-props] | session24 [tests|final|profile|bench] | session25 | session25-cost | session25-regress | session25-steps | session26 | session26b | session26c | session26d | session26e | session26f | session26g" >&2
+  echo "usage: $0 grid | bwd-counters | bwd-split | session19 | session21 | session22 [tests|bench] | session23 [tests|props|bench|second|block-props] | session24 [tests|final|profile|bench] | session25 | session25-cost | session25-regress | session25-steps | session26 | session26b | session26c | session26d | session26e | session26f | session26g | session26h" >&2
   exit 2
   ;;
 esac
