@@ -26,11 +26,11 @@ choice keeps the copy.
 key list in order, no reduction across CTAs, no split over keys). With gradients, 64x64 blocks
 on sm_90 run the fork's dS-writing backward (delta 12, `flash_attn_vsa.bwd_sm90_ds_out`, and
 `vsa_fa4.dq_from_ds_triton`'s dQ pass in list order): `FA4Backend.for_call` hands such calls a
-backend with that kernel choice on the native plan. Its cost (H200, session 26): as fast as the
-shipped backward at S=32768 (0.70 of dense), the whole op's training step 5% slower at Wan 2.1
-480p and 3.5% faster at 720p, and a dS buffer (8 KB a selected block pair, at most
-`vsa_fa4.ops.DS_BUDGET_BYTES` a launch: peak memory 5.3x of dense's at 480p against 2.3x).
-Other calls refuse (`DETERMINISTIC_BACKWARD_REFUSAL` says why).
+backend with that kernel choice on the native plan. Its cost (H200, session 26): at S=32768 it
+runs 0.73 of dense against the shipped backward's 0.70; the whole op's training step 3-4%
+slower at Wan 2.1 480p (three head chunks) and 1-2% faster at 720p; a dS buffer (8 KB a
+selected block pair, at most `vsa_fa4.ops.DS_BUDGET_BYTES` a launch: peak memory 4.6x of
+dense's at 480p against 2.3x). Other calls refuse (`DETERMINISTIC_BACKWARD_REFUSAL` says why).
 """
 
 from __future__ import annotations

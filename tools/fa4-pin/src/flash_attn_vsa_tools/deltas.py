@@ -218,7 +218,9 @@ DELTAS: tuple[Delta, ...] = (
         "`vsa_fa4.ops.backward_impl` for a kernel choice whose backward writes dS "
         "(`bwd_sm90.KV64_DS_CONFIG`): per head chunk the key-owned kernel writes dK, dV and "
         "each pair's dS, then `vsa_fa4.dq_from_ds_triton` computes dQ in a fixed order; dq, dk "
-        "and dv bitwise reproducible (H200, session 26)",
+        "and dv bitwise reproducible; vsa-fa4 runs it for deterministic training with 64x64 "
+        "blocks on sm_90 (`FA4Backend.for_call`). H200, S=32768: 0.73 of dense against the "
+        "shipped backward's 0.70 (session 26)",
     ),
 )
 """Every kernel delta, by number."""
