@@ -16,12 +16,11 @@ process (the interpreter must be chosen before triton is first imported).
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from interpreter_child import assert_checked_under_interpreter
 from test_lists_triton import random_lists
 
 CASES = [(1, 1, 1), (3, 5, 2), (33, 31, 17), (70, 33, 33), (40, 65, 5)]  # (num_q, num_kv, width)
@@ -122,15 +121,7 @@ def test_positions_and_dq_pass_on_the_gpu():
 )
 def test_positions_and_dq_pass_under_the_interpreter():
     pytest.importorskip("triton")
-    result = subprocess.run(
-        [sys.executable, str(Path(__file__)), "cpu"],
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    assert result.stdout.strip() == f"checked {3 * len(CASES)}"
+    assert_checked_under_interpreter(__file__, 3 * len(CASES))
 
 
 if __name__ == "__main__":

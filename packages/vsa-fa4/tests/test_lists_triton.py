@@ -14,12 +14,11 @@ lists, a key block every query block selects, ``q_split`` 1 and 2, masked and un
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from interpreter_child import assert_checked_under_interpreter
 
 from vsa_core import BlockSparseLayout
 from vsa_fa4.metadata import (
@@ -199,15 +198,7 @@ def test_auto_picks_torch_off_cuda():
 )
 def test_kernel_lists_equal_the_torch_lists_under_the_interpreter():
     pytest.importorskip("triton")
-    result = subprocess.run(
-        [sys.executable, str(Path(__file__)), "cpu"],
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    assert result.stdout.strip() == f"checked {len(CASES) * CHECKS_PER_CASE + PAIRED_CHECKS}"
+    assert_checked_under_interpreter(__file__, len(CASES) * CHECKS_PER_CASE + PAIRED_CHECKS)
 
 
 if __name__ == "__main__":
