@@ -13,6 +13,7 @@ call ~7-16 us on H200 hosts), CUDA allocation (CPU allocation of these small ten
 cheap), SDPA's host cost. A small latent with partial tiles (9x18x18, 2 heads). ::
 
     uv run python -m research.op_host_cpu fwd      # or: train [cProfile sort key]
+    uv run python -m research.op_host_cpu train --deterministic   # fa4's dS-writing backward
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ def stub_devices() -> None:
     import vsa_core.ops as core_ops
     import vsa_fa4.backend as fa4_backend
     import vsa_fa4.backward_lists_triton as backward_lists
+    import vsa_fa4.dq_from_ds_triton as dq_from_ds
     import vsa_fa4.forward_lists_triton as forward_lists
     import vsa_fa4.metadata as metadata
     import vsa_triton.coarse as coarse
@@ -75,7 +77,8 @@ def stub_devices() -> None:
     fwd_sm90.check_call = lambda *args, **kwargs: None
     coarse.launch = triton_ops.launch = _stub_triton_launch
     metadata._triton_can_run = lambda t: True  # the list kernels' path, as on a GPU
-    backward_lists.launch = forward_lists.launch = _stub_triton_launch
+    backward_lists.launch = forward_lists.launch = dq_from_ds.launch = _stub_triton_launch
+    fa4_backend.FA4Backend._backward_deterministic = lambda self, call: True  # sm_90's route
     fa4_backend.FA4Backend._call_refusal = lambda self, call: None
     fa4_backend.plan_refusal = lambda *args, **kwargs: None
     # one autograd node where SDPA's would be, without its CPU math
@@ -87,6 +90,8 @@ def main() -> None:
     ap.add_argument("mode", choices=("fwd", "train"), nargs="?", default="fwd")
     ap.add_argument("sort", nargs="?", default="tottime", help="cProfile's sort key")
     ap.add_argument("--calls", type=int, default=500)
+    ap.add_argument("--deterministic", action="store_true",
+                    help="deterministic=True (training: fa4's dS-writing backward)")  # fmt: skip
     args = ap.parse_args()
     stub_devices()
     from flash_attn_vsa import launch_replay
@@ -102,7 +107,8 @@ def main() -> None:
 
     def call():
         out = video_sparse_attn(q, k, v, tiling=tiling, topk=4, coarse_gate=gate,
-                                backend="fa4", coarse_backend="triton")  # fmt: skip
+                                backend="fa4", coarse_backend="triton",
+                                deterministic=args.deterministic)  # fmt: skip
         if grad:
             torch.autograd.grad(out, (q, k, v, gate), dout)
 
