@@ -148,9 +148,12 @@ def run_forward(
 
 def run_backward(
     dout, q, k, v, out, lse, dq, dk, dv, lists, kv_valid_sizes, scale, block_size, masked=True,
-    config=None,
+    config=None, ds_out=None,
 ) -> None:  # fmt: skip
-    """``vsa_fa4.launch.run_backward``'s semantics (whatever the tile ``config``)."""
+    """``vsa_fa4.launch.run_backward``'s semantics (whatever the tile ``config``); with
+    ``ds_out`` (the dS buffer and slot starts of the fork's dS-writing backward, delta 12) dq
+    is left as it is and each key block's list writes its dS tiles as that kernel does
+    (`write_ds_tiles`)."""
     _check_contiguous(lists)
     valid = kv_valid_sizes.cpu() if masked else None
     pairs = backward_pairs(lists, valid, block_size, q.shape[1], k.shape[1])
@@ -164,5 +167,34 @@ def run_backward(
     d_s = probs * (d_p - delta)
     d_q = torch.matmul(d_s, kd) * scale
     d_k = torch.matmul(d_s.transpose(-1, -2), qd) * scale
-    for dst, src in ((dq, d_q), (dk, d_k), (dv, d_v)):
+    targets = ((dk, d_k), (dv, d_v))
+    if ds_out is None:
+        targets = ((dq, d_q), *targets)
+    else:
+        assert config is not None and config.dq_from_ds and tuple(block_size) == (64, 64)
+        write_ds_tiles(d_s.to(q.dtype), lists, *ds_out)
+    for dst, src in targets:
         dst.copy_(src.permute(0, 2, 1, 3).to(dst.dtype))
+
+
+def write_ds_tiles(d_s, lists, ds, slot_starts) -> None:
+    """The dS-writing kernel's stores: step ``u`` of key block ``n``'s list (partial list, then
+    full list, as stored) writes the (query block, key block) tile of ``d_s`` [B, H, Sq, Skv]
+    to slot ``slot_starts[b, h, n] + u`` of ``ds``, each row's 16-byte chunks permuted by row
+    % 8 (`flash_attn_vsa.bwd_sm90_ds_out.DS_SWIZZLE`)."""
+    cnt_m, idx_m, cnt_f, idx_f = (t.cpu() for t in lists)
+    rows = torch.arange(64)[:, None]
+    cols = ((torch.arange(64)[None, :] // 8) ^ (rows % 8)) * 8 + torch.arange(64)[None, :] % 8
+    batch, heads, blocks = cnt_m.shape
+    for b in range(batch):
+        for h in range(heads):
+            for n in range(blocks):
+                step = int(slot_starts[b, h, n])
+                for cnt, idx in ((cnt_m, idx_m), (cnt_f, idx_f)):
+                    for i in range(int(cnt[b, h, n])):
+                        m = int(idx[b, h, n, i])
+                        tile = d_s[b, h, 64 * m : 64 * m + 64, 64 * n : 64 * n + 64]
+                        permuted = torch.empty_like(tile)
+                        permuted[rows, cols] = tile
+                        ds[64 * step : 64 * step + 64] = permuted
+                        step += 1

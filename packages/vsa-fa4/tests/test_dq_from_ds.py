@@ -3,6 +3,9 @@
 - `backward_lists_with_positions`: the same key-owned lists as `backward_lists_triton`, and
   for every used forward entry (query block ``i``, slot ``t``, key block ``j``) the place ``p``
   with ``q_indices[j, p] == i``, rotated lists included;
+- on the CPU, `vsa_fa4.ops.backward_impl` with the dS-writing backward, its key-owned kernel
+  played by `fa4_model` (dS tiles stored as the kernel stores them), against the model's
+  plain backward, in one launch and in head chunks sharing one dS buffer;
 - `dq_from_ds`: dQ from dS tiles laid out by those places and `slot_starts` (each row's
   16-byte chunks permuted as the key kernel stages them), against a float64 sum over each
   query block's list. The slots of key blocks with no valid token hold NaN and K's rows past a
@@ -109,6 +112,47 @@ def compare_on(device: str) -> int:
     return checked
 
 
+def check_backward_on_the_model() -> int:
+    """`vsa_fa4.ops.backward_impl` with the dS-writing backward (lists with places, slots, the
+    dQ pass), the key-owned kernel replaced by `fa4_model` (its dS tiles written as the kernel
+    writes them), against the model's plain backward: in one launch, and in head chunks that
+    share one dS buffer (a budget of two heads' tiles: chunks of 2, 2 and 1). fp16, partial
+    and empty key blocks, empty lists."""
+    import fa4_model
+    from test_lists_triton import random_lists
+
+    from flash_attn_vsa.bwd_sm90 import KV64_DS_CONFIG
+    from vsa_fa4 import launch, ops
+
+    launch.run_forward, launch.run_backward = fa4_model.run_forward, fa4_model.run_backward
+    heads, num_q, num_kv, dim = 5, 6, 7, 32
+    idx, cnt, valid = random_lists(11, num_q, num_kv, 4, 64, heads=heads)
+    gen = torch.Generator().manual_seed(12)
+    q = torch.randn(1, num_q * 64, heads, dim, generator=gen).half()
+    k, v = (torch.randn(1, num_kv * 64, heads, dim, generator=gen).half() for _ in range(2))
+    dout = torch.randn(q.shape, generator=gen).half()
+    for j, size in enumerate(valid.tolist()):  # finite padding garbage
+        k[0, 64 * j + size : 64 * j + 64], v[0, 64 * j + size : 64 * j + 64] = 1.0e3, -1.0e3
+    out, lse = ops.forward_impl(q, k, v, idx, cnt, valid, 0.2, 64, 64, True)
+    want = ops.backward_impl(dout, q, k, v, out, lse, idx, cnt, valid, 0.2, 64, 64, True)
+    kernels = launch.KernelChoice(backward=KV64_DS_CONFIG).encode()
+    tiles = num_q * idx.shape[-1]
+    checked = 0
+    for budget in (ops.DS_BUDGET_BYTES, 2 * tiles * ops.DS_TILE_BYTES):
+        saved = ops.DS_BUDGET_BYTES
+        ops.DS_BUDGET_BYTES = budget
+        try:
+            got = ops.backward_impl(dout, q, k, v, out, lse, idx, cnt, valid, 0.2, 64, 64, True,
+                                    kernels)  # fmt: skip
+        finally:
+            ops.DS_BUDGET_BYTES = saved
+        for name, a, b in zip(("dq", "dk", "dv"), got, want, strict=True):
+            err = ((a.double() - b.double()).norm() / b.double().norm()).item()
+            assert err <= 2e-3, f"{name} with a dS budget of {budget} bytes: {err}"
+        checked += 1
+    return checked
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_positions_and_dq_pass_on_the_gpu():
@@ -121,8 +165,12 @@ def test_positions_and_dq_pass_on_the_gpu():
 )
 def test_positions_and_dq_pass_under_the_interpreter():
     pytest.importorskip("triton")
-    assert_checked_under_interpreter(__file__, 3 * len(CASES))
+    assert_checked_under_interpreter(__file__, 3 * len(CASES) + MODEL_CHECKS)
 
+
+MODEL_CHECKS = 2
+"""`check_backward_on_the_model`'s checks (run on the CPU only)."""
 
 if __name__ == "__main__":
-    print(f"checked {compare_on(sys.argv[1])}")
+    extra = check_backward_on_the_model() if sys.argv[1] == "cpu" else 0
+    print(f"checked {compare_on(sys.argv[1]) + extra}")
