@@ -33,6 +33,9 @@ run (the before and after of a change, at the same clock).
 - ``fa4_ds_backward``: the fa4 backend whose 64x64 backward writes dS and computes dQ from it
   in a query-owned pass (``KernelChoice(backward=KV64_DS_CONFIG)``, delta 12, the fork's
   `bwd_sm90_ds_out` and `vsa_fa4.dq_from_ds_triton`): bitwise reproducible gradients.
+- ``fa4_ds_backward_one_chunk``: the same with a dS budget of 16 GiB
+  (``KernelChoice.ds_budget_bytes``), so that its backward runs in as few head chunks as the
+  dQ accumulator's budget allows (Wan 480p: one launch instead of three; 4.8 GB of dS).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ UNFUSED_FA4 = "fa4_unfused"
 UNPACKED_FA4 = "fa4_unpacked"
 ZERO_V_PADDING_FA4 = "fa4_zero_v_padding"
 DS_BACKWARD_FA4 = "fa4_ds_backward"
+DS_BACKWARD_ONE_CHUNK_FA4 = "fa4_ds_backward_one_chunk"
 OWN_LISTS_FA4 = "fa4_own_lists"
 SDPA_COARSE_FA4 = "fa4_sdpa_coarse"
 ATTEND_IN_LOOP_FA4 = "fa4_attend_in_loop"
@@ -56,9 +60,12 @@ _KERNEL_CHOICES = {
     ZERO_V_PADDING_FA4: {"zero_v_padding": True},
 }
 """fa4 variants that are a kernel choice: `vsa_fa4.launch.ForwardVariant`'s fields."""
-_BACKWARD_CHOICES = {DS_BACKWARD_FA4: "KV64_DS_CONFIG"}
+_BACKWARD_CHOICES = {
+    DS_BACKWARD_FA4: ("KV64_DS_CONFIG", None),
+    DS_BACKWARD_ONE_CHUNK_FA4: ("KV64_DS_CONFIG", 1 << 34),
+}
 """fa4 variants whose backward is another tile configuration: its name in
-`flash_attn_vsa.bwd_sm90`."""
+`flash_attn_vsa.bwd_sm90`, and the dS buffer's budget (`KernelChoice.ds_budget_bytes`)."""
 _STAGE_OF = {SDPA_COARSE_FA4: SEPARATE_STAGE, ATTEND_IN_LOOP_FA4: ATTEND_IN_LOOP_STAGE}
 _SWITCHED_OFF = {
     COPYING_TRITON: ("triton", {"reads_raster": False, "fuses_combine": False}),
@@ -79,7 +86,8 @@ def register_variant(name: str) -> bool:
         if name in _BACKWARD_CHOICES:
             from flash_attn_vsa import bwd_sm90
 
-            choice = KernelChoice(backward=getattr(bwd_sm90, _BACKWARD_CHOICES[name]))
+            config, budget = _BACKWARD_CHOICES[name]
+            choice = KernelChoice(backward=getattr(bwd_sm90, config), ds_budget_bytes=budget)
         else:
             choice = KernelChoice(ForwardVariant(**_KERNEL_CHOICES[name]))
         variant = type(name, (FA4Backend,), {"name": name, "priority": -1})

@@ -135,17 +135,12 @@ def check_backward_on_the_model() -> int:
         k[0, 64 * j + size : 64 * j + 64], v[0, 64 * j + size : 64 * j + 64] = 1.0e3, -1.0e3
     out, lse = ops.forward_impl(q, k, v, idx, cnt, valid, 0.2, 64, 64, True)
     want = ops.backward_impl(dout, q, k, v, out, lse, idx, cnt, valid, 0.2, 64, 64, True)
-    kernels = launch.KernelChoice(backward=KV64_DS_CONFIG).encode()
     tiles = num_q * idx.shape[-1]
     checked = 0
-    for budget in (ops.DS_BUDGET_BYTES, 2 * tiles * ops.DS_TILE_BYTES):
-        saved = ops.DS_BUDGET_BYTES
-        ops.DS_BUDGET_BYTES = budget
-        try:
-            got = ops.backward_impl(dout, q, k, v, out, lse, idx, cnt, valid, 0.2, 64, 64, True,
-                                    kernels)  # fmt: skip
-        finally:
-            ops.DS_BUDGET_BYTES = saved
+    for budget in (None, 2 * tiles * ops.DS_TILE_BYTES):
+        kernels = launch.KernelChoice(backward=KV64_DS_CONFIG, ds_budget_bytes=budget).encode()
+        got = ops.backward_impl(dout, q, k, v, out, lse, idx, cnt, valid, 0.2, 64, 64, True,
+                                kernels)  # fmt: skip
         for name, a, b in zip(("dq", "dk", "dv"), got, want, strict=True):
             err = ((a.double() - b.double()).norm() / b.double().norm()).item()
             assert err <= 2e-3, f"{name} with a dS budget of {budget} bytes: {err}"

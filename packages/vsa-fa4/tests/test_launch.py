@@ -173,6 +173,8 @@ def test_kernel_choice_round_trips_through_its_string():
         launch.KernelChoice(backward=EXPERIMENTAL_CONFIGS["kv64-dq-1part-2buffers"]),
         launch.KernelChoice(launch.ForwardVariant(True), ABLATIONS["kv64-no-dq"]),
         launch.KernelChoice(launch.ForwardVariant(valid_in_list=False)),
+        launch.KernelChoice(backward=EXPERIMENTAL_CONFIGS["kv64-ds"]),
+        launch.KernelChoice(backward=EXPERIMENTAL_CONFIGS["kv64-ds"], ds_budget_bytes=1 << 34),
     ]
     keys = [c.encode() for c in choices]
     assert len(set(keys)) == len(keys) and "" not in keys
@@ -181,6 +183,11 @@ def test_kernel_choice_round_trips_through_its_string():
         launch.KernelChoice("streams")
     with pytest.raises(ValueError, match="TileConfig"):
         launch.KernelChoice(backward="kv64-staged")
+    for budget in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match="ds_budget_bytes must be a positive int"):
+            launch.KernelChoice(backward=EXPERIMENTAL_CONFIGS["kv64-ds"], ds_budget_bytes=budget)
+    with pytest.raises(ValueError, match="ds_budget_bytes needs a backward that writes dS"):
+        launch.KernelChoice(ds_budget_bytes=1 << 30)
 
 
 def test_forward_variant_labels_read_back_as_the_variant():

@@ -285,6 +285,14 @@ def test_head_chunks_cover_every_head_once_within_the_budget(monkeypatch):
     assert chunks == [slice(0, 3), slice(3, 6), slice(6, 8)]
     assert ops.head_chunks(1, 8, 1, 16) == [slice(0, 8)]  # small calls: one launch
     assert ops.head_chunks(2, 8, 10**6, 128) == [slice(h, h + 1) for h in range(8)]
+    # the dS buffer's budget: the module's, or the call's; as few chunks as it allows, even
+    monkeypatch.setattr(ops, "DS_BUDGET_BYTES", 3 * 10 * ops.DS_TILE_BYTES)
+    assert ops.head_chunks(1, 8, 1, 16, 10) == [slice(0, 3), slice(3, 6), slice(6, 8)]
+    assert ops.head_chunks(1, 8, 1, 16, 10, 5 * 10 * ops.DS_TILE_BYTES) == [
+        slice(0, 4),
+        slice(4, 8),
+    ]
+    assert ops.head_chunks(1, 8, 1, 16, 10, 1) == [slice(h, h + 1) for h in range(8)]
 
 
 @pytest.mark.parametrize("block_shape", [(64, 64), (128, 128)])

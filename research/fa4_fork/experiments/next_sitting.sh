@@ -247,8 +247,16 @@ session26h)
   bash benchmarks/gpu_sitting.sh \
     "step bench 200 python3 benchmarks/bench_video.py --shapes wan480p wan720p --sparsities 0.875 --modes fwd+bwd --arms fa4 fa4_ds_backward --warmup 2 --reps 4 --no-pieces --time-budget-min 3 --out \$OUT/bench_video-ds.json"
   ;;
+session27)
+  # Prepared in session 26: the default question for the dS-writing backward. Its whole op at
+  # Wan 480p in one launch (fa4_ds_backward_one_chunk: 4.8 GB of dS) against three chunks and
+  # the shipped backward, both latents, both views; then the dQ pass's counters again.
+  bash benchmarks/gpu_sitting.sh \
+    "step bench 330 python3 benchmarks/bench_video.py --shapes wan480p wan720p --sparsities 0.875 --modes fwd+bwd --arms fa4 fa4_ds_backward fa4_ds_backward_one_chunk --warmup 2 --reps 5 --no-pieces --time-budget-min 5 --out \$OUT/bench_video-ds-chunks.json" \
+    "step ncu 100 ncu --clock-control none --kernel-name regex:_dq_from_ds --launch-skip 2 --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats --csv --page details python3 -m $X.dq_pass_alone --stages 5"
+  ;;
 *)
-  echo "usage: $0 grid | bwd-counters | bwd-split | session19 | session21 | session22 [tests|bench] | session23 [tests|props|bench|second|block-props] | session24 [tests|final|profile|bench] | session25 | session25-cost | session25-regress | session25-steps | session26 | session26b | session26c | session26d | session26e | session26f | session26g | session26h" >&2
+  echo "usage: $0 grid | bwd-counters | bwd-split | session19 | session21 | session22 [tests|bench] | session23 [tests|props|bench|second|block-props] | session24 [tests|final|profile|bench] | session25 | session25-cost | session25-regress | session25-steps | session26 | session26b | session26c | session26d | session26e | session26f | session26g | session26h | session27" >&2
   exit 2
   ;;
 esac

@@ -128,11 +128,14 @@ class KernelChoice:
     the fork's entry points): ``forward``, the `ForwardVariant` of the fork's forwards;
     ``backward``, the tile configuration (``flash_attn_vsa.bwd_sm90.TileConfig``, e.g. one of
     ``flash_attn_vsa.experimental.bwd_configs``) of the KV64 backward, None for the shipped one
-    of each block size (``bwd_sm90.config_for``). The custom ops carry it as `encode`'s
-    string ("" for `SHIPPED`)."""
+    of each block size (``bwd_sm90.config_for``); ``ds_budget_bytes``, with a backward that
+    writes dS (``TileConfig.dq_from_ds``), the most bytes its dS buffer may take in one launch
+    (None: `vsa_fa4.ops.DS_BUDGET_BYTES`; calls beyond it run in head chunks). The custom ops
+    carry it as `encode`'s string ("" for `SHIPPED`)."""
 
     forward: ForwardVariant = SHIPPED_FORWARD
     backward: TileConfig | None = None
+    ds_budget_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.forward, ForwardVariant):
@@ -142,10 +145,18 @@ class KernelChoice:
 
             if not isinstance(self.backward, TileConfig):
                 raise ValueError(f"backward must be a TileConfig or None, got {self.backward!r}")
+        if self.ds_budget_bytes is not None:
+            budget = self.ds_budget_bytes
+            if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+                raise ValueError(f"ds_budget_bytes must be a positive int, got {budget!r}")
+            if self.backward is None or not self.backward.dq_from_ds:
+                raise ValueError("ds_budget_bytes needs a backward that writes dS (dq_from_ds)")
         key = ""
         if self.forward != SHIPPED_FORWARD or self.backward is not None:
             backward = None if self.backward is None else asdict(self.backward)
             data = {"forward": asdict(self.forward), "backward": backward}
+            if self.ds_budget_bytes is not None:
+                data["ds_budget_bytes"] = self.ds_budget_bytes
             key = json.dumps(data, sort_keys=True)
         object.__setattr__(self, "_key", key)  # not a field: made once, read when traced
 
@@ -170,7 +181,7 @@ def _decoded(key: str) -> KernelChoice:
         from flash_attn_vsa.bwd_sm90 import TileConfig
 
         backward = TileConfig(**data["backward"])
-    return KernelChoice(ForwardVariant(**data["forward"]), backward)
+    return KernelChoice(ForwardVariant(**data["forward"]), backward, data.get("ds_budget_bytes"))
 
 
 SHIPPED = KernelChoice()

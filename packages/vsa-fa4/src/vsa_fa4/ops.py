@@ -195,16 +195,23 @@ head a chunk at least. At S=32768 with 64 of 512 key blocks a head takes 256 MiB
 
 
 def head_chunks(
-    batch: int, heads: int, q_len: int, head_dim: int, ds_tiles_per_head: int = 0
+    batch: int,
+    heads: int,
+    q_len: int,
+    head_dim: int,
+    ds_tiles_per_head: int = 0,
+    ds_budget_bytes: int | None = None,
 ) -> list[slice]:
     """Head ranges whose backward calls each keep FA4's dQ accumulator within
     `DQ_ACCUM_BUDGET_BYTES` and, with ``ds_tiles_per_head`` (the dS-writing backward's 64x64
-    tiles a head), the dS buffer within `DS_BUDGET_BYTES` (one range, all heads, when the
-    whole call does), in as few ranges as that allows, of sizes as even as they go."""
+    tiles a head), the dS buffer within ``ds_budget_bytes`` (None: `DS_BUDGET_BYTES`; one
+    range, all heads, when the whole call does), in as few ranges as that allows, of sizes as
+    even as they go."""
     per_head = batch * q_len * head_dim * 4
     step = max(1, min(heads, DQ_ACCUM_BUDGET_BYTES // max(per_head, 1)))
     if ds_tiles_per_head:
-        step = max(1, min(step, DS_BUDGET_BYTES // (ds_tiles_per_head * DS_TILE_BYTES)))
+        budget = DS_BUDGET_BYTES if ds_budget_bytes is None else ds_budget_bytes
+        step = max(1, min(step, budget // (ds_tiles_per_head * DS_TILE_BYTES)))
     step = -(-heads // -(-heads // step))  # as many chunks, as even as they go (12: 4+4+4)
     return [slice(h, min(h + step, heads)) for h in range(0, heads, step)]
 
@@ -240,11 +247,12 @@ def backward_impl(
     dq, dk, dv = _bshd(q, q.shape[-1]), _bshd(k, k.shape[-1]), _bshd(v, v.shape[-1])
     valid = kv_valid_sizes.contiguous()
     batch, q_len, heads, head_dim = q.shape
-    config = launch.KernelChoice.decode(kernels).backward
+    choice = launch.KernelChoice.decode(kernels)
+    config = choice.backward
     rotate = rotation_width(q.device) * launch.backward_ctas_per_sm((q_tile, kv_tile), config)
     tensors = (dout, q, k, v, out, lse, dq, dk, dv, kv_indices, kv_counts)
     if config is not None and config.dq_from_ds:
-        _backward_from_ds(tensors, valid, scale, (q_tile, kv_tile), masked, config, rotate)
+        _backward_from_ds(tensors, valid, scale, (q_tile, kv_tile), masked, choice, rotate)
         return dq, dk, dv
     for chunk in _head_ranges(tensors, head_chunks(batch, heads, q_len, head_dim)):
         *grads_from, indices, counts = chunk
@@ -261,7 +269,7 @@ def _backward_from_ds(
     scale: float,
     block_size: tuple[int, int],
     masked: bool,
-    config: launch.TileConfig,
+    choice: launch.KernelChoice,
     rotate: int,
 ) -> None:
     """`backward_impl` on the dS-writing backward (delta 12): per head chunk, the key-owned
@@ -276,7 +284,7 @@ def _backward_from_ds(
     q, kv_indices = tensors[1], tensors[-2]
     batch, q_len, heads, head_dim = q.shape
     tiles_per_head = batch * kv_indices.shape[-2] * kv_indices.shape[-1]
-    chunks = head_chunks(batch, heads, q_len, head_dim, tiles_per_head)
+    chunks = head_chunks(batch, heads, q_len, head_dim, tiles_per_head, choice.ds_budget_bytes)
     most = max(c.stop - c.start for c in chunks)
     ds = q.new_empty((max(tiles_per_head * most, 1) * 64, 64))
     for chunk in _head_ranges(tensors, chunks):
@@ -287,7 +295,7 @@ def _backward_from_ds(
         starts = slot_starts(lists)
         launch.run_backward(
             dout, q, k, v, out, lse, dq, dk, dv, lists, valid, scale, block_size, masked,
-            config=config, ds_out=(ds, starts),
+            config=choice.backward, ds_out=(ds, starts),
         )  # fmt: skip
         slots = entry_slots(indices, counts, positions, starts, valid)
         dq_from_ds(ds, k, dq, indices, counts, slots, scale)
