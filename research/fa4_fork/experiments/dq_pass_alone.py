@@ -25,8 +25,8 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=32768)
     ap.add_argument("--heads", type=int, default=12)
     ap.add_argument("--calls", type=int, default=4)
-    ap.add_argument("--stages", type=int, default=3)
-    ap.add_argument("--warps", type=int, default=4)
+    ap.add_argument("--stages", type=int, default=DqPassConfig.stages)
+    ap.add_argument("--warps", type=int, default=DqPassConfig.warps)
     args = ap.parse_args()
     lay = topk_lists(args.seq, args.heads, 0.125, 64)
     idx, cnt, valid = lay.kv_indices, lay.kv_counts, lay.kv_valid_sizes
