@@ -29,8 +29,11 @@ and before the next, so no read races the next tile's write), and a step's slot 
 plus the count: one global load a tile. The step writes its dS into an 8 KB staging tile in
 shared memory (where upstream's dQ buffers were), and after the PdS barrier that makes it
 visible, MMA thread 0 sends it as one bulk copy; thread 0 waits for the copy's read at the
-next step's start. (Stored straight from registers, 16 32-bit stores a thread a step, the
-kernel ran 4.25 ms against 4.05 for this at S=32768; session 26.)
+next step's start. On an H200 at S=32768, H=12, 87.5% (session 26, experiment 21) the kernel
+runs 3.2 ms, the time of the shipped kernel with dQ never sent: writing dS costs nothing.
+Stored straight from registers (16 32-bit stores a thread a step) it ran 4.25 ms; staged
+row-major with the slot start loaded every step, 4.05 ms (8-way bank conflicts, and thread 0
+waiting on the load ahead of the dK MMA).
 
 `vsa_fa4` builds ``slot_starts`` (an exclusive sum of the lists' counts) and, for the dQ pass,
 each forward list entry's position in its key tile's list (`vsa_fa4.backward_lists_triton`).
