@@ -116,8 +116,8 @@ def check_backward_on_the_model() -> int:
     """`vsa_fa4.ops.backward_impl` with the dS-writing backward (lists with places, slots, the
     dQ pass), the key-owned kernel replaced by `fa4_model` (its dS tiles written as the kernel
     writes them), against the model's plain backward: in one launch, and in head chunks that
-    share one dS buffer (a budget of two heads' tiles: chunks of 2, 2 and 1). fp16, partial
-    and empty key blocks, empty lists."""
+    share one dS buffer (a budget of two heads' tiles: chunks of 2, 2 and 1). Two batches with
+    lists of their own, fp16, partial and empty key blocks, empty lists."""
     import fa4_model
     from test_lists_triton import random_lists
 
@@ -125,17 +125,19 @@ def check_backward_on_the_model() -> int:
     from vsa_fa4 import launch, ops
 
     launch.run_forward, launch.run_backward = fa4_model.run_forward, fa4_model.run_backward
-    heads, num_q, num_kv, dim = 5, 6, 7, 32
+    batch, heads, num_q, num_kv, dim = 2, 5, 6, 7, 32
     idx, cnt, valid = random_lists(11, num_q, num_kv, 4, 64, heads=heads)
+    other = random_lists(13, num_q, num_kv, 4, 64, heads=heads)  # the second batch's lists
+    idx, cnt = torch.cat([idx, other[0]]), torch.cat([cnt, other[1]])
     gen = torch.Generator().manual_seed(12)
-    q = torch.randn(1, num_q * 64, heads, dim, generator=gen).half()
-    k, v = (torch.randn(1, num_kv * 64, heads, dim, generator=gen).half() for _ in range(2))
+    q = torch.randn(batch, num_q * 64, heads, dim, generator=gen).half()
+    k, v = (torch.randn(batch, num_kv * 64, heads, dim, generator=gen).half() for _ in range(2))
     dout = torch.randn(q.shape, generator=gen).half()
     for j, size in enumerate(valid.tolist()):  # finite padding garbage
-        k[0, 64 * j + size : 64 * j + 64], v[0, 64 * j + size : 64 * j + 64] = 1.0e3, -1.0e3
+        k[:, 64 * j + size : 64 * j + 64], v[:, 64 * j + size : 64 * j + 64] = 1.0e3, -1.0e3
     out, lse = ops.forward_impl(q, k, v, idx, cnt, valid, 0.2, 64, 64, True)
     want = ops.backward_impl(dout, q, k, v, out, lse, idx, cnt, valid, 0.2, 64, 64, True)
-    tiles = num_q * idx.shape[-1]
+    tiles = batch * num_q * idx.shape[-1]
     checked = 0
     for budget in (None, 2 * tiles * ops.DS_TILE_BYTES):
         kernels = launch.KernelChoice(backward=KV64_DS_CONFIG, ds_budget_bytes=budget).encode()
