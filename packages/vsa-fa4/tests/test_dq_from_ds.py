@@ -116,8 +116,9 @@ def check_backward_on_the_model() -> int:
     """`vsa_fa4.ops.backward_impl` with the dS-writing backward (lists with places, slots, the
     dQ pass), the key-owned kernel replaced by `fa4_model` (its dS tiles written as the kernel
     writes them), against the model's plain backward: in one launch, and in head chunks that
-    share one dS buffer (a budget of two heads' tiles: chunks of 2, 2 and 1). Two batches with
-    lists of their own, fp16, partial and empty key blocks, empty lists."""
+    share one dS buffer (a budget of two heads' tiles: chunks of 2, 2 and 1), and on lists
+    without a mask (every key block full). Two batches with lists of their own, fp16, partial
+    and empty key blocks, empty lists."""
     import fa4_model
     from test_lists_triton import random_lists
 
@@ -135,17 +136,22 @@ def check_backward_on_the_model() -> int:
     dout = torch.randn(q.shape, generator=gen).half()
     for j, size in enumerate(valid.tolist()):  # finite padding garbage
         k[:, 64 * j + size : 64 * j + 64], v[:, 64 * j + size : 64 * j + 64] = 1.0e3, -1.0e3
-    out, lse = ops.forward_impl(q, k, v, idx, cnt, valid, 0.2, 64, 64, True)
-    want = ops.backward_impl(dout, q, k, v, out, lse, idx, cnt, valid, 0.2, 64, 64, True)
     tiles = batch * num_q * idx.shape[-1]
+    full = torch.full_like(valid, 64)  # every key block full: the lists without a mask
+    kf, vf = (torch.randn(k.shape, generator=gen).half() for _ in range(2))  # no padding
     checked = 0
-    for budget in (None, 2 * tiles * ops.DS_TILE_BYTES):
+    for budget, sizes, masked in ((None, valid, True), (2 * tiles * ops.DS_TILE_BYTES, valid,
+                                  True), (None, full, False)):  # fmt: skip
+        if not masked:
+            k, v = kf, vf
+        args = (idx, cnt, sizes, 0.2, 64, 64, masked)
+        out, lse = ops.forward_impl(q, k, v, *args)
+        want = ops.backward_impl(dout, q, k, v, out, lse, *args)
         kernels = launch.KernelChoice(backward=KV64_DS_CONFIG, ds_budget_bytes=budget).encode()
-        got = ops.backward_impl(dout, q, k, v, out, lse, idx, cnt, valid, 0.2, 64, 64, True,
-                                kernels)  # fmt: skip
+        got = ops.backward_impl(dout, q, k, v, out, lse, *args, kernels)
         for name, a, b in zip(("dq", "dk", "dv"), got, want, strict=True):
             err = ((a.double() - b.double()).norm() / b.double().norm()).item()
-            assert err <= 2e-3, f"{name} with a dS budget of {budget} bytes: {err}"
+            assert err <= 2e-3, f"{name}, dS budget {budget} bytes, masked {masked}: {err}"
         checked += 1
     return checked
 
@@ -165,7 +171,7 @@ def test_positions_and_dq_pass_under_the_interpreter():
     assert_checked_under_interpreter(__file__, 3 * len(CASES) + MODEL_CHECKS)
 
 
-MODEL_CHECKS = 2
+MODEL_CHECKS = 3
 """`check_backward_on_the_model`'s checks (run on the CPU only)."""
 
 if __name__ == "__main__":

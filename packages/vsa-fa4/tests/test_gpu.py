@@ -256,20 +256,30 @@ def test_explicit_kernel_choices_match_the_reference(forward, backward):
     not torch.cuda.is_available() or _capability() != (9, 0), reason="the fork's kernels: sm_90"
 )
 @pytest.mark.parametrize(
-    "chunked,head_dim", [(False, 128), (True, 128), (False, 64)], ids=["one-chunk", "head-chunks",
-                                                                       "d64"]
-)  # fmt: skip
-def test_ds_backward_matches_the_reference_and_reruns_bitwise(chunked, head_dim, monkeypatch):
+    "chunked,head_dim,all_full",
+    [(False, 128, False), (True, 128, False), (False, 64, False), (False, 128, True)],
+    ids=["one-chunk", "head-chunks", "d64", "all-full"],
+)
+def test_ds_backward_matches_the_reference_and_reruns_bitwise(
+    chunked, head_dim, all_full, monkeypatch
+):
     """The dS-writing backward (delta 12) and its dQ pass through the whole op: gradients
     match the reference on a layout with partial, empty and unselected key blocks and empty
     lists, and three runs on the same inputs (the third replays the kernel's launch) give the
     same bits in dq, dk and dv. ``head-chunks``: a dS budget of three heads' tiles makes two
-    chunks of 2 heads that share one dS buffer."""
+    chunks of 2 heads that share one dS buffer; ``all-full``: every key block full, so the
+    kernel runs without its mask (the dS buffers are then its only aux tensors)."""
     from flash_attn_vsa.bwd_sm90 import KV64_DS_CONFIG
     from vsa_core.backends import register_backend, unregister_backend
     from vsa_fa4.launch import KernelChoice
 
     layout = make_layout((64, 64))
+    if all_full:  # every key block full: the kernel without a mask, two aux tensors
+        layout = BlockSparseLayout.from_indices(
+            layout.kv_indices.cpu(), layout.kv_counts.cpu(),
+            kv_valid_sizes=torch.full_like(layout.kv_valid_sizes.cpu(), 64), block_shape=(64, 64),
+        ).to("cuda")  # fmt: skip
+        assert layout.kv_blocks_full
     tiles_per_head = layout.batch * layout.kv_indices.shape[2] * layout.kv_indices.shape[3]
     if chunked:
         monkeypatch.setattr(ops, "DS_BUDGET_BYTES", 3 * tiles_per_head * ops.DS_TILE_BYTES)
