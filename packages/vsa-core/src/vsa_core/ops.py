@@ -166,7 +166,8 @@ def video_sparse_attn(
         deterministic: bitwise-reproducible output and gradients (of q, k, v and the gate),
             run to run, on the same inputs, device, versions and settings (the module doc
             says how each part keeps it). ``auto`` then picks a backend that runs the call
-            so (``triton`` for training on a GPU: fa4's backward is not reproducible); a named
+            so (in training on a GPU fa4 for 64x64 tiles on sm_90, through its dS-writing
+            backward, else ``triton``); a named
             ``backend`` or ``coarse_backend`` that cannot raises ValueError. The coarse
             attention runs on SDPA's math backend, which holds its [B, H, N, N] scores (N
             tiles) instead of streaming them. What it costs at Wan sizes: README, "Using it".
