@@ -175,6 +175,45 @@ def test_block_sparse_attn_routes_the_flag(fresh_registry):
         block_sparse_attn(q, k, v, _layout(), backend="picky", deterministic=True)
 
 
+class Twinned(Recorder):
+    """Runs deterministic training on a configured instance of itself (`Backend.for_call`),
+    as vsa-fa4 does with its dS-writing backward."""
+
+    def __init__(self, name):
+        super().__init__(name)
+        self.twin = Recorder(name)
+
+    def for_call(self, call):
+        return self.twin if call.deterministic and call.requires_grad else self
+
+
+@pytest.mark.parametrize("op", ["block_sparse_attn", "video_sparse_attn"])
+def test_ops_run_the_backend_that_for_call_names(fresh_registry, op):
+    """The ops run what the chosen backend's `for_call` returns for the call: its twin for
+    deterministic training, itself for the rest."""
+    twinned = Twinned("twinned")
+    register_backend(twinned)
+    tiling, q, k, v, gate = _video_inputs()
+
+    def run(**flags):
+        if op == "block_sparse_attn":
+            block_sparse_attn(q, k, v, _layout_for(q), **flags)
+        else:
+            video_sparse_attn(q, k, v, tiling=tiling, topk=3, coarse_gate=gate, **flags)
+
+    run()
+    run(deterministic=True)
+    with torch.no_grad():
+        run(deterministic=True)
+    assert (twinned.calls, twinned.twin.calls) == (2, 1)
+
+
+def _layout_for(q):
+    blocks = q.shape[1] // 64
+    mask = torch.ones(1, q.shape[2], blocks, blocks, dtype=torch.bool)
+    return BlockSparseLayout.from_block_mask(mask, torch.full((blocks,), 64), (64, 64))
+
+
 def _video_inputs(dtype=torch.float32, gate=True):
     tiling = VideoTiling((5, 6, 7), tile_shape=(4, 4, 4))  # partial tiles on every side
     gen = torch.Generator().manual_seed(3)
