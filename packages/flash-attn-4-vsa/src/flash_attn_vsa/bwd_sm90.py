@@ -108,7 +108,8 @@ class TileConfig:
     dq_from_ds: bool = False
     """Ours (with ``dq_parts``, which then only sizes nothing): no dQ in this kernel; each step
     writes its dS to the buffer in the call's last aux tensors, for a query-owned pass to
-    compute dQ from (delta 12, `bwd_sm90_ds_out`). dQ comes out of this call zero."""
+    compute dQ from (delta 12, `bwd_sm90_ds_out`). The call leaves dq as it was (upstream's
+    dQ conversion is skipped for it)."""
     direction: ClassVar[str] = "bwd"  # what `build_scope.current` tells apart
 
     def upstream(self) -> Any:

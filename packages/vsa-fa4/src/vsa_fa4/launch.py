@@ -508,7 +508,7 @@ def run_backward(
     (`flash_attn_vsa.bwd_sm90`; upstream refuses them) with the tile configuration ``config``
     (None: the shipped one for the block size), everything else on upstream's
     ``_flash_attn_bwd`` (``config`` must then be None). ``ds_out``: (the dS buffer, the slot
-    starts) for a ``config`` that writes dS (``dq_from_ds``: dq then comes out zero, for
+    starts) for a ``config`` that writes dS (``dq_from_ds``: dq is then left as it was, for
     `vsa_fa4.dq_from_ds_triton` to compute), and only for one."""
     tensors_cls, mask_mod = _upstream()
     fork = _runs_on_fork_kv64(block_size)
