@@ -51,7 +51,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 from flash_attn_vsa.build_scope import trace_stack, traced
 
@@ -82,13 +82,26 @@ def traced_step_operands(bound: dict[str, Any]) -> Iterator[None]:
             f"the dS-writing backward needs its {DS_AUX_TENSORS} aux tensors (dS, slot starts) "
             f"after the mask's, got {len(tensors)} aux tensors"
         )
-    names = ("tiled_mma_SdP", "tidx", "sdQaccum")
-    dtype = bound["self"].dtype
-    with traced(_STACK, (*(bound[n] for n in names), tensors[-2], tensors[-1], dtype)):
+    operands = _StepOperands(
+        bound["tiled_mma_SdP"], bound["tidx"], bound["sdQaccum"], tensors[-2], tensors[-1],
+        bound["self"].dtype,
+    )  # fmt: skip
+    with traced(_STACK, operands):
         yield
 
 
-def _operands() -> tuple[Any, ...]:
+class _StepOperands(NamedTuple):
+    """What `traced_step_operands` pushes for the steps of one ``mma`` trace."""
+
+    tiled_mma: Any  # the S / dP MMA, whose C partition the staged dS follows
+    tidx: Any
+    words: Any  # ``sdQaccum``: the staging tile, then the first-step word
+    ds: Any  # aux: the dS buffer
+    slot_starts: Any  # aux: each key tile's first slot
+    dtype: Any
+
+
+def _operands() -> _StepOperands:
     return trace_stack(_STACK)[-1]
 
 
@@ -103,11 +116,11 @@ def _staging() -> Any:
     writes fall in different banks."""
     from cutlass import cute
 
-    sdQaccum, dtype = _operands()[2], _operands()[5]
+    operands = _operands()
     layout = cute.make_composed_layout(
         cute.make_swizzle(*DS_SWIZZLE), 0, cute.make_layout((64, 64), stride=(64, 1))
     )
-    return cute.make_tensor(cute.recast_ptr(sdQaccum.iterator, dtype=dtype), layout)
+    return cute.make_tensor(cute.recast_ptr(operands.words.iterator, dtype=operands.dtype), layout)
 
 
 DS_SWIZZLE = (3, 3, 3)
@@ -122,9 +135,8 @@ def _first_step_word() -> Any:
     import cutlass
     from cutlass import cute
 
-    sdQaccum = _operands()[2]
     return cute.make_tensor(
-        cute.recast_ptr(sdQaccum.iterator + STAGING_WORDS, dtype=cutlass.Int32),
+        cute.recast_ptr(_operands().words.iterator + STAGING_WORDS, dtype=cutlass.Int32),
         cute.make_layout(1),
     )
 
@@ -142,13 +154,13 @@ def _jitted() -> tuple[Any, Any, Any]:
         a tile, not one a step in the MMAs' path); thread 0 waits until the last step's bulk
         copy has read the staging tile (the others write it only after the step's PdS
         barrier, which thread 0 reaches after this)."""
-        tidx, slot_starts = _operands()[1], _operands()[4]
-        if tidx == 0:
+        operands = _operands()
+        if operands.tidx == 0:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
         if not dKV_accumulate:
             tile = getattr(mask_fn, "keywords", {})
             batch_idx, head_idx, n_block = (tile[k] for k in ("batch_idx", "head_idx", "n_block"))
-            first = slot_starts[batch_idx, head_idx, n_block]
+            first = operands.slot_starts[batch_idx, head_idx, n_block]
             _first_step_word()[0] = first - consumer_state_Q.count
 
     @cute.jit
@@ -159,18 +171,19 @@ def _jitted() -> tuple[Any, Any, Any]:
         barrier)."""
         from flash_attn.cute import utils
 
-        tiled_mma, tidx, _, ds, _, _ = _operands()
+        operands = _operands()
         slot = _first_step_word()[0] + consumer_state_Q.count
-        tds = tiled_mma.get_slice(tidx).partition_C(_staging())
+        tds = operands.tiled_mma.get_slice(operands.tidx).partition_C(_staging())
         cute.autovec_copy(utils.cvt_f16(acc_dS, kernel.dtype), tds)
-        return (ds.iterator + cutlass.Int64(slot) * (kernel.tile_m * kernel.tile_n)).toint()
+        return (
+            operands.ds.iterator + cutlass.Int64(slot) * (kernel.tile_m * kernel.tile_n)
+        ).toint()
 
     @cute.jit
     def send_ds(kernel: Any, address: Any) -> None:
         """Thread 0 sends the staged tile to ``address`` as one bulk copy (after the PdS
         barrier that follows the staging writes and their proxy fence)."""
-        tidx = _operands()[1]
-        if tidx == 0:
+        if _operands().tidx == 0:
             target = cute.make_ptr(kernel.dtype, address, cute.AddressSpace.gmem, assumed_align=16)
             copy_utils.cpasync_bulk_s2g(_staging().iterator, target, 64 * 64 * 2)
             cute.arch.cp_async_bulk_commit_group()
