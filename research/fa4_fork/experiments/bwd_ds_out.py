@@ -46,7 +46,7 @@ def run_length(emit, seq: int, heads: int, keep: float, reps: int, sms: int) -> 
     from vsa_core.rotation import rotation_width
     from vsa_fa4 import launch
     from vsa_fa4.backward_lists_triton import backward_lists_with_positions
-    from vsa_fa4.dq_from_ds_triton import dq_from_ds, entry_slots, slot_starts
+    from vsa_fa4.dq_from_ds_triton import dq_from_ds, ds_slots
     from vsa_fa4.metadata import backward_lists
     from vsa_fa4.ops import backward_impl, forward_impl
 
@@ -81,14 +81,14 @@ def run_length(emit, seq: int, heads: int, keep: float, reps: int, sms: int) -> 
 
     # the parts, on lists and buffers built once
     rotate = rotation_width(q.device) * KV64_DS_CONFIG.ctas_per_sm
-    lists, positions = backward_lists_with_positions(idx, cnt, valid, KV, False, rotate)
-    starts = slot_starts(lists)
+    placed = ds_slots(idx, cnt, valid, False, rotate)
     ds = q.new_empty((idx.shape[1] * idx.shape[2] * idx.shape[3] * KV, KV))
     grads = [torch.empty_like(t) for t in (q, k, v)]
 
     def keys():
-        launch.run_backward(dout, q, k, v, out, lse, *grads, lists, valid, scale, (KV, KV),
-                            False, config=KV64_DS_CONFIG, ds_out=(ds, starts))  # fmt: skip
+        launch.run_backward(dout, q, k, v, out, lse, *grads, placed.lists, valid, scale,
+                            (KV, KV), False, config=KV64_DS_CONFIG,
+                            ds_out=(ds, placed.starts))  # fmt: skip
 
     no_dq = ABLATIONS["kv64-two-ctas-no-dq"]
     plain = backward_lists(idx, cnt, valid, KV, masked=False, rotate_sms=rotate)
@@ -97,10 +97,8 @@ def run_length(emit, seq: int, heads: int, keep: float, reps: int, sms: int) -> 
         launch.run_backward(dout, q, k, v, out, lse, *grads, plain, valid, scale, (KV, KV),
                             False, config=no_dq)  # fmt: skip
 
-    slots = entry_slots(idx, cnt, positions, starts, valid)
-
     def dq_pass(config):
-        return lambda: dq_from_ds(ds, k, grads[0], idx, cnt, slots, scale, config)
+        return lambda: dq_from_ds(ds, k, grads[0], idx, cnt, placed.slots, scale, config)
 
     calls = {
         "shipped": lambda: op(""),

@@ -16,8 +16,7 @@ import torch
 
 def main() -> None:
     from vsa_core.rotation import rotation_width
-    from vsa_fa4.backward_lists_triton import backward_lists_with_positions
-    from vsa_fa4.dq_from_ds_triton import DqPassConfig, dq_from_ds, entry_slots, slot_starts
+    from vsa_fa4.dq_from_ds_triton import DqPassConfig, dq_from_ds, ds_slots
 
     from .bwd_dq_parts import topk_lists
 
@@ -31,8 +30,7 @@ def main() -> None:
     lay = topk_lists(args.seq, args.heads, 0.125, 64)
     idx, cnt, valid = lay.kv_indices, lay.kv_counts, lay.kv_valid_sizes
     rotate = rotation_width(idx.device) * 2
-    lists, positions = backward_lists_with_positions(idx, cnt, valid, 64, False, rotate)
-    slots = entry_slots(idx, cnt, positions, slot_starts(lists), valid)
+    slots = ds_slots(idx, cnt, valid, False, rotate).slots
     k, dq = (
         torch.randn(1, args.seq, args.heads, 128, device="cuda", dtype=torch.bfloat16)
         for _ in range(2)

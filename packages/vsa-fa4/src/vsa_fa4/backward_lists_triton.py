@@ -36,6 +36,8 @@ imports it only for real CUDA tensors.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -207,9 +209,7 @@ def _build(
 ) -> tuple[SparseLists, torch.Tensor | None]:
     *lead, num_q, width = kv_indices.shape
     num_kv = kv_valid_sizes.shape[0]
-    rows = 1
-    for n in lead:
-        rows *= n
+    rows = math.prod(lead)
     device = kv_indices.device
     q_indices = torch.empty(*lead, num_kv, num_q * q_split, dtype=torch.int32, device=device)
     full_cnt = torch.empty(*lead, num_kv, dtype=torch.int32, device=device)

@@ -8,7 +8,8 @@ half of it from HBM (Nsight Compute, S=32768, H=12: L2 hit rate 31%, DRAM 85% bu
 `entry_slots` first says where each forward list entry's dS tile is: its key block's first
 slot (`slot_starts`) plus the entry's place in that key block's backward list
 (`vsa_fa4.backward_lists_triton.backward_lists_with_positions`), or -1 for a key block with no
-valid token (the key-owned kernel never walks it, so no tile is its). Then `dq_from_ds`, one
+valid token (the key-owned kernel never walks it, so no tile is its); `ds_slots` builds the
+lists with both. Then `dq_from_ds`, one
 program per (batch x head, 64-row query block), walks the block's forward list in order and
 accumulates ``dS[slot] @ K[key block]`` in float32 registers, and writes ``scale *`` the sum in
 dQ's dtype: no atomics and a fixed order, so dQ is bitwise the same run to run. In a tile, row
@@ -29,12 +30,15 @@ as a ``while`` loop, which is all Triton 3.6's interpreter takes with a loaded b
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+from vsa_fa4.backward_lists_triton import backward_lists_with_positions
 from vsa_fa4.lists import SparseLists
 from vsa_triton.environment import interpreting
 from vsa_triton.launch_cache import launch
@@ -156,6 +160,34 @@ def _dq_from_ds(
     tl.store(out, (acc * scale).to(dq_ptr.dtype.element_ty), mask=q_rows[:, None] < q_len)
 
 
+class DsSlots(NamedTuple):
+    """Where the dS-writing backward's tiles go (`ds_slots`)."""
+
+    lists: SparseLists
+    """The key-owned lists the kernel walks."""
+    starts: torch.Tensor
+    """Each key block's first slot [B, H, NKV] (`slot_starts`: the kernel's aux tensor)."""
+    slots: torch.Tensor
+    """Each forward entry's slot [B, H, NQ, W] (`entry_slots`: what the dQ pass reads)."""
+
+
+def ds_slots(
+    kv_indices: torch.Tensor,
+    kv_counts: torch.Tensor,
+    kv_valid_sizes: torch.Tensor,
+    masked: bool = True,
+    rotate_sms: int = 0,
+) -> DsSlots:
+    """The key-owned lists of 64x64 blocks (rotated by ``rotate_sms``, as `backward_lists`
+    does) with their slots, from the forward lists: three launches and a scan."""
+    lists, positions = backward_lists_with_positions(
+        kv_indices, kv_counts, kv_valid_sizes, BLOCK, masked, rotate_sms
+    )
+    starts = slot_starts(lists)
+    slots = entry_slots(kv_indices, kv_counts, positions, starts, kv_valid_sizes)
+    return DsSlots(lists, starts, slots)
+
+
 def slot_starts(lists: SparseLists) -> torch.Tensor:
     """Each key block's first dS slot [..., NKV] int32: the exclusive running sum of the
     backward ``lists``' counts (partial and full) over every (batch, head, key block) in
@@ -181,9 +213,7 @@ def entry_slots(
     block's backward list (``positions``), or -1 where the key block has no valid token.
     Entries past a list's count are left unwritten."""
     *lead, num_q, width = kv_indices.shape
-    rows = 1
-    for n in lead:
-        rows *= n
+    rows = math.prod(lead)
     slots = torch.empty_like(kv_indices, dtype=torch.int32)
     if rows and num_q * width:
         launch(

@@ -276,8 +276,7 @@ def _backward_from_ds(
     kernel writes dK, dV and every pair's dS, then `dq_from_ds` computes dQ from them in a
     fixed order (no atomics: dq, dk and dv are bitwise reproducible). One dS buffer, sized
     for the largest chunk, serves every chunk in turn."""
-    from vsa_fa4.backward_lists_triton import backward_lists_with_positions
-    from vsa_fa4.dq_from_ds_triton import dq_from_ds, entry_slots, slot_starts
+    from vsa_fa4.dq_from_ds_triton import dq_from_ds, ds_slots
 
     if tuple(block_size) != (64, 64):
         raise ValueError(f"the dS-writing backward runs 64x64 blocks, got {block_size}")
@@ -289,16 +288,14 @@ def _backward_from_ds(
     ds = q.new_empty((max(tiles_per_head * most, 1) * 64, 64))
     for chunk in _head_ranges(tensors, chunks):
         dout, q, k, v, out, lse, dq, dk, dv, indices, counts = chunk
-        lists, positions = backward_lists_with_positions(
-            indices, counts, valid, block_size[1], masked, rotate
-        )
-        starts = slot_starts(lists)
+        # contiguous once (a head chunk's are views): three kernels read them
+        indices, counts = indices.contiguous(), counts.contiguous()
+        placed = ds_slots(indices, counts, valid, masked, rotate)
         launch.run_backward(
-            dout, q, k, v, out, lse, dq, dk, dv, lists, valid, scale, block_size, masked,
-            config=choice.backward, ds_out=(ds, starts),
+            dout, q, k, v, out, lse, dq, dk, dv, placed.lists, valid, scale, block_size, masked,
+            config=choice.backward, ds_out=(ds, placed.starts),
         )  # fmt: skip
-        slots = entry_slots(indices, counts, positions, starts, valid)
-        dq_from_ds(ds, k, dq, indices, counts, slots, scale)
+        dq_from_ds(ds, k, dq, indices, counts, placed.slots, scale)
 
 
 _HEAD_DIMS = (2, 2, 2, 2, 2, 1, 2, 2, 2, 1, 1)
