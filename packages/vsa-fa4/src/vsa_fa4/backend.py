@@ -215,9 +215,6 @@ class FA4Backend(Backend):
         64x64); every other call: this backend."""
         if not (call.deterministic and call.requires_grad):
             return self
-        backward = self.kernels.backward
-        if self.schedule == "native" and backward is not None and backward.dq_from_ds:
-            return self  # already the twin
         return _deterministic_twin(self)
 
     def reads_key_padding_as_is(self, call: AttentionCall) -> bool:
@@ -353,11 +350,17 @@ class FA4Backend(Backend):
 
 
 def _deterministic_twin(backend: FA4Backend) -> FA4Backend:
-    """``backend`` with the dS-writing backward on the native plan, under its name."""
+    """``backend`` with a dS-writing backward (its own, with its dS budget, where its kernel
+    choice has one; else `KV64_DS_CONFIG`) on the native plan, under its name: ``backend``
+    itself when it is that already."""
     from flash_attn_vsa.bwd_sm90 import KV64_DS_CONFIG
     from vsa_fa4.launch import KernelChoice
 
-    kernels = KernelChoice(backend.kernels.forward, KV64_DS_CONFIG)
+    kernels = backend.kernels
+    if kernels.backward is None or not kernels.backward.dq_from_ds:
+        kernels = KernelChoice(kernels.forward, KV64_DS_CONFIG)
+    elif backend.schedule == "native":
+        return backend
     return FA4Backend("native", kernels, name=backend.name)
 
 
