@@ -82,12 +82,13 @@ def _mark_selected(
 
 @triton.jit
 def _hits(selected_ptr, bh, q0, kv, kv_ok, num_q, num_kv, BLOCK_Q: tl.constexpr):
-    """Query blocks ``q0 + [0, BLOCK_Q)`` and their [BLOCK_Q, BLOCK_KV] marks (int32: 0 where
-    not selected) on the key blocks ``kv`` from the map."""
+    """Query blocks ``q0 + [0, BLOCK_Q)``, their [BLOCK_Q, BLOCK_KV] marks (int32: 0 where not
+    selected) on the key blocks ``kv`` from the map, and the 0/1 hits."""
     q = q0 + tl.arange(0, BLOCK_Q)
     tile = (bh * num_q + q[:, None]) * num_kv + kv[None, :]
     inside = (q[:, None] < num_q) & kv_ok[None, :]
-    return q, tl.load(selected_ptr + tile, mask=inside, other=0).to(tl.int32)
+    mark = tl.load(selected_ptr + tile, mask=inside, other=0).to(tl.int32)
+    return q, mark, (mark > 0).to(tl.int32)
 
 
 @triton.jit
@@ -123,16 +124,14 @@ def _rank_selected(
         start = ((order * num_q) // rotate_sms) % num_q
         q0 = 0
         while q0 < num_q:
-            q, mark = _hits(selected_ptr, bh, q0, kv, kv_ok, num_q, num_kv, BLOCK_Q)
-            hit = (mark > 0).to(tl.int32)
+            q, _, hit = _hits(selected_ptr, bh, q0, kv, kv_ok, num_q, num_kv, BLOCK_Q)
             total += tl.sum(hit, axis=0)
             below += tl.sum(tl.where(q[:, None] < start[None, :], hit, 0), axis=0)
             q0 += BLOCK_Q
     offset = tl.zeros([BLOCK_KV], dtype=tl.int32)
     q0 = 0
     while q0 < num_q:
-        q, mark = _hits(selected_ptr, bh, q0, kv, kv_ok, num_q, num_kv, BLOCK_Q)
-        hit = (mark > 0).to(tl.int32)
+        q, mark, hit = _hits(selected_ptr, bh, q0, kv, kv_ok, num_q, num_kv, BLOCK_Q)
         rank = tl.cumsum(hit, axis=0)  # inclusive, per key block, in query order
         place = offset[None, :] + rank - 1 - below[None, :]
         place = tl.where(place < 0, place + total[None, :], place)
