@@ -75,6 +75,22 @@ def topk_lists(seq: int, heads: int, keep: float, q_block: int):
     return BlockSparseLayout.from_topk(picks, valid, (q_block, KV), all_full=True)
 
 
+def inputs_and_forward(seq: int, heads: int, keep: float, q_block: int, scale: float):
+    """The backward experiments' inputs: bf16 q, k, v, dout [1, seq, heads, 128] (seeded by
+    ``seq``), `topk_lists`, and the forward's out and lse on them (all key blocks full)."""
+    from vsa_fa4.ops import forward_impl
+
+    torch.manual_seed(seq)
+    q, k, v, dout = (
+        torch.randn(1, seq, heads, 128, device="cuda", dtype=torch.bfloat16) for _ in range(4)
+    )
+    lay = topk_lists(seq, heads, keep, q_block)
+    out, lse = forward_impl(
+        q, k, v, lay.kv_indices, lay.kv_counts, lay.kv_valid_sizes, scale, q_block, KV, False
+    )
+    return (q, k, v, dout), lay, (out, lse)
+
+
 def run_block(emit, seq: int, heads: int, keep: float, reps: int, sms: int, q_block: int):
     """Check, then time, the shipped kernel and each experimental configuration of one block
     size (``q_block`` x 64) against dense."""
@@ -82,18 +98,12 @@ def run_block(emit, seq: int, heads: int, keep: float, reps: int, sms: int, q_bl
     from flash_attn_vsa.experimental import bwd_configs
     from vsa_fa4 import launch
     from vsa_fa4.metadata import backward_lists
-    from vsa_fa4.ops import forward_impl
 
     from .kv64_bwd_configs import rel_l2, time_backwards_against_dense
 
-    dim, scale, block = 128, 128**-0.5, (q_block, KV)
-    torch.manual_seed(seq)
-    q, k, v, dout = (
-        torch.randn(1, seq, heads, dim, device="cuda", dtype=torch.bfloat16) for _ in range(4)
-    )
-    lay = topk_lists(seq, heads, keep, q_block)
+    scale, block = 128**-0.5, (q_block, KV)
+    (q, k, v, dout), lay, (out, lse) = inputs_and_forward(seq, heads, keep, q_block, scale)
     idx, cnt, valid = lay.kv_indices, lay.kv_counts, lay.kv_valid_sizes
-    out, lse = forward_impl(q, k, v, idx, cnt, valid, scale, q_block, KV, False)
     configs = {"shipped": bwd_sm90.config_for(block)}
     named = {**bwd_configs.EXPERIMENTAL_CONFIGS, **bwd_configs.ABLATIONS}
     # (the dS-writing configuration needs its dQ pass: experiment 21, `bwd_ds_out`)

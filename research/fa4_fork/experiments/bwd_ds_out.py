@@ -48,19 +48,14 @@ def run_length(emit, seq: int, heads: int, keep: float, reps: int, sms: int) -> 
     from vsa_fa4.backward_lists_triton import backward_lists_with_positions
     from vsa_fa4.dq_from_ds_triton import dq_from_ds, ds_slots
     from vsa_fa4.metadata import backward_lists
-    from vsa_fa4.ops import backward_impl, forward_impl
+    from vsa_fa4.ops import backward_impl
 
-    from .bwd_dq_parts import topk_lists
+    from .bwd_dq_parts import inputs_and_forward
     from .kv64_bwd_configs import rel_l2, time_backwards_against_dense
 
-    dim, scale = 128, 128**-0.5
-    torch.manual_seed(seq)
-    q, k, v, dout = (
-        torch.randn(1, seq, heads, dim, device="cuda", dtype=torch.bfloat16) for _ in range(4)
-    )
-    lay = topk_lists(seq, heads, keep, KV)
+    scale = 128**-0.5
+    (q, k, v, dout), lay, (out, lse) = inputs_and_forward(seq, heads, keep, KV, scale)
     idx, cnt, valid = lay.kv_indices, lay.kv_counts, lay.kv_valid_sizes
-    out, lse = forward_impl(q, k, v, idx, cnt, valid, scale, KV, KV, False)
     ds_kernels = launch.KernelChoice(backward=KV64_DS_CONFIG).encode()
 
     def op(kernels: str):
