@@ -194,6 +194,10 @@ head a chunk at least. At S=32768 with 64 of 512 key blocks a head takes 256 MiB
 720p (1,440 query blocks, 180 listed) 2.0 GiB."""
 
 
+DS_TILE_BYTES = 64 * 64 * 2
+"""Bytes of one dS tile (64x64, 16-bit)."""
+
+
 def head_chunks(
     batch: int,
     heads: int,
@@ -214,10 +218,6 @@ def head_chunks(
         step = max(1, min(step, budget // (ds_tiles_per_head * DS_TILE_BYTES)))
     step = -(-heads // -(-heads // step))  # as many chunks, as even as they go (12: 4+4+4)
     return [slice(h, min(h + step, heads)) for h in range(0, heads, step)]
-
-
-DS_TILE_BYTES = 64 * 64 * 2
-"""Bytes of one dS tile (64x64, 16-bit)."""
 
 
 def backward_impl(
