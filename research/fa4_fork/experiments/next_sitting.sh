@@ -251,10 +251,11 @@ session27)
   # Prepared in session 26: the default question for the dS-writing backward. Its whole op at
   # Wan 480p in one launch (fa4_ds_backward_one_chunk: 4.8 GB of dS) against three chunks and
   # the shipped backward, both latents, both views; then the dQ pass's counters again.
-  # First the dS path's GPU tests (the all-full layout, without a mask, is new since session 26's
-  # sittings).
+  # First the GPU tests of what changed after session 26's sittings: the all-full layout
+  # (no mask) on the dS path, and the review's list-kernel, slot and twin changes (checked on
+  # the CPU under the interpreter and by compiling for sm_90 only).
   bash benchmarks/gpu_sitting.sh \
-    "step tests 150 python3 -m pytest -q -p no:warnings -m gpu packages/vsa-fa4/tests/test_gpu.py -k ds_backward" \
+    "step tests 200 python3 -m pytest -q -p no:warnings -m gpu packages/vsa-fa4/tests/test_gpu.py packages/vsa-fa4/tests/test_lists_triton.py packages/vsa-fa4/tests/test_dq_from_ds.py packages/vsa-core/tests/test_deterministic_gpu.py -k 'ds_backward or lists or dq_pass or determin'" \
     "step bench 330 python3 benchmarks/bench_video.py --shapes wan480p wan720p --sparsities 0.875 --modes fwd+bwd --arms fa4 fa4_ds_backward fa4_ds_backward_one_chunk --warmup 2 --reps 5 --no-pieces --time-budget-min 5 --out \$OUT/bench_video-ds-chunks.json" \
     "step ncu 100 ncu --clock-control none --kernel-name regex:_dq_from_ds --launch-skip 2 --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats --csv --page details python3 -m $X.dq_pass_alone --stages 5"
   ;;
