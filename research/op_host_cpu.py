@@ -14,6 +14,11 @@ cheap), SDPA's host cost. A small latent with partial tiles (9x18x18, 2 heads). 
 
     uv run python -m research.op_host_cpu fwd      # or: train [cProfile sort key]
     uv run python -m research.op_host_cpu train --deterministic   # fa4's dS-writing backward
+    uv run python -m research.op_host_cpu block-train   # block_sparse_attn (or: block)
+
+``block`` / ``block-train``: the kernel API alone, `block_sparse_attn` on a 64x64 layout of
+random lists (all blocks full, 16 blocks, 4 a row), the issue's "host time over a raw FA4
+call" without the launches.
 """
 
 from __future__ import annotations
@@ -87,7 +92,8 @@ def stub_devices() -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("mode", choices=("fwd", "train"), nargs="?", default="fwd")
+    modes = ("fwd", "train", "block", "block-train")
+    ap.add_argument("mode", choices=modes, nargs="?", default="fwd")
     ap.add_argument("sort", nargs="?", default="tottime", help="cProfile's sort key")
     ap.add_argument("--calls", type=int, default=500)
     ap.add_argument("--deterministic", action="store_true",
@@ -95,10 +101,46 @@ def main() -> None:
     args = ap.parse_args()
     stub_devices()
     from flash_attn_vsa import launch_replay
+
+    if args.mode.startswith("block"):
+        call = _block_call(args.mode == "block-train")
+    else:
+        call = _video_call(args.mode == "train", args.deterministic)
+    for _ in range(20):
+        call()
+    per_call_us, profile_text = time_and_profile(call, args.calls, 3, args.sort, 35)
+    replays = len(launch_replay.FORWARDS.records()), len(launch_replay.BACKWARDS.records())
+    print(f"{args.mode}: {per_call_us:.0f} us a call, launches stubbed (replayed: fwd, bwd "
+          f"{replays})")  # fmt: skip
+    print(profile_text)
+
+
+def _block_call(grad: bool):
+    from vsa_core import BlockSparseLayout, block_sparse_attn
+
+    blocks, width, heads = 16, 4, 2
+    lists = torch.stack([torch.randperm(blocks)[:width] for _ in range(heads * blocks)])
+    layout = BlockSparseLayout.from_topk(
+        lists.view(1, heads, blocks, width), torch.full((blocks,), 64), (64, 64), all_full=True
+    )
+    q, k, v = (
+        torch.randn(1, blocks * 64, heads, 128, dtype=torch.bfloat16, requires_grad=grad)
+        for _ in range(3)
+    )
+    dout = torch.randn_like(q)
+
+    def call():
+        out, _ = block_sparse_attn(q, k, v, layout, backend="fa4")
+        if grad:
+            torch.autograd.grad(out, (q, k, v), dout)
+
+    return call
+
+
+def _video_call(grad: bool, deterministic: bool):
     from vsa_core import VideoTiling, video_sparse_attn
 
     tiling = VideoTiling((9, 18, 18), (4, 4, 4))
-    grad = args.mode == "train"
     q, k, v, gate = (
         torch.randn(1, tiling.padded_len, 2, 128, dtype=torch.bfloat16, requires_grad=grad)
         for _ in range(4)
@@ -108,17 +150,11 @@ def main() -> None:
     def call():
         out = video_sparse_attn(q, k, v, tiling=tiling, topk=4, coarse_gate=gate,
                                 backend="fa4", coarse_backend="triton",
-                                deterministic=args.deterministic)  # fmt: skip
+                                deterministic=deterministic)  # fmt: skip
         if grad:
             torch.autograd.grad(out, (q, k, v, gate), dout)
 
-    for _ in range(20):
-        call()
-    per_call_us, profile_text = time_and_profile(call, args.calls, 3, args.sort, 35)
-    replays = len(launch_replay.FORWARDS.records()), len(launch_replay.BACKWARDS.records())
-    print(f"{args.mode}: {per_call_us:.0f} us a call, launches stubbed (replayed: fwd, bwd "
-          f"{replays})")  # fmt: skip
-    print(profile_text)
+    return call
 
 
 if __name__ == "__main__":
