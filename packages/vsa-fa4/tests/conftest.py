@@ -22,8 +22,11 @@ def fa4_model(monkeypatch):
     """Run the adapter on the CPU with the model standing in for FA4's kernels."""
     import fa4_model as model
 
-    from vsa_fa4 import launch
+    from vsa_fa4 import dq_from_ds_triton, launch
 
     monkeypatch.setattr(launch, "run_forward", model.run_forward)
     monkeypatch.setattr(launch, "run_backward", model.run_backward)
+    # the dS-writing backward's Triton passes (64x64 blocks' default backward)
+    monkeypatch.setattr(dq_from_ds_triton, "ds_slots", model.ds_slots)
+    monkeypatch.setattr(dq_from_ds_triton, "dq_from_ds", model.dq_from_ds)
     return model

@@ -183,8 +183,7 @@ def write_ds_tiles(d_s, lists, ds, slot_starts) -> None:
     to slot ``slot_starts[b, h, n] + u`` of ``ds``, each row's 16-byte chunks permuted by row
     % 8 (`flash_attn_vsa.bwd_sm90_ds_out.DS_SWIZZLE`)."""
     cnt_m, idx_m, cnt_f, idx_f = (t.cpu() for t in lists)
-    rows = torch.arange(64)[:, None]
-    cols = ((torch.arange(64)[None, :] // 8) ^ (rows % 8)) * 8 + torch.arange(64)[None, :] % 8
+    rows, cols = _swizzle_columns()
     batch, heads, blocks = cnt_m.shape
     for b in range(batch):
         for h in range(heads):
@@ -198,3 +197,55 @@ def write_ds_tiles(d_s, lists, ds, slot_starts) -> None:
                         permuted[rows, cols] = tile
                         ds[64 * step : 64 * step + 64] = permuted
                         step += 1
+
+
+def _swizzle_columns() -> tuple[torch.Tensor, torch.Tensor]:
+    """Where element (r, c) of a 64x64 dS tile lies in its slot: row r, column `cols` [r, c]."""
+    rows = torch.arange(64)[:, None]
+    cols = ((torch.arange(64)[None, :] // 8) ^ (rows % 8)) * 8 + torch.arange(64)[None, :] % 8
+    return rows, cols
+
+
+def ds_slots(kv_indices, kv_counts, kv_valid_sizes, masked=True, rotate_sms=0):
+    """`vsa_fa4.dq_from_ds_triton.ds_slots` on the CPU: the backward lists from metadata's
+    torch path, the shipped slot starts, and each used forward entry's slot found by walking
+    its key block's list (-1 where the key block is in no list: no valid token)."""
+    from vsa_fa4.dq_from_ds_triton import DsSlots, slot_starts
+    from vsa_fa4.metadata import backward_lists
+
+    lists = backward_lists(
+        kv_indices, kv_counts, kv_valid_sizes, 64, masked, impl="torch", rotate_sms=rotate_sms
+    )
+    starts = slot_starts(lists)
+    slots = torch.full_like(kv_indices, -1)
+    counts = lists.mask_block_cnt + lists.full_block_cnt  # a key block is in one list only
+    batch, heads, blocks = counts.shape
+    for b in range(batch):
+        for h in range(heads):
+            for n in range(blocks):
+                for u in range(int(counts[b, h, n])):
+                    m = int(lists.full_block_idx[b, h, n, u])
+                    used = kv_indices[b, h, m, : int(kv_counts[b, h, m])]
+                    (place,) = (used == n).nonzero()[0].tolist()
+                    slots[b, h, m, place] = int(starts[b, h, n]) + u
+    return DsSlots(lists, starts, slots)
+
+
+def dq_from_ds(ds, k, dq, kv_indices, kv_counts, slots, scale):
+    """`vsa_fa4.dq_from_ds_triton.dq_from_ds` in float64 on the CPU: each query block's dQ
+    from its list's dS tiles (un-swizzled) and K's key blocks, every row of K read as the
+    kernel does; a query block with nothing listed gets zeros."""
+    rows, cols = _swizzle_columns()
+    batch, heads, num_q, _ = kv_indices.shape
+    for b in range(batch):
+        for h in range(heads):
+            for i in range(num_q):
+                acc = torch.zeros(64, k.shape[-1], dtype=torch.float64)
+                for t in range(int(kv_counts[b, h, i])):
+                    slot, n = int(slots[b, h, i, t]), int(kv_indices[b, h, i, t])
+                    if slot < 0:
+                        continue
+                    tile = ds[64 * slot : 64 * slot + 64][rows, cols].double()
+                    acc += tile @ k[b, 64 * n : 64 * n + 64, h].double()
+                dq[b, 64 * i : 64 * i + 64, h] = (acc * scale).to(dq.dtype)
+    return dq

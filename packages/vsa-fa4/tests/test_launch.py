@@ -175,6 +175,7 @@ def test_kernel_choice_round_trips_through_its_string():
         launch.KernelChoice(launch.ForwardVariant(valid_in_list=False)),
         launch.KernelChoice(backward=EXPERIMENTAL_CONFIGS["kv64-ds"]),
         launch.KernelChoice(backward=EXPERIMENTAL_CONFIGS["kv64-ds"], ds_budget_bytes=1 << 34),
+        launch.KernelChoice(ds_budget_bytes=1 << 32),  # the default backward's budget
     ]
     keys = [c.encode() for c in choices]
     assert len(set(keys)) == len(keys) and "" not in keys
@@ -187,7 +188,18 @@ def test_kernel_choice_round_trips_through_its_string():
         with pytest.raises(ValueError, match="ds_budget_bytes must be a positive int"):
             launch.KernelChoice(backward=EXPERIMENTAL_CONFIGS["kv64-ds"], ds_budget_bytes=budget)
     with pytest.raises(ValueError, match="ds_budget_bytes needs a backward that writes dS"):
-        launch.KernelChoice(ds_budget_bytes=1 << 30)
+        launch.KernelChoice(backward=EXPERIMENTAL_CONFIGS["kv64-dq-1part-2buffers"],
+                            ds_budget_bytes=1 << 30)  # fmt: skip
+
+
+def test_the_default_backward_of_64x64_blocks_writes_ds():
+    from flash_attn_vsa import bwd_sm90
+
+    assert launch.SHIPPED.backward_for((64, 64)) is bwd_sm90.KV64_DS_CONFIG
+    assert launch.SHIPPED.backward_for((128, 64)) is None  # the fork's config_for decides
+    assert launch.SHIPPED.backward_for((128, 128)) is None  # upstream's kernel
+    chosen = launch.KernelChoice(backward=bwd_sm90.KV64_CONFIG)
+    assert chosen.backward_for((64, 64)) is bwd_sm90.KV64_CONFIG
 
 
 def test_forward_variant_labels_read_back_as_the_variant():

@@ -60,6 +60,7 @@ class GateConfig:
     physical: tuple[int, int]  # the physical sparse block the plan must produce
     kernel: str
     masked: bool = True  # partial key blocks possible: the kernels carry our mask_mod
+    backward: str | None = None  # a ``flash_attn_vsa.bwd_sm90`` config's name (None: default)
 
 
 CONFIGS: tuple[GateConfig, ...] = (
@@ -84,9 +85,12 @@ CONFIGS: tuple[GateConfig, ...] = (
     GateConfig(
         "bwd-256x256", "bwd", (256, 256), "native", (256, 128), "FlashAttentionBackwardSm90"
     ),
-    GateConfig(
-        "bwd-64x64", "bwd", (64, 64), "native", (64, 64),
-        "FlashAttentionBackwardSm90Dq2Parts1BuffersProducerTwoCtas",
+    GateConfig(  # the default: dS written for the dQ pass (flash_attn_vsa.bwd_sm90_ds_out)
+        "bwd-64x64", "bwd", (64, 64), "native", (64, 64), "FlashAttentionBackwardSm90DsOutTwoCtas",
+    ),
+    GateConfig(  # dQ by float32 reduce-adds (the default until session 27)
+        "bwd-64x64-float32-dq", "bwd", (64, 64), "native", (64, 64),
+        "FlashAttentionBackwardSm90Dq2Parts1BuffersProducerTwoCtas", backward="KV64_CONFIG",
     ),
     GateConfig(
         "bwd-64x64-paired", "bwd", (64, 64), "paired", (128, 64),
@@ -99,11 +103,13 @@ CONFIGS: tuple[GateConfig, ...] = (
     ),
     GateConfig(
         "bwd-64x64-full", "bwd", (64, 64), "native", (64, 64),
-        "FlashAttentionBackwardSm90Dq2Parts1BuffersProducerTwoCtas", masked=False,
+        "FlashAttentionBackwardSm90DsOutTwoCtas", masked=False,
     ),
 )  # fmt: skip
 """One configuration per distinct kernel (FA4 caches compiled kernels in the process, so a
-second configuration with the same physical tile would compile nothing). Logical 128x64 runs
+second configuration with the same physical tile would compile nothing; the dS-writing
+backward's Triton passes, `vsa_fa4.dq_from_ds_triton`'s and the list kernels', do not run on
+fake tensors and are skipped). Logical 128x64 runs
 the paired kernel's tiles (128x64, forward and the fork's two-warpgroup backward, as
 ``bwd-64x64-paired``); 64x128 adds a 64x128 forward and a Q64 backward kernel."""
 
@@ -152,9 +158,12 @@ def _compile_one(config: GateConfig, counter: _Counter) -> GateResult:
     def body() -> None:
         import torch
 
+        from vsa_fa4.launch import KernelChoice
         from vsa_fa4.metadata import physical_lists
         from vsa_fa4.ops import backward_impl, forward_combined_impl, forward_impl
         from vsa_fa4.schedule import make_plan
+
+        _skip_triton_launches()
 
         q_block, kv_block = config.block_shape
         num_q, num_kv = SEQLEN // q_block, SEQLEN // kv_block
@@ -175,10 +184,27 @@ def _compile_one(config: GateConfig, counter: _Counter) -> GateResult:
                 return
             out, lse = forward_impl(q, k, v, *args)
             if config.direction == "bwd":
-                backward_impl(torch.empty_like(out), q, k, v, out, lse, *args)
+                kernels = ""
+                if config.backward is not None:
+                    from flash_attn_vsa import bwd_sm90
+
+                    kernels = KernelChoice(backward=getattr(bwd_sm90, config.backward)).encode()
+                backward_impl(torch.empty_like(out), q, k, v, out, lse, *args, kernels)
 
     kernel = config.kernel + ("+mask_mod" if config.masked else "")
     return timed_compile(config.name, counter, body, kernel)
+
+
+def _skip_triton_launches() -> None:
+    """The dS-writing backward's Triton launches (its lists with their places, and the dQ
+    pass) do nothing here: Triton compiles for the device it finds, and there is none; their
+    Python still runs and allocates (fake) outputs."""
+    from vsa_fa4 import backward_lists_triton, dq_from_ds_triton
+
+    def skip(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    backward_lists_triton.launch = dq_from_ds_triton.launch = skip
 
 
 def _worker(names: Sequence[str]) -> int:

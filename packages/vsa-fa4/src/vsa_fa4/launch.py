@@ -127,11 +127,11 @@ class KernelChoice:
     """The fork kernels an fa4 call runs, passed down explicitly (backend -> ops -> launch ->
     the fork's entry points): ``forward``, the `ForwardVariant` of the fork's forwards;
     ``backward``, the tile configuration (``flash_attn_vsa.bwd_sm90.TileConfig``, e.g. one of
-    ``flash_attn_vsa.experimental.bwd_configs``) of the KV64 backward, None for the shipped one
-    of each block size (``bwd_sm90.config_for``); ``ds_budget_bytes``, with a backward that
-    writes dS (``TileConfig.dq_from_ds``), the most bytes its dS buffer may take in one launch
-    (None: `vsa_fa4.ops.DS_BUDGET_BYTES`; calls beyond it run in head chunks). The custom ops
-    carry it as `encode`'s string ("" for `SHIPPED`)."""
+    ``flash_attn_vsa.experimental.bwd_configs``) of the KV64 backward, None for the default of
+    each block size (`backward_for`: the dS-writing backward for 64x64 blocks); ``ds_budget_
+    bytes``, with a backward that writes dS (``TileConfig.dq_from_ds``), the most bytes its dS
+    buffer may take in one launch (None: `vsa_fa4.ops.DS_BUDGET_BYTES`; calls beyond it run in
+    head chunks). The custom ops carry it as `encode`'s string ("" for `SHIPPED`)."""
 
     forward: ForwardVariant = SHIPPED_FORWARD
     backward: TileConfig | None = None
@@ -149,16 +149,31 @@ class KernelChoice:
             budget = self.ds_budget_bytes
             if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
                 raise ValueError(f"ds_budget_bytes must be a positive int, got {budget!r}")
-            if self.backward is None or not self.backward.dq_from_ds:
+            if self.backward is not None and not self.backward.dq_from_ds:
                 raise ValueError("ds_budget_bytes needs a backward that writes dS (dq_from_ds)")
         key = ""
-        if self.forward != SHIPPED_FORWARD or self.backward is not None:
+        if (self.forward, self.backward, self.ds_budget_bytes) != (SHIPPED_FORWARD, None, None):
             backward = None if self.backward is None else asdict(self.backward)
             data = {"forward": asdict(self.forward), "backward": backward}
             if self.ds_budget_bytes is not None:
                 data["ds_budget_bytes"] = self.ds_budget_bytes
             key = json.dumps(data, sort_keys=True)
         object.__setattr__(self, "_key", key)  # not a field: made once, read when traced
+
+    def backward_for(self, block_size: tuple[int, int]) -> TileConfig | None:
+        """The KV64 backward's tile configuration for ``block_size``: ``backward`` where
+        chosen; else for 64x64 blocks the dS-writing one (``bwd_sm90.KV64_DS_CONFIG``: faster
+        than the float32 dQ reductions of ``bwd_sm90.KV64_CONFIG`` through the whole op, by
+        7-41% on an H100 and up to 3% on an H200 (session 27), and bitwise reproducible), the
+        fork's own default (``bwd_sm90.config_for``) for other 64-token key blocks, and None
+        where upstream's kernels run (`run_backward`)."""
+        if self.backward is not None:
+            return self.backward
+        if tuple(block_size) != (64, 64):
+            return None
+        from flash_attn_vsa.bwd_sm90 import KV64_DS_CONFIG
+
+        return KV64_DS_CONFIG
 
     def encode(self) -> str:
         """This choice as a string (a custom op argument; made once, when the choice is made,

@@ -21,6 +21,8 @@ encoded as a string ("" for the shipped kernels), decoded and handed to `vsa_fa4
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from vsa_core.backends.custom_ops import (
@@ -40,6 +42,9 @@ from vsa_fa4.metadata import (
     unmasked_forward_lists,
 )
 from vsa_fa4.schedule import Plan
+
+if TYPE_CHECKING:
+    from flash_attn_vsa.bwd_sm90 import TileConfig
 
 
 def _bshd(q: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -243,16 +248,18 @@ def backward_impl(
     lists are rotated by `vsa_core.rotation.rotation_width` times the CTAs an SM runs at once
     (the KV64 backward's dQ reduce-adds stay within L2 at long sequences: 0.42 -> 0.71 of dense
     at S=131072 on an H200; a two-CTA kernel measured 0.42 rotated by the SM count, 0.66 by
-    twice it). ``kernels`` as for `forward_impl` (its backward tile configuration here)."""
+    twice it). ``kernels`` as for `forward_impl` (its backward tile configuration here,
+    `launch.KernelChoice.backward_for`: for 64x64 blocks by default the dS-writing backward,
+    `_backward_from_ds`, whose dS buffer decides the chunks)."""
     dq, dk, dv = _bshd(q, q.shape[-1]), _bshd(k, k.shape[-1]), _bshd(v, v.shape[-1])
     valid = kv_valid_sizes.contiguous()
     batch, q_len, heads, head_dim = q.shape
     choice = launch.KernelChoice.decode(kernels)
-    config = choice.backward
+    config = choice.backward_for((q_tile, kv_tile))
     rotate = rotation_width(q.device) * launch.backward_ctas_per_sm((q_tile, kv_tile), config)
     tensors = (dout, q, k, v, out, lse, dq, dk, dv, kv_indices, kv_counts)
     if config is not None and config.dq_from_ds:
-        _backward_from_ds(tensors, valid, scale, (q_tile, kv_tile), masked, choice, rotate)
+        _backward_from_ds(tensors, valid, scale, (q_tile, kv_tile), masked, choice, config, rotate)
         return dq, dk, dv
     for chunk in _head_ranges(tensors, head_chunks(batch, heads, q_len, head_dim)):
         *grads_from, indices, counts = chunk
@@ -270,6 +277,7 @@ def _backward_from_ds(
     block_size: tuple[int, int],
     masked: bool,
     choice: launch.KernelChoice,
+    config: TileConfig,
     rotate: int,
 ) -> None:
     """`backward_impl` on the dS-writing backward (delta 12): per head chunk, the key-owned
@@ -293,7 +301,7 @@ def _backward_from_ds(
         placed = ds_slots(indices, counts, valid, masked, rotate)
         launch.run_backward(
             dout, q, k, v, out, lse, dq, dk, dv, placed.lists, valid, scale, block_size, masked,
-            config=choice.backward, ds_out=(ds, placed.starts),
+            config=config, ds_out=(ds, placed.starts),
         )  # fmt: skip
         dq_from_ds(ds, k, dq, indices, counts, placed.slots, scale)
 
