@@ -33,9 +33,14 @@ run (the before and after of a change, at the same clock).
 - ``fa4_ds_backward``: the fa4 backend whose 64x64 backward writes dS and computes dQ from it
   in a query-owned pass (``KernelChoice(backward=KV64_DS_CONFIG)``, delta 12, the fork's
   `bwd_sm90_ds_out` and `vsa_fa4.dq_from_ds_triton`): bitwise reproducible gradients.
+  Since session 27 fa4's default for 64x64 blocks (runs before then name it beside ``fa4``).
 - ``fa4_ds_backward_one_chunk``: the same with a dS budget of 16 GiB
   (``KernelChoice.ds_budget_bytes``), so that its backward runs in as few head chunks as the
   dQ accumulator's budget allows (Wan 480p: one launch instead of three; 4.8 GB of dS).
+- ``fa4_ds_2gib``, ``fa4_ds_4gib``, ``fa4_ds_8gib``: the dS-writing backward with that dS
+  budget (the default's head chunks against fewer, larger ones).
+- ``fa4_float32_dq``: the 64x64 backward whose dQ goes to L2 by float32 reduce-adds
+  (``KernelChoice(backward=KV64_CONFIG)``, delta 8), fa4's default until session 27.
 """
 
 from __future__ import annotations
@@ -47,6 +52,8 @@ UNPACKED_FA4 = "fa4_unpacked"
 ZERO_V_PADDING_FA4 = "fa4_zero_v_padding"
 DS_BACKWARD_FA4 = "fa4_ds_backward"
 DS_BACKWARD_ONE_CHUNK_FA4 = "fa4_ds_backward_one_chunk"
+FLOAT32_DQ_FA4 = "fa4_float32_dq"
+DS_BUDGET_ARMS = {f"fa4_ds_{n}gib": n << 30 for n in (2, 4, 8)}
 OWN_LISTS_FA4 = "fa4_own_lists"
 SDPA_COARSE_FA4 = "fa4_sdpa_coarse"
 ATTEND_IN_LOOP_FA4 = "fa4_attend_in_loop"
@@ -63,6 +70,8 @@ _KERNEL_CHOICES = {
 _BACKWARD_CHOICES = {
     DS_BACKWARD_FA4: ("KV64_DS_CONFIG", None),
     DS_BACKWARD_ONE_CHUNK_FA4: ("KV64_DS_CONFIG", 1 << 34),
+    **{name: ("KV64_DS_CONFIG", budget) for name, budget in DS_BUDGET_ARMS.items()},
+    FLOAT32_DQ_FA4: ("KV64_CONFIG", None),
 }
 """fa4 variants whose backward is another tile configuration: its name in
 `flash_attn_vsa.bwd_sm90`, and the dS buffer's budget (`KernelChoice.ds_budget_bytes`)."""

@@ -259,8 +259,19 @@ session27)
     "step bench 330 python3 benchmarks/bench_video.py --shapes wan480p wan720p --sparsities 0.875 --modes fwd+bwd --arms fa4 fa4_ds_backward fa4_ds_backward_one_chunk --warmup 2 --reps 5 --no-pieces --time-budget-min 5 --out \$OUT/bench_video-ds-chunks.json" \
     "step ncu 100 ncu --clock-control none --kernel-name regex:_dq_from_ds --launch-skip 2 --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats --csv --page details python3 -m $X.dq_pass_alone --stages 5"
   ;;
+session27b)
+  # Prepared in session 27 after its first sitting (an H100: the dS-writing backward 7-41%
+  # ahead of the float32-reduction one): fa4's 64x64 training now runs the dS path by
+  # default. The training GPU tests on the new default, then the dS budget (head chunks)
+  # against the float32 backward at both Wan latents, and HunyuanVideo with triton (auto's
+  # training rule puts triton first there).
+  bash benchmarks/gpu_sitting.sh \
+    "step tests 170 python3 -m pytest -q -p no:warnings -m gpu packages/vsa-fa4/tests/test_gpu.py packages/vsa-core/tests/test_deterministic_gpu.py -k 'backward or training or grad or determin or replay'" \
+    "step bench 250 python3 benchmarks/bench_video.py --shapes wan480p wan720p --sparsities 0.875 --modes fwd+bwd --arms fa4 fa4_float32_dq fa4_ds_4gib fa4_ds_8gib fa4_ds_backward_one_chunk --warmup 2 --reps 4 --no-pieces --time-budget-min 3.9 --out \$OUT/bench_video-ds-budgets.json" \
+    "step hunyuan 150 python3 benchmarks/bench_video.py --shapes hunyuan720p --sparsities 0.875 --modes fwd+bwd --arms fa4 fa4_float32_dq fa4_ds_8gib triton --warmup 1 --reps 3 --no-pieces --time-budget-min 2.2 --out \$OUT/bench_video-ds-hunyuan.json"
+  ;;
 *)
-  echo "usage: $0 grid | bwd-counters | bwd-split | session19 | session21 | session22 [tests|bench] | session23 [tests|props|bench|second|block-props] | session24 [tests|final|profile|bench] | session25 | session25-cost | session25-regress | session25-steps | session26 | session26b | session26c | session26d | session26e | session26f | session26g | session26h | session27" >&2
+  echo "usage: $0 grid | bwd-counters | bwd-split | session19 | session21 | session22 [tests|bench] | session23 [tests|props|bench|second|block-props] | session24 [tests|final|profile|bench] | session25 | session25-cost | session25-regress | session25-steps | session26 | session26b | session26c | session26d | session26e | session26f | session26g | session26h | session27 | session27b" >&2
   exit 2
   ;;
 esac
