@@ -191,12 +191,17 @@ backward call) one backward launch may take: larger calls run in head chunks. At
 fa4's training step needs beyond Triton's (7,684 against 5,593 MiB on an H200, 2026-11-29)."""
 
 
-DS_BUDGET_BYTES = 2 << 30
+DS_BUDGET_BYTES = 8 << 30
 """Most bytes of the dS buffer (one 64x64 tile in q's dtype per listed (query block, key
 block) pair: batch x NQ x W x 8 KB a head at 2 bytes) one backward launch of the dS-writing
 backward may take (`flash_attn_vsa.bwd_sm90_ds_out`): larger calls run in head chunks, one
 head a chunk at least. At S=32768 with 64 of 512 key blocks a head takes 256 MiB; at Wan 2.1
-720p (1,440 query blocks, 180 listed) 2.0 GiB."""
+480p (624 query blocks, 78 listed, 12 heads) all heads 4.5 GiB, one launch; at Wan 2.1 720p
+(1,440, 180) 2.0 GiB a head, four a launch; HunyuanVideo 720p (2,160, 270) 4.5 GiB a head.
+Each chunk costs ~0.25-0.45 ms (the key kernel's last wave, a chunk's launches): on an H100
+(session 27, whole op, forward+backward) Wan 480p ran 2.95x dense with this budget against
+2.83x with 2 GiB (three chunks), Wan 720p 3.42x against 3.17x (forty chunks). A smaller
+budget: ``KernelChoice(ds_budget_bytes=...)``."""
 
 
 DS_TILE_BYTES = 64 * 64 * 2
