@@ -119,7 +119,7 @@ def test_fa4_trains_deterministically_on_64x64_blocks_only():
     if on_sm90:
         assert select_backend(_call(True), "auto").name == "fa4"
         twin = fa4.for_call(_call(True))
-        assert twin.kernels.backward is not None and twin.kernels.backward.dq_from_ds
+        assert twin.kernels.backward_for((64, 64)).dq_from_ds
         assert fa4.for_call(_call(True, deterministic=False)) is fa4
     wider = AttentionCall(torch.device("cuda"), torch.bfloat16, DIM, (128, 128), True,
                           deterministic=True)  # fmt: skip

@@ -327,7 +327,8 @@ def test_deterministic_training_runs_the_ds_backward_on_64x64_blocks_on_sm90(gpu
     assert fa4.supports(deterministic) is None
     twin = fa4.for_call(deterministic)
     assert twin is not fa4 and twin.name == fa4.name and twin.schedule == "native"
-    assert twin.kernels.backward.dq_from_ds and twin.kernels.forward == fa4.kernels.forward
+    assert twin.kernels.backward_for((64, 64)).dq_from_ds
+    assert twin.kernels.forward == fa4.kernels.forward
     assert twin.for_call(deterministic) is twin and twin.supports(deterministic) is None
     for plain in (
         call((64, 64), grad=True),
@@ -336,6 +337,8 @@ def test_deterministic_training_runs_the_ds_backward_on_64x64_blocks_on_sm90(gpu
         assert fa4.for_call(plain) is fa4
     variant = FA4Backend(kernels=KernelChoice(ForwardVariant(q_in_registers=False)))
     assert variant.for_call(deterministic).kernels.forward == variant.kernels.forward
+    budgeted = FA4Backend(kernels=KernelChoice(ds_budget_bytes=1 << 30))
+    assert budgeted.for_call(deterministic).kernels == budgeted.kernels  # its budget kept
     refused = [
         dataclasses.replace(call((128, 128), grad=True), deterministic=True),
         dataclasses.replace(deterministic, capability=(10, 0)),

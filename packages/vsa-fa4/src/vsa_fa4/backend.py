@@ -22,15 +22,21 @@ zeroes partial blocks' V padding rows in shared memory (the fork's
 2.62x at Wan 2.1 720p) but costs the op's forward 10-14% (H200, session 25), so the shipped
 choice keeps the copy.
 
+Training with 64x64 blocks (sm_90) runs the fork's dS-writing backward by default (delta 12,
+`flash_attn_vsa.bwd_sm90_ds_out`, and `vsa_fa4.dq_from_ds_triton`'s dQ pass in list order;
+`vsa_fa4.launch.KernelChoice.backward_for`): no float32 reductions across CTAs, so its
+gradients are bitwise reproducible, and faster through the whole op than the float32-reduction
+backward (``KernelChoice(backward=bwd_sm90.KV64_CONFIG)``, the default until session 27): on an
+H100 (2026-12-05, forward+backward, 87.5%) 2.95x of dense against 2.57x at Wan 2.1 480p, 3.42x
+against 2.45x at 720p. It holds a dS buffer of 8 KB a selected block pair, at most
+`vsa_fa4.ops.DS_BUDGET_BYTES` a launch (head chunks beyond it): peak memory 5.9 GB beyond the
+inputs at Wan 480p against 1.3 GB.
+
 ``deterministic=True``: the forward is bitwise reproducible (one CTA per query tile walking its
 key list in order, no reduction across CTAs, no split over keys). With gradients, 64x64 blocks
-on sm_90 run the fork's dS-writing backward (delta 12, `flash_attn_vsa.bwd_sm90_ds_out`, and
-`vsa_fa4.dq_from_ds_triton`'s dQ pass in list order): `FA4Backend.for_call` hands such calls a
-backend with that kernel choice on the native plan. Its cost (H200, session 26): at S=32768 it
-runs 0.73 of dense against the shipped backward's 0.70; the whole op's training step 3-4%
-slower at Wan 2.1 480p (three head chunks) and 1-2% faster at 720p; a dS buffer (8 KB a
-selected block pair, at most `vsa_fa4.ops.DS_BUDGET_BYTES` a launch: peak memory 4.6x of
-dense's at 480p against 2.3x). Other calls refuse (`DETERMINISTIC_BACKWARD_REFUSAL` says why).
+on sm_90 run the dS-writing backward on the native plan (`FA4Backend.for_call` hands such
+calls a backend with that kernel choice where its own has none). Other calls refuse
+(`DETERMINISTIC_BACKWARD_REFUSAL` says why).
 """
 
 from __future__ import annotations
@@ -350,18 +356,12 @@ class FA4Backend(Backend):
 
 
 def _deterministic_twin(backend: FA4Backend) -> FA4Backend:
-    """``backend`` with a dS-writing backward (its own, with its dS budget, where its kernel
-    choice has one; else `KV64_DS_CONFIG`) on the native plan, under its name: ``backend``
-    itself when it is that already."""
-    from flash_attn_vsa.bwd_sm90 import KV64_DS_CONFIG
-    from vsa_fa4.launch import KernelChoice
-
-    kernels = backend.kernels
-    if kernels.backward is None or not kernels.backward.dq_from_ds:
-        kernels = KernelChoice(kernels.forward, KV64_DS_CONFIG)
-    elif backend.schedule == "native":
+    """``backend`` on the native plan (its 64x64 backward writes dS: the default, or its kernel
+    choice's own dS-writing one with its budget; `FA4Backend.supports` refused every other
+    choice), under its name: ``backend`` itself when it is native already."""
+    if backend.schedule == "native":
         return backend
-    return FA4Backend("native", kernels, name=backend.name)
+    return FA4Backend("native", backend.kernels, name=backend.name)
 
 
 @resolved_once
