@@ -272,11 +272,11 @@ session27b)
   ;;
 session27c)
   # Session 27, on an H200 (27b ran on an H100): fa4's new default (dS-writing backward, 8 GiB
-  # of dS a launch) against the float32-reduction backward and the 2 GiB budget; HunyuanVideo
-  # against triton (auto's training rule).
+  # of dS a launch) against the float32-reduction backward and the 2 GiB budget; then the
+  # compiled and graph-captured op tests of vsa-core on the new default.
   bash benchmarks/gpu_sitting.sh \
     "step bench 230 python3 benchmarks/bench_video.py --shapes wan480p wan720p --sparsities 0.875 --modes fwd+bwd --arms fa4 fa4_float32_dq fa4_ds_2gib --warmup 2 --reps 4 --no-pieces --time-budget-min 3.6 --out \$OUT/bench_video-ds-default.json" \
-    "step hunyuan 150 python3 benchmarks/bench_video.py --shapes hunyuan720p --sparsities 0.875 --modes fwd+bwd --arms fa4 fa4_float32_dq triton --warmup 1 --reps 3 --no-pieces --time-budget-min 2.2 --out \$OUT/bench_video-ds-hunyuan.json"
+    "step core 110 python3 -m pytest -q -p no:warnings -m gpu packages/vsa-core/tests/test_gpu_compile.py packages/vsa-core/tests/test_gpu_ops.py"
   ;;
 *)
   echo "usage: $0 grid | bwd-counters | bwd-split | session19 | session21 | session22 [tests|bench] | session23 [tests|props|bench|second|block-props] | session24 [tests|final|profile|bench] | session25 | session25-cost | session25-regress | session25-steps | session26 | session26b | session26c | session26d | session26e | session26f | session26g | session26h | session27 | session27b | session27c" >&2
