@@ -126,7 +126,13 @@ Query rows (batch x heads x tokens) no longer separate the columns: HunyuanVideo
 than Wan 720p and is the one Triton wins; the tokens of one head do. Session 16, before delta
 10, had Wan 720p at 3.38x / 3.39x (a tie) and the threshold at a million query rows. The
 threshold lies between the measured 92,160 and 138,240 tokens. Inference (forward) runs faster
-on fa4 in every measured cell. Regenerate with the command in benchmarks/README.md ("Auto's
+on fa4 in every measured cell.
+
+Since session 27 fa4 trains 64x64 blocks on its dS-writing backward. On an H100 (2026-12-05,
+benchmarks/results/2026-12-05-h100-bench_video-ds-hunyuan.json) HunyuanVideo then ran fa4
+3.44x / 3.43x (once / back to back; its float32-reduction backward 2.28x) against triton
+3.38x / 3.41x: a tie, at 1.9x triton's peak memory (12.1 against 6.5 GB), so triton stays
+first there. Regenerate with the command in benchmarks/README.md ("Auto's
 rule") and move the threshold if the crossing moves."""
 
 
