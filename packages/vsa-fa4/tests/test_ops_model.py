@@ -295,6 +295,23 @@ def test_head_chunks_cover_every_head_once_within_the_budget(monkeypatch):
     assert ops.head_chunks(1, 8, 1, 16, 10, 1) == [slice(h, h + 1) for h in range(8)]
 
 
+def test_a_ds_buffer_that_does_not_fit_says_what_needs_less():
+    class Short:  # a q whose allocations fail as a full device's do
+        def element_size(self):
+            return 2
+
+        def new_empty(self, shape):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB")
+
+    assert ops._ds_buffer(torch.empty(1, dtype=torch.bfloat16), 3, 2).shape == (3 * 2 * 64, 64)
+    with pytest.raises(torch.OutOfMemoryError) as caught:
+        ops._ds_buffer(Short(), 1 << 17, 2)  # 2 heads of 131,072 tiles: 2.00 GiB
+    message = str(caught.value)
+    assert "2.00 GiB dS buffer (2 head(s) a launch" in message
+    assert "ds_budget_bytes" in message and "KV64_CONFIG" in message
+    assert "Tried to allocate 8.00 GiB" in message  # torch's own words kept
+
+
 @pytest.mark.parametrize("block_shape", [(64, 64), (128, 128)])
 def test_backward_in_head_chunks_matches_the_reference(fa4_model, monkeypatch, block_shape):
     """One head per backward launch (a budget below one head's accumulator): views of every

@@ -297,8 +297,7 @@ def _backward_from_ds(
     batch, q_len, heads, head_dim = q.shape
     tiles_per_head = batch * kv_indices.shape[-2] * kv_indices.shape[-1]
     chunks = head_chunks(batch, heads, q_len, head_dim, tiles_per_head, choice.ds_budget_bytes)
-    most = max(c.stop - c.start for c in chunks)
-    ds = q.new_empty((max(tiles_per_head * most, 1) * 64, 64))
+    ds = _ds_buffer(q, tiles_per_head, max(c.stop - c.start for c in chunks))
     for chunk in _head_ranges(tensors, chunks):
         dout, q, k, v, out, lse, dq, dk, dv, indices, counts = chunk
         # contiguous once (a head chunk's are views): three kernels read them
@@ -309,6 +308,23 @@ def _backward_from_ds(
             config=config, ds_out=(ds, placed.starts),
         )  # fmt: skip
         dq_from_ds(ds, k, dq, indices, counts, placed.slots, scale)
+
+
+def _ds_buffer(q: torch.Tensor, tiles_per_head: int, heads: int) -> torch.Tensor:
+    """The dS buffer of `_backward_from_ds` for launches of ``heads`` heads; where it does not
+    fit, the out-of-memory error says what asked for it and what needs less."""
+    rows = max(tiles_per_head * heads, 1) * 64
+    try:
+        return q.new_empty((rows, 64))
+    except torch.OutOfMemoryError as error:
+        size = rows * 64 * q.element_size() / 2**30
+        raise torch.OutOfMemoryError(
+            f"vsa-fa4's dS-writing backward (the default for 64x64 blocks) asked for a "
+            f"{size:.2f} GiB dS buffer ({heads} head(s) a launch, 8 KB a selected block pair): "
+            "a backend with a smaller vsa_fa4.launch.KernelChoice(ds_budget_bytes=...) runs "
+            "more launches of fewer heads, and KernelChoice(backward=flash_attn_vsa.bwd_sm90."
+            f"KV64_CONFIG) needs no dS buffer (float32 dQ reductions instead). {error}"
+        ) from error
 
 
 _HEAD_DIMS = (2, 2, 2, 2, 2, 1, 2, 2, 2, 1, 1)
