@@ -383,7 +383,9 @@ def test_paired_64_row_blocks_match_the_reference(kv_block, parent_q):
         check_forward(out.detach(), lse, ref_out, ref_lse, layout)
 
 
-@pytest.mark.parametrize("block_shape", [(128, 128), (256, 256)], ids=["128x128", "256x256"])
+@pytest.mark.parametrize(
+    "block_shape", [(64, 64), (128, 128), (256, 256)], ids=["64x64", "128x128", "256x256"]
+)  # 64x64: the dS-writing backward, fa4's default for it
 @pytest.mark.parametrize(
     ("head_dim", "dtype"),
     [(64, torch.bfloat16), (128, torch.float16)],

@@ -276,7 +276,7 @@ session27c)
   # compiled and graph-captured op tests of vsa-core on the new default.
   bash benchmarks/gpu_sitting.sh \
     "step bench 230 python3 benchmarks/bench_video.py --shapes wan480p wan720p --sparsities 0.875 --modes fwd+bwd --arms fa4 fa4_float32_dq fa4_ds_2gib --warmup 2 --reps 4 --no-pieces --time-budget-min 3.6 --out \$OUT/bench_video-ds-default.json" \
-    "step core 110 python3 -m pytest -q -p no:warnings -m gpu packages/vsa-core/tests/test_gpu_compile.py packages/vsa-core/tests/test_gpu_ops.py"
+    "step core 110 python3 -m pytest -q -p no:warnings -m gpu packages/vsa-core/tests/test_gpu_compile.py packages/vsa-core/tests/test_gpu_ops.py packages/vsa-fa4/tests/test_gpu.py -k 'compile or graph or host_sync or fine_attention or fp16'"
   ;;
 session27d)
   # Session 27's fallback on an H100 (no H200 came): vsa-core's compiled-op tests on the new
