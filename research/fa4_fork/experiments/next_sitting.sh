@@ -281,10 +281,13 @@ session27c)
 session27d)
   # Session 27's fallback on an H100 (no H200 came): vsa-core's compiled-op tests on the new
   # default, then experiment 21 (the dS-writing backward against the float32-reduction one
-  # and dense, kernels only, S=32768) on the H100.
+  # and dense, kernels only, S=32768) on the H100, then experiment 22 (head chunks with the
+  # dQ pass on a second stream: does a small dS budget then cost nothing?). Worth running
+  # on an H200 as well.
   bash benchmarks/gpu_sitting.sh \
     "step core 110 python3 -m pytest -q -p no:warnings -m gpu packages/vsa-core/tests/test_gpu_compile.py packages/vsa-core/tests/test_gpu_ops.py" \
-    "step ds 130 python3 -m $X.bwd_ds_out --out \$OUT --seqs 32768 --reps 10"
+    "step ds 130 python3 -m $X.bwd_ds_out --out \$OUT --seqs 32768 --reps 10" \
+    "step overlap 150 python3 -m $X.ds_chunk_overlap --out \$OUT --seqs 32768 --reps 10"
   ;;
 *)
   echo "usage: $0 grid | bwd-counters | bwd-split | session19 | session21 | session22 [tests|bench] | session23 [tests|props|bench|second|block-props] | session24 [tests|final|profile|bench] | session25 | session25-cost | session25-regress | session25-steps | session26 | session26b | session26c | session26d | session26e | session26f | session26g | session26h | session27 | session27b | session27c | session27d" >&2
