@@ -21,8 +21,6 @@ encoded as a string ("" for the shipped kernels), decoded and handed to `vsa_fa4
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from vsa_core.backends.custom_ops import (
@@ -42,9 +40,6 @@ from vsa_fa4.metadata import (
     unmasked_forward_lists,
 )
 from vsa_fa4.schedule import Plan
-
-if TYPE_CHECKING:
-    from flash_attn_vsa.bwd_sm90 import TileConfig
 
 
 def _bshd(q: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -264,7 +259,7 @@ def backward_impl(
     rotate = rotation_width(q.device) * launch.backward_ctas_per_sm((q_tile, kv_tile), config)
     tensors = (dout, q, k, v, out, lse, dq, dk, dv, kv_indices, kv_counts)
     if config is not None and config.dq_from_ds:
-        _backward_from_ds(tensors, valid, scale, (q_tile, kv_tile), masked, choice, config, rotate)
+        _backward_from_ds(tensors, valid, scale, (q_tile, kv_tile), masked, choice, rotate)
         return dq, dk, dv
     for chunk in _head_ranges(tensors, head_chunks(batch, heads, q_len, head_dim)):
         *grads_from, indices, counts = chunk
@@ -282,7 +277,6 @@ def _backward_from_ds(
     block_size: tuple[int, int],
     masked: bool,
     choice: launch.KernelChoice,
-    config: TileConfig,
     rotate: int,
 ) -> None:
     """`backward_impl` on the dS-writing backward (delta 12): per head chunk, the key-owned
@@ -298,6 +292,7 @@ def _backward_from_ds(
     tiles_per_head = batch * kv_indices.shape[-2] * kv_indices.shape[-1]
     chunks = head_chunks(batch, heads, q_len, head_dim, tiles_per_head, choice.ds_budget_bytes)
     ds = _ds_buffer(q, tiles_per_head, max(c.stop - c.start for c in chunks))
+    config = choice.backward_for(block_size)
     for chunk in _head_ranges(tensors, chunks):
         dout, q, k, v, out, lse, dq, dk, dv, indices, counts = chunk
         # contiguous once (a head chunk's are views): three kernels read them
