@@ -1797,7 +1797,11 @@ def start_doc(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    return run_parsed(build_parser().parse_args(argv), argv)
+
+
+def run_parsed(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
+    """`main` on parsed arguments."""
     for name in args.arms:
         register_variant(name)  # a benchmark-only variant (`bench_variants`) named as an arm
     if args.sequence_parallel:
@@ -1898,7 +1902,8 @@ def exit_now(status: int) -> None:
 
 
 if __name__ == "__main__":
-    code = main()
-    if "--sequence-parallel" in sys.argv[1:]:
+    parsed = build_parser().parse_args()
+    code = run_parsed(parsed, None)
+    if parsed.sequence_parallel:
         exit_now(code)
     sys.exit(code)
