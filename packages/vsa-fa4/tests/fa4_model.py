@@ -183,7 +183,6 @@ def write_ds_tiles(d_s, lists, ds, slot_starts) -> None:
     to slot ``slot_starts[b, h, n] + u`` of ``ds``, each row's 16-byte chunks permuted by row
     % 8 (`flash_attn_vsa.bwd_sm90_ds_out.DS_SWIZZLE`)."""
     cnt_m, idx_m, cnt_f, idx_f = (t.cpu() for t in lists)
-    rows, cols = _swizzle_columns()
     batch, heads, blocks = cnt_m.shape
     for b in range(batch):
         for h in range(heads):
@@ -193,17 +192,23 @@ def write_ds_tiles(d_s, lists, ds, slot_starts) -> None:
                     for i in range(int(cnt[b, h, n])):
                         m = int(idx[b, h, n, i])
                         tile = d_s[b, h, 64 * m : 64 * m + 64, 64 * n : 64 * n + 64]
-                        permuted = torch.empty_like(tile)
-                        permuted[rows, cols] = tile
-                        ds[64 * step : 64 * step + 64] = permuted
+                        ds[64 * step : 64 * step + 64] = swizzled(tile)
                         step += 1
 
 
-def _swizzle_columns() -> tuple[torch.Tensor, torch.Tensor]:
+def swizzle_columns() -> tuple[torch.Tensor, torch.Tensor]:
     """Where element (r, c) of a 64x64 dS tile lies in its slot: row r, column `cols` [r, c]."""
     rows = torch.arange(64)[:, None]
     cols = ((torch.arange(64)[None, :] // 8) ^ (rows % 8)) * 8 + torch.arange(64)[None, :] % 8
     return rows, cols
+
+
+def swizzled(tile: torch.Tensor) -> torch.Tensor:
+    """A 64x64 tile as the key kernel stages it: row r's 16-byte chunk c at chunk c ^ (r % 8)."""
+    rows, cols = swizzle_columns()
+    out = torch.empty_like(tile)
+    out[rows, cols] = tile
+    return out
 
 
 def ds_slots(kv_indices, kv_counts, kv_valid_sizes, masked=True, rotate_sms=0):
@@ -235,7 +240,7 @@ def dq_from_ds(ds, k, dq, kv_indices, kv_counts, slots, scale):
     """`vsa_fa4.dq_from_ds_triton.dq_from_ds` in float64 on the CPU: each query block's dQ
     from its list's dS tiles (un-swizzled) and K's key blocks, every row of K read as the
     kernel does; a query block with nothing listed gets zeros."""
-    rows, cols = _swizzle_columns()
+    rows, cols = swizzle_columns()
     batch, heads, num_q, _ = kv_indices.shape
     for b in range(batch):
         for h in range(heads):

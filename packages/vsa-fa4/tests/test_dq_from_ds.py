@@ -23,6 +23,7 @@ import sys
 
 import pytest
 import torch
+from fa4_model import swizzled
 from interpreter_child import assert_checked_under_interpreter
 from test_lists_triton import random_lists
 
@@ -53,15 +54,6 @@ def expected_dq(tiles, k, idx, cnt, valid, scale):
                 keys = k[0, 64 * j : 64 * j + size, h].double()
                 dq[0, 64 * i : 64 * i + 64, h] += tiles[h, i, t][:, :size].double() @ keys
     return dq * scale
-
-
-def swizzled(tile: torch.Tensor) -> torch.Tensor:
-    """A 64x64 tile as the key kernel stages it: row r's 16-byte chunk c at chunk c ^ (r % 8)."""
-    rows = torch.arange(64)[:, None]
-    cols = torch.arange(64)[None, :]
-    out = torch.empty_like(tile)
-    out[rows, ((cols // 8) ^ (rows % 8)) * 8 + cols % 8] = tile
-    return out
 
 
 def compare_on(device: str) -> int:
