@@ -163,9 +163,10 @@ class KernelChoice:
     def backward_for(self, block_size: tuple[int, int]) -> TileConfig | None:
         """The KV64 backward's tile configuration for ``block_size``: ``backward`` where
         chosen; else for 64x64 blocks the dS-writing one (``bwd_sm90.KV64_DS_CONFIG``, bitwise
-        reproducible; through the whole op, forward+backward, 15-51% faster than the float32
-        dQ reductions of ``bwd_sm90.KV64_CONFIG`` on an H100 (session 27, 8 GiB of dS a
-        launch), within 4% either way on an H200 with a 2 GiB budget (session 26)), the
+        reproducible; through the whole op, forward+backward, 11-51% faster than the float32
+        dQ reductions of ``bwd_sm90.KV64_CONFIG`` on an H100 in both views, one call waited
+        for and back to back (session 27, 8 GiB of dS a launch), within 4% either way on an
+        H200 with a 2 GiB budget (session 26)), the
         fork's own default (``bwd_sm90.config_for``) for other 64-token key blocks, and None
         where upstream's kernels run (`run_backward`)."""
         if self.backward is not None:

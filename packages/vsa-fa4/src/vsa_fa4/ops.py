@@ -194,8 +194,9 @@ head a chunk at least. At S=32768 with 64 of 512 key blocks a head takes 256 MiB
 480p (624 query blocks, 78 listed, 12 heads) all heads 4.5 GiB, one launch; at Wan 2.1 720p
 (1,440, 180) 2.0 GiB a head, four a launch; HunyuanVideo 720p (2,160, 270) 4.5 GiB a head.
 Each chunk costs ~0.25-0.45 ms (the key kernel's last wave, a chunk's launches): on an H100
-(session 27, whole op, forward+backward) Wan 480p ran 2.95x dense with this budget against
-2.83x with 2 GiB (three chunks), Wan 720p 3.42x against 3.17x (forty chunks). A smaller
+(session 27, whole op, forward+backward, once / back to back) Wan 480p ran 2.95x / 3.23x of
+dense with this budget against 2.83x / 3.11x with 2 GiB (three chunks), Wan 720p 3.42x / 3.44x
+against 3.17x / 3.24x (forty chunks). A smaller
 budget: ``KernelChoice(ds_budget_bytes=...)``."""
 
 

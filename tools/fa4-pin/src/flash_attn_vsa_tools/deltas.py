@@ -221,8 +221,9 @@ DELTAS: tuple[Delta, ...] = (
         "session 27): per head chunk the key-owned kernel writes dK, dV and each pair's dS, "
         "then `vsa_fa4.dq_from_ds_triton` computes dQ in a fixed order; dq, dk and dv bitwise "
         "reproducible. H200, S=32768: 0.73 of dense against delta 8's 0.70 (session 26); "
-        "whole op on an H100, forward+backward: Wan 480p 2.95x of dense against 2.57x, Wan "
-        "720p 3.42x against 2.45x (session 27)",
+        "whole op on an H100, forward+backward, once / back to back: Wan 480p 2.95x / 3.23x "
+        "of dense against 2.57x / 2.91x, Wan 720p 3.42x / 3.44x against 2.45x / 2.47x "
+        "(session 27)",
     ),
 )
 """Every kernel delta, by number."""
