@@ -28,9 +28,9 @@ Training with 64x64 blocks (sm_90) runs the fork's dS-writing backward by defaul
 gradients are bitwise reproducible, and faster through the whole op than the float32-reduction
 backward (``KernelChoice(backward=bwd_sm90.KV64_CONFIG)``, the default until session 27): on an
 H100 (2026-12-05, forward+backward, 87.5%, once / back to back) 2.95x / 3.23x of dense against
-2.57x / 2.91x at Wan 2.1 480p, 3.42x / 3.44x against 2.45x / 2.47x at 720p. It holds a dS buffer of 8 KB a selected block pair, at most
-`vsa_fa4.ops.DS_BUDGET_BYTES` a launch (head chunks beyond it): peak memory 5.9 GB beyond the
-inputs at Wan 480p against 1.3 GB.
+2.57x / 2.91x at Wan 2.1 480p, 3.42x / 3.44x against 2.45x / 2.47x at 720p. It holds a dS
+buffer of 8 KB a selected block pair, at most `vsa_fa4.ops.DS_BUDGET_BYTES` a launch (head
+chunks beyond it): peak memory 5.9 GB beyond the inputs at Wan 480p against 1.3 GB.
 
 ``deterministic=True``: the forward is bitwise reproducible (one CTA per query tile walking its
 key list in order, no reduction across CTAs, no split over keys). With gradients, 64x64 blocks
