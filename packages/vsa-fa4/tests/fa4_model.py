@@ -213,18 +213,22 @@ def swizzled(tile: torch.Tensor) -> torch.Tensor:
 
 def ds_slots(kv_indices, kv_counts, kv_valid_sizes, masked=True, rotate_sms=0):
     """`vsa_fa4.dq_from_ds_triton.ds_slots` on the CPU: the backward lists from metadata's
-    torch path, the shipped slot starts, and each used forward entry's slot found by walking
-    its key block's list (-1 where the key block is in no list: no valid token)."""
-    from vsa_fa4.dq_from_ds_triton import DsSlots, slot_starts
+    torch path, each (batch, head)'s slots from its own region of its forward lists' capacity
+    (as the kernel lays them out; within a region the key blocks' runs are packed here, where
+    the kernel leaves room for empty key blocks' entries), and each used forward entry's slot
+    found by walking its key block's list (-1 where the key block is in no list: no valid
+    token)."""
+    from vsa_fa4.backward_lists_triton import DsSlots
     from vsa_fa4.metadata import backward_lists
 
     lists = backward_lists(
         kv_indices, kv_counts, kv_valid_sizes, 64, masked, impl="torch", rotate_sms=rotate_sms
     )
-    starts = slot_starts(lists)
-    slots = torch.full_like(kv_indices, -1)
     counts = lists.mask_block_cnt + lists.full_block_cnt  # a key block is in one list only
     batch, heads, blocks = counts.shape
+    region = torch.arange(batch * heads).view(batch, heads, 1) * kv_indices[0, 0].numel()
+    starts = (region + torch.cumsum(counts, -1) - counts).to(torch.int32)
+    slots = torch.full_like(kv_indices, -1)
     for b in range(batch):
         for h in range(heads):
             for n in range(blocks):

@@ -1,16 +1,17 @@
 """The dS-writing backward's two host-side pieces (delta 12's dQ pass, issue 20 item 2):
 
-- `backward_lists_with_positions`: the same key-owned lists as `backward_lists_triton`, and
-  for every used forward entry (query block ``i``, slot ``t``, key block ``j``) the place ``p``
-  with ``q_indices[j, p] == i``, rotated lists included;
+- `backward_lists_with_slots`: the same key-owned lists as `backward_lists_triton`, and each
+  key block's first dS slot and every used forward entry's slot (`check_slots`: the slot the
+  key kernel's step that handles the pair writes, no two key blocks' runs overlapping), rotated
+  lists included;
 - on the CPU, `vsa_fa4.ops.backward_impl` with the dS-writing backward, its key-owned kernel
   played by `fa4_model` (dS tiles stored as the kernel stores them), against the model's
   plain backward, in one launch and in head chunks sharing one dS buffer;
-- `dq_from_ds`: dQ from dS tiles laid out by those places and `slot_starts` (each row's
-  16-byte chunks permuted as the key kernel stages them), against a float64 sum over each
-  query block's list. The slots of key blocks with no valid token hold NaN and K's rows past a
-  partial block's size large finite garbage: neither may reach dQ (dS past a partial block's
-  size is zero, as the key kernel writes it).
+- `dq_from_ds`: dQ from dS tiles laid out by those slots (each row's 16-byte chunks permuted
+  as the key kernel stages them), against a float64 sum over each query block's list. The
+  slots of key blocks with no valid token hold NaN and K's rows past a partial block's size
+  large finite garbage: neither may reach dQ (dS past a partial block's size is zero, as the
+  key kernel writes it).
 
 On a GPU the kernels run compiled; on a CPU machine under Triton's interpreter in a child
 process (the interpreter must be chosen before triton is first imported).
@@ -18,6 +19,7 @@ process (the interpreter must be chosen before triton is first imported).
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 
@@ -31,14 +33,38 @@ CASES = [(1, 1, 1), (3, 5, 2), (33, 31, 17), (70, 33, 33), (40, 65, 5)]  # (num_
 HEAD_DIM = 32
 
 
-def check_positions(idx, cnt, valid, lists, positions, where: str) -> None:
-    heads, num_q, width = idx.shape[1:]
-    used = torch.arange(width, device=idx.device) < cnt[..., None]
-    bh = torch.arange(heads, device=idx.device)[:, None, None].expand(heads, num_q, width)
-    rows = torch.arange(num_q, device=idx.device)[None, :, None].expand(heads, num_q, width)
-    places = torch.where(used[0], positions[0], 0).long()  # unused entries are unwritten
-    placed = lists.full_block_idx[0][bh, idx[0].long(), places]
-    assert torch.equal(placed[used[0]], rows[used[0]].to(placed.dtype)), where
+def check_slots(idx, cnt, valid, placed, where: str) -> None:
+    """Every used forward entry (query block ``i``, key block ``j``) of a key block with valid
+    tokens has slot ``starts[j] + p`` with ``q_indices[j, p] == i`` and ``p`` below the key
+    block's list count (the step of the key kernel that writes it), others -1; each (batch,
+    head)'s slots lie in its region of ``NQ * W``; and the key blocks' runs of slots
+    ``[starts[j], starts[j] + count)``, all that the kernel writes, never overlap."""
+    lists = type(placed.lists)(*(t.cpu() for t in placed.lists))
+    starts, slots, idx, cnt, valid = (
+        t.cpu() for t in (placed.starts, placed.slots, idx, cnt, valid)
+    )
+    _, heads, num_q, width = idx.shape
+    counts = lists.full_block_cnt + lists.mask_block_cnt  # a key block is in one list only
+    runs = []
+    for h in range(heads):
+        region = (h * num_q * width, (h + 1) * num_q * width)
+        for j in range(valid.numel()):
+            if counts[0, h, j]:
+                first = int(starts[0, h, j])
+                assert region[0] <= first and first + counts[0, h, j] <= region[1], where
+                runs.append((first, first + int(counts[0, h, j])))
+        for i in range(num_q):
+            for t in range(int(cnt[0, h, i])):
+                j, slot = int(idx[0, h, i, t]), int(slots[0, h, i, t])
+                if valid[j] == 0:
+                    assert slot == -1, f"{where}: entry ({h}, {i}, {t}) of an empty key block"
+                    continue
+                place = slot - int(starts[0, h, j])
+                assert 0 <= place < counts[0, h, j], f"{where}: entry ({h}, {i}, {t})"
+                assert int(lists.full_block_idx[0, h, j, place]) == i, where
+    runs.sort()
+    for (_, end), (begin, _) in itertools.pairwise(runs):
+        assert end <= begin, f"{where}: key blocks' slots overlap"
 
 
 def expected_dq(tiles, k, idx, cnt, valid, scale):
@@ -57,8 +83,8 @@ def expected_dq(tiles, k, idx, cnt, valid, scale):
 
 
 def compare_on(device: str) -> int:
-    from vsa_fa4.backward_lists_triton import backward_lists_triton, backward_lists_with_positions
-    from vsa_fa4.dq_from_ds_triton import dq_from_ds, entry_slots, slot_starts
+    from vsa_fa4.backward_lists_triton import backward_lists_triton, backward_lists_with_slots
+    from vsa_fa4.dq_from_ds_triton import dq_from_ds
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     checked = 0
@@ -66,11 +92,11 @@ def compare_on(device: str) -> int:
         idx, cnt, valid = (x.to(device) for x in random_lists(seed, num_q, num_kv, width, 64))
         for rotate in (0, 7):
             where = f"num_q={num_q} num_kv={num_kv} width={width} rotate={rotate}"
-            lists, positions = backward_lists_with_positions(idx, cnt, valid, 64, True, rotate)
+            placed = backward_lists_with_slots(idx, cnt, valid, 64, True, rotate)
             plain = backward_lists_triton(idx, cnt, valid, 64, True, 1, rotate)
-            for a, b in zip(plain, lists, strict=True):
+            for a, b in zip(plain, placed.lists, strict=True):
                 assert torch.equal(a, b), where
-            check_positions(idx, cnt, valid, lists, positions, where)
+            check_slots(idx, cnt, valid, placed, where)
             checked += 1
         # dQ from tiles placed where the key-owned kernel would write them
         gen = torch.Generator().manual_seed(seed)
@@ -79,23 +105,20 @@ def compare_on(device: str) -> int:
         k = torch.randn(1, num_kv * 64, heads, HEAD_DIM, generator=gen).to(dtype)
         for j, size in enumerate(valid.tolist()):  # finite padding garbage: must add zero
             k[0, 64 * j + size : 64 * j + 64] = 1.0e4
-        starts = slot_starts(lists)
-        slots = max(int(cnt.sum()), 1)
-        ds = torch.full((slots * 64, 64), float("nan"), dtype=dtype)
+        slots_of = placed.slots.cpu()
+        ds = torch.full((max(idx[0].numel() * heads, 1) * 64, 64), float("nan"), dtype=dtype)
         for h in range(heads):
             for i in range(num_q):
                 for t in range(int(cnt[0, h, i])):
-                    j = int(idx[0, h, i, t])
-                    size = int(valid[j])
+                    size = int(valid[int(idx[0, h, i, t])])
                     if size == 0:
                         continue
-                    slot = int(starts[0, h, j]) + int(positions[0, h, i, t])
+                    slot = int(slots_of[0, h, i, t])
                     tile = tiles[h, i, t].clone()
                     tile[:, size:] = 0.0  # the key kernel's dS past a partial block's size
                     ds[64 * slot : 64 * slot + 64] = swizzled(tile)
         dq = torch.full((1, num_q * 64, heads, HEAD_DIM), 7.0, dtype=dtype, device=device)
-        slots_of = entry_slots(idx, cnt, positions, starts, valid)
-        dq_from_ds(ds.to(device), k.to(device), dq, idx, cnt, slots_of, 0.125)
+        dq_from_ds(ds.to(device), k.to(device), dq, idx, cnt, placed.slots, 0.125)
         want = expected_dq(tiles, k, idx.cpu(), cnt.cpu(), valid.cpu(), 0.125)
         tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
         err = (dq.cpu().double() - want).abs().max().item()

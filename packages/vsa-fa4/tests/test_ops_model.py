@@ -531,3 +531,31 @@ def test_training_forward_reads_the_split_lists_and_does_not_keep_them(
     ref, ref_lse = reference_block_sparse_attn(q, k, v, layout, scale)
     ref_grads = torch.autograd.grad(ref, (q, k, v), dout)
     assert_close((out, lse, *grads), (ref, ref_lse, *ref_grads))
+
+
+def test_the_backward_fills_no_zero_gradient_for_lse(fa4_model):
+    """lse is non-differentiable and the backward reads no gradient of it: autograd must not
+    allocate and zero-fill one (a float32 [B, H, S] fill on every training backward)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    layout = counted_layout((64, 64))
+    plan = make_plan(layout.block_shape)
+    q, k, v = inputs(layout)
+    args = (layout.kv_indices, layout.kv_counts, layout.kv_valid_sizes, DIM**-0.5, plan)
+    out, lse = ops.attention(q, k, v, *args)
+    fills = []
+
+    class Fills(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            result = func(*args, **(kwargs or {}))
+            name = func.overloadpacket.__name__
+            filled = name in ("zeros", "zeros_like", "new_zeros", "fill_", "zero_", "full")
+            if filled and isinstance(result, torch.Tensor) and result.shape == lse.shape:
+                fills.append(name)
+            return result
+
+    with Fills():
+        grads = torch.autograd.grad(out.sum(), (q, k, v))
+    assert fills == []
+    assert all(g is not None and g.abs().sum() > 0 for g in grads)
+    assert not lse.requires_grad  # non-differentiable: nothing to backpropagate from it

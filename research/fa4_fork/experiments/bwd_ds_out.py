@@ -47,7 +47,7 @@ def run_length(emit, seq: int, heads: int, keep: float, reps: int, sms: int) -> 
     from flash_attn_vsa.experimental.bwd_configs import ABLATIONS
     from vsa_core.rotation import rotation_width
     from vsa_fa4 import launch
-    from vsa_fa4.backward_lists_triton import backward_lists_with_positions
+    from vsa_fa4.backward_lists_triton import backward_lists_with_slots
     from vsa_fa4.dq_from_ds_triton import dq_from_ds, ds_slots
     from vsa_fa4.metadata import backward_lists
     from vsa_fa4.ops import backward_impl
@@ -102,7 +102,7 @@ def run_length(emit, seq: int, heads: int, keep: float, reps: int, sms: int) -> 
         "shipped": lambda: op(float32_kernels),
         "no-dq-bound": keys_no_dq,
         "ds": lambda: op(ds_kernels),
-        "ds-lists": lambda: backward_lists_with_positions(idx, cnt, valid, KV, False, rotate),
+        "ds-lists": lambda: backward_lists_with_slots(idx, cnt, valid, KV, False, rotate),
         "ds-keys": keys,
         **{f"ds-dq-s{c.stages}-w{c.warps}": dq_pass(c) for c in _dq_pass_configs()},
     }

@@ -35,8 +35,8 @@ Stored straight from registers (16 32-bit stores a thread a step) it ran 4.25 ms
 row-major with the slot start loaded every step, 4.05 ms (8-way bank conflicts, and thread 0
 waiting on the load ahead of the dK MMA).
 
-`vsa_fa4` builds ``slot_starts`` (an exclusive sum of the lists' counts) and, for the dQ pass,
-each forward list entry's position in its key tile's list (`vsa_fa4.backward_lists_triton`).
+`vsa_fa4` builds ``slot_starts`` (runs of slots that never overlap) and, for the dQ pass, each
+forward list entry's slot with its lists (`vsa_fa4.backward_lists_triton`).
 
 Upstream internals this relies on (fingerprinted): ``FlashAttentionBackwardSm90.mma``'s
 parameters ``tiled_mma_SdP``, ``tidx``, ``aux_data`` (the launcher's aux tensors in order) and

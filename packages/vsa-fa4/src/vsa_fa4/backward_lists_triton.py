@@ -19,6 +19,13 @@ first:
    stays a valid block index) and splits the counts into full and partial by the key
    block's valid size.
 
+With slots (`backward_lists_with_slots`, the dS-writing backward's), the map holds each
+entry's place in its forward list plus one (int16), the marking pass also counts every key
+block's entries (integer atomics), and the ranking pass places each key block's dS slots after
+those of the head's earlier key blocks (summing their counts) and writes every forward entry's
+slot: no scan and no third launch (a cumulative sum and an entry-slot kernel did this before:
+four more device operations a head chunk).
+
 A first version compared every list slot with every key block of a program (a
 [query, slot, key] comparison reduced over slots, in a loop over query and slot chunks): its
 long chain of dependent reductions made it slower on the H200 than the torch ops it replaced.
@@ -37,6 +44,7 @@ imports it only for real CUDA tensors.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -54,13 +62,14 @@ BLOCK_KV = 32
 def _mark_selected(
     kv_idx_ptr,  # [BH, NQ, W] listed key blocks per query block
     kv_cnt_ptr,  # [BH, NQ] how many of them are used
-    selected_ptr,  # out [BH, NQ, NKV] uint8 (int16 with POSITIONS), zeroed by the caller
+    selected_ptr,  # out [BH, NQ, NKV] uint8 (int16 with SLOTS), zeroed by the caller
+    entries_ptr,  # out with SLOTS [BH, NKV] int32, zeroed: each key block's forward entries
     num_q,
     num_kv,
     width,
     BLOCK_Q: tl.constexpr,
     BLOCK_W: tl.constexpr,
-    POSITIONS: tl.constexpr,
+    SLOTS: tl.constexpr,
 ):
     bh = tl.program_id(0).to(tl.int64)
     q = tl.program_id(1) * BLOCK_Q + tl.arange(0, BLOCK_Q)
@@ -72,8 +81,11 @@ def _mark_selected(
         w = w0 + tl.arange(0, BLOCK_W)
         used = q_ok[:, None] & (w[None, :] < count[:, None])
         kv = tl.load(kv_idx_ptr + rows[:, None] * width + w[None, :], mask=used, other=0)
-        if POSITIONS:  # the entry's place in its forward list, plus one
+        if SLOTS:  # the entry's place in its forward list, plus one
             mark = (w[None, :] + 1 + tl.zeros([BLOCK_Q, BLOCK_W], dtype=tl.int32)).to(tl.int16)
+            # integer sums: exact and the same in any order (lists hold no duplicates)
+            one = tl.full([BLOCK_Q, BLOCK_W], 1, dtype=tl.int32)
+            tl.atomic_add(entries_ptr + bh * num_kv + kv, one, mask=used, sem="relaxed")
         else:
             mark = tl.full([BLOCK_Q, BLOCK_W], 1, dtype=tl.uint8)
         tl.store(selected_ptr + rows[:, None] * num_kv + kv, mark, mask=used)
@@ -92,13 +104,32 @@ def _hits(selected_ptr, bh, q0, kv, kv_ok, num_q, num_kv, BLOCK_Q: tl.constexpr)
 
 
 @triton.jit
+def _first_slots(entries_ptr, bh, kv, kv_ok, num_q, num_kv, width, BLOCK_KV: tl.constexpr):
+    """Key blocks ``kv``'s first dS slots: the head's region starts at ``bh * num_q * width``
+    (its forward lists' capacity, which its backward lists' entries never exceed), and each
+    key block's entries follow those of the key blocks before it in the head."""
+    first = tl.program_id(1) * BLOCK_KV
+    before = tl.zeros([BLOCK_KV], dtype=tl.int32)
+    c0 = 0
+    while c0 < first:  # the head's earlier key blocks, BLOCK_KV at a time
+        c = c0 + tl.arange(0, BLOCK_KV)
+        before += tl.load(entries_ptr + bh * num_kv + c, mask=c < first, other=0)
+        c0 += BLOCK_KV
+    mine = tl.load(entries_ptr + bh * num_kv + kv, mask=kv_ok, other=0)
+    base = (bh * num_q * width).to(tl.int32) + tl.sum(before, axis=0)
+    return base + tl.cumsum(mine, axis=0) - mine
+
+
+@triton.jit
 def _rank_selected(
-    selected_ptr,  # [BH, NQ, NKV] uint8 (int16 with POSITIONS)
+    selected_ptr,  # [BH, NQ, NKV] uint8 (int16 with SLOTS)
     valid_ptr,  # [NKV] valid tokens per key block
     q_idx_ptr,  # out [BH, NKV, NQ * Q_SPLIT] int32
     full_cnt_ptr,  # out [BH, NKV] int32
     mask_cnt_ptr,  # out [BH, NKV] int32
-    positions_ptr,  # out with POSITIONS [BH, NQ, W] int32: each forward entry's backward place
+    entries_ptr,  # with SLOTS [BH, NKV] int32: each key block's forward entries (the marks')
+    starts_ptr,  # out with SLOTS [BH, NKV] int32: each key block's first dS slot
+    slots_ptr,  # out with SLOTS [BH, NQ, W] int32: each forward entry's dS slot, -1 if none
     num_q,
     num_kv,
     kv_tile,
@@ -108,11 +139,15 @@ def _rank_selected(
     MASKED: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_KV: tl.constexpr,
-    POSITIONS: tl.constexpr,
+    SLOTS: tl.constexpr,
 ):
     bh = tl.program_id(0).to(tl.int64)
     kv = tl.program_id(1) * BLOCK_KV + tl.arange(0, BLOCK_KV)
     kv_ok = kv < num_kv
+    valid = tl.load(valid_ptr + kv, mask=kv_ok, other=0)
+    if SLOTS:
+        first_slot = _first_slots(entries_ptr, bh, kv, kv_ok, num_q, num_kv, width, BLOCK_KV)
+        tl.store(starts_ptr + bh * num_kv + kv, first_slot, mask=kv_ok)
     out_width = num_q * Q_SPLIT
     out_rows = q_idx_ptr + (bh * num_kv + kv) * out_width  # [BLOCK_KV] row starts
     # Rotation (rotate_sms > 0, Q_SPLIT 1): a first pass counts each list and its entries
@@ -138,9 +173,10 @@ def _rank_selected(
         slot = place * Q_SPLIT
         for s in tl.static_range(Q_SPLIT):
             tl.store(out_rows[None, :] + slot + s, q[:, None] * Q_SPLIT + s, mask=hit > 0)
-        if POSITIONS:
+        if SLOTS:  # a key block with no valid token is walked by no kernel: no slot
             entry = (bh * num_q + q[:, None]) * width + mark - 1
-            tl.store(positions_ptr + entry, place, mask=hit > 0)
+            slot = tl.where(valid[None, :] > 0, first_slot[None, :] + place, -1)
+            tl.store(slots_ptr + entry, slot, mask=hit > 0)
         offset += tl.sum(hit, axis=0)
         q0 += BLOCK_Q
     counts = offset * Q_SPLIT
@@ -151,7 +187,6 @@ def _rank_selected(
         tl.store(out_rows[None, :] + col[:, None], tl.zeros_like(col)[:, None], mask=tail)
         c0 += BLOCK_Q
     if MASKED:
-        valid = tl.load(valid_ptr + kv, mask=kv_ok, other=0)
         full = tl.where(valid >= kv_tile, counts, 0)
         partial = tl.where((valid > 0) & (valid < kv_tile), counts, 0)
     else:
@@ -175,25 +210,40 @@ def backward_lists_triton(
     return _build(kv_indices, kv_counts, kv_valid_sizes, kv_tile, masked, q_split, rotate_sms)[0]
 
 
-def backward_lists_with_positions(
+class DsSlots(NamedTuple):
+    """Where the dS-writing backward's tiles go (`backward_lists_with_slots`)."""
+
+    lists: SparseLists
+    """The key-owned lists the kernel walks."""
+    starts: torch.Tensor
+    """Each key block's first slot [B, H, NKV] int32 (the kernel's aux tensor): step ``u`` of
+    key block ``n``'s list writes slot ``starts[b, h, n] + u``."""
+    slots: torch.Tensor
+    """Each used forward entry's slot [B, H, NQ, W] int32, -1 where its key block has no valid
+    token (no kernel walks it); entries past a list's count are left unwritten."""
+
+
+def backward_lists_with_slots(
     kv_indices: torch.Tensor,
     kv_counts: torch.Tensor,
     kv_valid_sizes: torch.Tensor,
     kv_tile: int,
     masked: bool = True,
     rotate_sms: int = 0,
-) -> tuple[SparseLists, torch.Tensor]:
-    """`backward_lists_triton` (one query block per list entry) and, like ``kv_indices``
-    [..., NQ, W] int32, each used forward entry's place in its key block's backward list (as
-    stored: after the rotation), for the dQ pass of the dS-writing backward
-    (`vsa_fa4.dq_from_ds_triton`). Entries past a list's count are left unwritten."""
+) -> DsSlots:
+    """`backward_lists_triton` (one query block per list entry) with the dS slots of the
+    dS-writing backward (`vsa_fa4.dq_from_ds_triton`), in the same two launches and memset:
+    (batch x head) ``r``'s slots lie in ``[r * NQ * W, (r + 1) * NQ * W)`` (its forward lists'
+    capacity), each key block's after those of the key blocks before it (the marking pass
+    counts every key block's entries), in its backward list's order (after the rotation). A
+    dS buffer of ``B * H * NQ * W`` tiles holds every slot."""
     if kv_indices.shape[-1] >= 1 << 15:  # the marks are int16
         raise ValueError(f"kv_indices lists must be shorter than 32768, got {kv_indices.shape}")
-    lists, positions = _build(
-        kv_indices, kv_counts, kv_valid_sizes, kv_tile, masked, 1, rotate_sms, positions=True
+    lists, placed = _build(
+        kv_indices, kv_counts, kv_valid_sizes, kv_tile, masked, 1, rotate_sms, slots=True
     )
-    assert positions is not None
-    return lists, positions
+    assert placed is not None
+    return DsSlots(lists, *placed)
 
 
 def _build(
@@ -204,8 +254,8 @@ def _build(
     masked: bool,
     q_split: int,
     rotate_sms: int,
-    positions: bool = False,
-) -> tuple[SparseLists, torch.Tensor | None]:
+    slots: bool = False,
+) -> tuple[SparseLists, tuple[torch.Tensor, torch.Tensor] | None]:
     *lead, num_q, width = kv_indices.shape
     num_kv = kv_valid_sizes.shape[0]
     rows = math.prod(lead)
@@ -213,12 +263,11 @@ def _build(
     q_indices = torch.empty(*lead, num_kv, num_q * q_split, dtype=torch.int32, device=device)
     full_cnt = torch.empty(*lead, num_kv, dtype=torch.int32, device=device)
     mask_cnt = torch.empty_like(full_cnt)
-    places = None
-    if positions:
-        places = torch.empty(*lead, num_q, width, dtype=torch.int32, device=device)
+    placed = entries = None
+    if slots:
+        placed = torch.empty_like(full_cnt), torch.empty_like(kv_indices, dtype=torch.int32)
     if rows and num_kv and num_q:
-        mark_type = torch.int16 if positions else torch.uint8
-        selected = torch.zeros(rows, num_q, num_kv, dtype=mark_type, device=device)
+        selected, entries = _zeroed_marks(rows, num_q, num_kv, slots, device)
         if width:
             launch(
                 _mark_selected,
@@ -226,12 +275,13 @@ def _build(
                 kv_indices.contiguous(),
                 kv_counts.contiguous(),
                 selected,
+                full_cnt if entries is None else entries,  # not written without slots
                 num_q,
                 num_kv,
                 width,
                 BLOCK_Q=BLOCK_Q,
                 BLOCK_W=BLOCK_W,
-                POSITIONS=positions,
+                SLOTS=slots,
             )
         launch(
             _rank_selected,
@@ -241,7 +291,7 @@ def _build(
             q_indices,
             full_cnt,
             mask_cnt,
-            full_cnt if places is None else places,  # not written without positions
+            *((full_cnt,) * 3 if placed is None else (entries, *placed)),  # slots' only
             num_q,
             num_kv,
             kv_tile,
@@ -251,11 +301,25 @@ def _build(
             MASKED=masked,
             BLOCK_Q=BLOCK_Q,
             BLOCK_KV=BLOCK_KV,
-            POSITIONS=positions,
+            SLOTS=slots,
         )
     else:
         full_cnt.zero_()
         mask_cnt.zero_()
+        if placed is not None:
+            placed[0].zero_()
     if not masked:
-        return SparseLists(mask_cnt, mask_cnt.unsqueeze(-1), full_cnt, q_indices), places
-    return SparseLists(mask_cnt, q_indices, full_cnt, q_indices), places
+        return SparseLists(mask_cnt, mask_cnt.unsqueeze(-1), full_cnt, q_indices), placed
+    return SparseLists(mask_cnt, q_indices, full_cnt, q_indices), placed
+
+
+def _zeroed_marks(
+    rows: int, num_q: int, num_kv: int, slots: bool, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The zeroed byte map [rows, NQ, NKV] (int16 with ``slots``, else uint8) and, with
+    ``slots``, the zeroed entry counts [rows * NKV] int32: one allocation and one memset."""
+    if not slots:
+        return torch.zeros(rows, num_q, num_kv, dtype=torch.uint8, device=device), None
+    counts = rows * num_kv
+    zeroed = torch.zeros(2 * counts + rows * num_q * num_kv, dtype=torch.int16, device=device)
+    return zeroed[2 * counts :].view(rows, num_q, num_kv), zeroed[: 2 * counts].view(torch.int32)

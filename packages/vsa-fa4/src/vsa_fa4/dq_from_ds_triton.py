@@ -5,11 +5,10 @@ The grid runs query blocks fastest, so that the programs running at once read on
 (8 MB at S=32768), which stays in L2; with heads fastest they spanned every head's K and read
 half of it from HBM (Nsight Compute, S=32768, H=12: L2 hit rate 31%, DRAM 85% busy, 1.59 ms).
 
-`entry_slots` first says where each forward list entry's dS tile is: its key block's first
-slot (`slot_starts`) plus the entry's place in that key block's backward list
-(`vsa_fa4.backward_lists_triton.backward_lists_with_positions`), or -1 for a key block with no
-valid token (the key-owned kernel never walks it, so no tile is its); `ds_slots` builds the
-lists with both. Then `dq_from_ds`, one
+`ds_slots` first builds the key-owned lists with each key block's first dS slot and each
+forward list entry's slot (`vsa_fa4.backward_lists_triton.backward_lists_with_slots`), -1 for
+a key block with no valid token (the key-owned kernel never walks it, so no tile is its).
+Then `dq_from_ds`, one
 program per (batch x head, 64-row query block), walks the block's forward list in order and
 accumulates ``dS[slot] @ K[key block]`` in float32 registers, and writes ``scale *`` the sum in
 dQ's dtype: no atomics and a fixed order, so dQ is bitwise the same run to run. In a tile, row
@@ -30,16 +29,13 @@ as a ``while`` loop, which is all Triton 3.6's interpreter takes with a loaded b
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from vsa_fa4.backward_lists_triton import backward_lists_with_positions
-from vsa_fa4.lists import SparseLists
+from vsa_fa4.backward_lists_triton import DsSlots, backward_lists_with_slots
 from vsa_triton.environment import interpreting
 from vsa_triton.launch_cache import launch
 from vsa_triton.tensor_args import bshd_strides
@@ -68,31 +64,6 @@ SHIPPED_DQ_PASS = DqPassConfig()
 
 
 @triton.jit
-def _entry_slots(
-    kv_idx_ptr,  # [BH, NQ, W] forward lists
-    kv_cnt_ptr,  # [BH, NQ]
-    positions_ptr,  # [BH, NQ, W] each entry's place in its key block's backward list
-    slot_starts_ptr,  # [BH, NKV]
-    valid_ptr,  # [NKV]
-    slots_ptr,  # out [BH, NQ, W]: the entry's dS slot, -1 for an empty key block
-    num_q,
-    num_kv,
-    width,
-    BLOCK_E: tl.constexpr,
-):
-    bh = tl.program_id(0).to(tl.int64)
-    e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
-    inside = e < num_q * width
-    used = inside & ((e % width) < tl.load(kv_cnt_ptr + bh * num_q + e // width, mask=inside))
-    row = bh * num_q * width
-    j = tl.load(kv_idx_ptr + row + e, mask=used, other=0)
-    valid = tl.load(valid_ptr + j, mask=used, other=0)
-    slot = tl.load(slot_starts_ptr + bh * num_kv + j, mask=used, other=0)
-    slot += tl.load(positions_ptr + row + e, mask=used, other=0)
-    tl.store(slots_ptr + row + e, tl.where(valid > 0, slot, -1), mask=used)
-
-
-@triton.jit
 def _add_entry(
     acc, t, ds_ptr, k_head, kv_idx_ptr, slots_ptr, list_row, stride_ks,
     BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -118,7 +89,7 @@ def _dq_from_ds(
     dq_ptr,  # out [B, S_q, H, D]
     kv_idx_ptr,  # [BH, NQ, W] forward lists
     kv_cnt_ptr,  # [BH, NQ]
-    slots_ptr,  # [BH, NQ, W] each entry's dS slot (`entry_slots`)
+    slots_ptr,  # [BH, NQ, W] each entry's dS slot (`ds_slots`)
     heads,
     num_q,
     width,
@@ -160,17 +131,6 @@ def _dq_from_ds(
     tl.store(out, (acc * scale).to(dq_ptr.dtype.element_ty), mask=q_rows[:, None] < q_len)
 
 
-class DsSlots(NamedTuple):
-    """Where the dS-writing backward's tiles go (`ds_slots`)."""
-
-    lists: SparseLists
-    """The key-owned lists the kernel walks."""
-    starts: torch.Tensor
-    """Each key block's first slot [B, H, NKV] (`slot_starts`: the kernel's aux tensor)."""
-    slots: torch.Tensor
-    """Each forward entry's slot [B, H, NQ, W] (`entry_slots`: what the dQ pass reads)."""
-
-
 def ds_slots(
     kv_indices: torch.Tensor,
     kv_counts: torch.Tensor,
@@ -179,58 +139,11 @@ def ds_slots(
     rotate_sms: int = 0,
 ) -> DsSlots:
     """The key-owned lists of 64x64 blocks (rotated by ``rotate_sms``, as `backward_lists`
-    does) with their slots, from the forward lists: three launches and a scan."""
-    lists, positions = backward_lists_with_positions(
+    does) with their dS slots, from the forward lists: two launches and a memset
+    (`backward_lists_with_slots`)."""
+    return backward_lists_with_slots(
         kv_indices, kv_counts, kv_valid_sizes, BLOCK, masked, rotate_sms
     )
-    starts = slot_starts(lists)
-    slots = entry_slots(kv_indices, kv_counts, positions, starts, kv_valid_sizes)
-    return DsSlots(lists, starts, slots)
-
-
-def slot_starts(lists: SparseLists) -> torch.Tensor:
-    """Each key block's first dS slot [..., NKV] int32: the exclusive running sum of the
-    backward ``lists``' counts (partial and full) over every (batch, head, key block) in
-    order. The slots a call needs are at most the forward lists' used entries."""
-    counts = (lists.full_block_cnt + lists.mask_block_cnt).flatten()
-    starts = torch.cumsum(counts, 0, dtype=torch.int32) - counts
-    return starts.view(lists.full_block_cnt.shape)
-
-
-ENTRY_BLOCK = 1024
-"""List entries an `entry_slots` program handles."""
-
-
-def entry_slots(
-    kv_indices: torch.Tensor,
-    kv_counts: torch.Tensor,
-    positions: torch.Tensor,
-    starts: torch.Tensor,
-    kv_valid_sizes: torch.Tensor,
-) -> torch.Tensor:
-    """Each used forward list entry's dS slot, like ``kv_indices`` [B, H, NQ, W] int32: its key
-    block's first slot (``starts`` [B, H, NKV], `slot_starts`) plus its place in the key
-    block's backward list (``positions``), or -1 where the key block has no valid token.
-    Entries past a list's count are left unwritten."""
-    *lead, num_q, width = kv_indices.shape
-    rows = math.prod(lead)
-    slots = torch.empty_like(kv_indices, dtype=torch.int32)
-    if rows and num_q * width:
-        launch(
-            _entry_slots,
-            (rows, -(-num_q * width // ENTRY_BLOCK)),
-            kv_indices.contiguous(),
-            kv_counts.contiguous(),
-            positions.contiguous(),
-            starts.contiguous(),
-            kv_valid_sizes.contiguous(),
-            slots,
-            num_q,
-            kv_valid_sizes.shape[0],
-            width,
-            BLOCK_E=ENTRY_BLOCK,
-        )
-    return slots
 
 
 def dq_from_ds(
@@ -245,7 +158,7 @@ def dq_from_ds(
 ) -> torch.Tensor:
     """Write ``dq`` [B, S_q, H, D] (BSHD, head dim contiguous) = ``scale`` * the sum over each
     64-row query block's forward list (``kv_indices`` [B, H, NQ, W], ``kv_counts`` [B, H, NQ])
-    of its dS tiles (in ``ds`` [slots * 64, 64] at ``slots``, `entry_slots`) times K's key
+    of its dS tiles (in ``ds`` [slots * 64, 64] at ``slots``, `ds_slots`) times K's key
     blocks (K's padding rows finite: see the module doc). Rows of dq past the last query block
     are left as they are. ``config``: how the kernel is compiled. Returns ``dq``."""
     batch, q_len, heads, _ = dq.shape

@@ -39,12 +39,17 @@ def _save(ctx, inputs, output, saved_inputs: int = NUM_SAVED_INPUTS, forward_onl
     ctx.attrs = tuple(inputs[saved_inputs : len(inputs) - forward_only])
     ctx.num_inputs = len(inputs)
     ctx.mark_non_differentiable(lse)
+    # no zero-filled gradient of lse (an allocation and a fill a backward, which reads none)
+    ctx.set_materialize_grads(False)
 
 
 def _gradients(ctx, dout, backward: Callable) -> tuple:
+    none = [None] * (ctx.num_inputs - NUM_QKV)
+    if dout is None:  # out reached no loss (only lse did, which carries no gradient)
+        return None, None, None, *none
     saved = ctx.saved_tensors  # q, k, v, out, lse, kv_indices, kv_counts, kv_valid_sizes, ...
     dq, dk, dv = backward(dout, *saved, *ctx.attrs)
-    return dq, dk, dv, *([None] * (ctx.num_inputs - NUM_QKV))
+    return dq, dk, dv, *none
 
 
 def register_block_sparse_autograd(
