@@ -289,8 +289,20 @@ session27d)
     "step ds 130 python3 -m $X.bwd_ds_out --out \$OUT --seqs 32768 --reps 10" \
     "step overlap 150 python3 -m $X.ds_chunk_overlap --out \$OUT --seqs 32768 --reps 10"
   ;;
+session28)
+  # Session 28 (after session 27c/27d): the dS slots from the list kernels (four device
+  # operations a head chunk fewer) and no zero-filled lse gradient. GPU tests of the dS path,
+  # then the training step's host time in pieces against the previous commit's vsa-core and
+  # vsa-fa4 (research/ab_old, untracked: b6c1178's sources first on the path).
+  OLD="$PWD/research/ab_old/packages/vsa-fa4/src:$PWD/research/ab_old/packages/vsa-core/src"
+  bash benchmarks/gpu_sitting.sh \
+    "step tests 240 python3 -m pytest -q -p no:warnings -m gpu packages/vsa-fa4/tests/test_dq_from_ds.py packages/vsa-fa4/tests/test_gpu.py packages/vsa-core/tests/test_deterministic_gpu.py -k 'dq_pass or ds_backward or determin or head_chunks or torch_compile or cuda_graph or training'" \
+    "step host_new 100 python3 -m research.op_host_train --shapes wan480p --backends fa4 --reps 15 --out \$OUT/host_new.jsonl" \
+    "step host_old 100 env PYTHONPATH=$OLD:\$PYTHONPATH python3 -m research.op_host_train --shapes wan480p --backends fa4 --reps 15 --out \$OUT/host_old.jsonl" \
+    "step host_new2 100 python3 -m research.op_host_train --shapes wan480p --backends fa4 --reps 15 --out \$OUT/host_new2.jsonl"
+  ;;
 *)
-  echo "usage: $0 grid | bwd-counters | bwd-split | session19 | session21 | session22 [tests|bench] | session23 [tests|props|bench|second|block-props] | session24 [tests|final|profile|bench] | session25 | session25-cost | session25-regress | session25-steps | session26 | session26b | session26c | session26d | session26e | session26f | session26g | session26h | session27 | session27b | session27c | session27d" >&2
+  echo "usage: $0 grid | bwd-counters | bwd-split | session19 | session21 | session22 [tests|bench] | session23 [tests|props|bench|second|block-props] | session24 [tests|final|profile|bench] | session25 | session25-cost | session25-regress | session25-steps | session26 | session26b | session26c | session26d | session26e | session26f | session26g | session26h | session27 | session27b | session27c | session27d | session28" >&2
   exit 2
   ;;
 esac
