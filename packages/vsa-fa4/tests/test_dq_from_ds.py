@@ -106,7 +106,8 @@ def compare_on(device: str) -> int:
         for j, size in enumerate(valid.tolist()):  # finite padding garbage: must add zero
             k[0, 64 * j + size : 64 * j + 64] = 1.0e4
         slots_of = placed.slots.cpu()
-        ds = torch.full((max(idx[0].numel() * heads, 1) * 64, 64), float("nan"), dtype=dtype)
+        # B * H * NQ * W tiles, the size `_backward_from_ds` allocates: a slot past it raises
+        ds = torch.full((max(idx.numel(), 1) * 64, 64), float("nan"), dtype=dtype)
         for h in range(heads):
             for i in range(num_q):
                 for t in range(int(cnt[0, h, i])):

@@ -36,8 +36,7 @@ chunks beyond it): peak memory 5.9 GB beyond the inputs at Wan 480p against 1.3 
 key list in order, no reduction across CTAs, no split over keys). With gradients, 64x64 blocks
 on sm_90 run the dS-writing backward on the native plan (`FA4Backend.for_call` hands such
 calls this backend's kernel choice on the native plan: a paired plan's backward is 128x64).
-Other calls refuse
-(`DETERMINISTIC_BACKWARD_REFUSAL` says why).
+Other calls refuse (`DETERMINISTIC_BACKWARD_REFUSAL` says why).
 """
 
 from __future__ import annotations

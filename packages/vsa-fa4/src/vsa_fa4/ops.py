@@ -296,7 +296,7 @@ def _backward_from_ds(
     config = choice.backward_for(block_size)
     for chunk in _head_ranges(tensors, chunks):
         dout, q, k, v, out, lse, dq, dk, dv, indices, counts = chunk
-        # contiguous once (a head chunk's are views): three kernels read them
+        # contiguous once (a head chunk's are views): the marking pass and the dQ pass read them
         indices, counts = indices.contiguous(), counts.contiguous()
         placed = ds_slots(indices, counts, valid, masked, rotate)
         launch.run_backward(
