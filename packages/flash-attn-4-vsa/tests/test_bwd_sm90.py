@@ -244,3 +244,32 @@ def test_experimental_configs_match_the_reference(name, head_dim):
     vsa-fa4's ``test_ds_backward_matches_the_reference_and_reruns_bitwise``."""
     config = bwd_configs.EXPERIMENTAL_CONFIGS[name]
     test_kv64_backward_matches_the_reference(head_dim, torch.bfloat16, config.m_block_size, config)
+
+
+@needs_upstream
+@pytest.mark.parametrize("by_name", [False, True])
+def test_only_the_ds_config_skips_zeroing_the_dq_accumulator(monkeypatch, by_name):
+    """Upstream's preprocess zeros the float32 dQ accumulator (B x H x S x D); the dS-writing
+    backward never reads it, so its build passes the preprocess none. Every other build, and
+    every call outside a build, hands the preprocess the accumulator it was given."""
+    import flash_attn.cute.interface as interface
+
+    bwd_sm90._install()
+    seen = []
+    monkeypatch.setattr(
+        bwd_sm90._building_preprocess, "__wrapped__",
+        lambda *args, **kwargs: seen.append(kwargs["dq_accum"] if by_name else args[5]),
+    )  # fmt: skip
+    accum = object()
+
+    def preprocess():
+        if by_name:  # the keyword form, should upstream switch to it
+            interface._bwd_preprocess(*range(5), dq_accum=accum, fake_mode=False)
+        else:  # upstream's call: out, dout, dpsum, lse, lse_log2, dq_accum, ...
+            interface._bwd_preprocess(*range(5), accum, None, None, None, fake_mode=False)
+
+    preprocess()
+    for config in (bwd_sm90.KV64_CONFIG, bwd_sm90.KV64_DS_CONFIG):
+        with bwd_sm90._building(config):
+            preprocess()
+    assert seen == [accum, accum, None]

@@ -47,6 +47,7 @@ and set).
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields, replace
@@ -203,8 +204,9 @@ def _building_config(*args: Any, **kwargs: Any) -> Any:
 def _install() -> None:
     """Once per process: upstream's sm_90 backward takes its configuration (``BwdConfig``), its
     kernel class and its compile cache from the `TileConfig` a fork entry point is building on
-    the calling thread (`_building`), and skips its dQ conversion for one that writes dS
-    (`_building_postprocess`); exactly what it took before everywhere else (other callers of
+    the calling thread (`_building`), and for one that writes dS skips its dQ conversion
+    (`_building_postprocess`) and the zeroing of its float32 dQ accumulator
+    (`_building_preprocess`); exactly what it took before everywhere else (other callers of
     upstream, other threads)."""
     import flash_attn.cute.interface as interface
 
@@ -227,6 +229,30 @@ def _install() -> None:
     # upstream's function reads its cache through the module global: the stand-in carries it
     _building_postprocess.compile_cache = postprocess.compile_cache  # type: ignore[attr-defined]
     interface._bwd_postprocess_convert = _building_postprocess
+    preprocess = interface._bwd_preprocess
+    _building_preprocess.__wrapped__ = preprocess  # type: ignore[attr-defined]
+    _building_preprocess.compile_cache = preprocess.compile_cache  # type: ignore[attr-defined]
+    # where upstream's backward passes the accumulator when it passes it positionally
+    _building_preprocess.dq_accum_at = list(inspect.signature(preprocess).parameters).index(
+        "dq_accum"
+    )  # type: ignore[attr-defined]
+    interface._bwd_preprocess = _building_preprocess
+
+
+def _building_preprocess(*args: Any, **kwargs: Any) -> Any:
+    """``interface._bwd_preprocess`` as upstream's backward sees it (see `_install`): while a
+    configuration that writes dS is building on this thread, upstream's preprocess without the
+    dQ accumulator (so it does not zero it: B x H x S x D float32, 200 MB at Wan 480p, that
+    nothing reads on that path, since its kernel sends no dQ and the conversion is skipped);
+    else upstream's own preprocess."""
+    config = build_scope.current("bwd")
+    if config is not None and config.dq_from_ds:
+        at = _building_preprocess.dq_accum_at  # type: ignore[attr-defined]
+        if len(args) > at:
+            args = (*args[:at], None, *args[at + 1 :])
+        else:
+            kwargs["dq_accum"] = None
+    return _building_preprocess.__wrapped__(*args, **kwargs)  # type: ignore[attr-defined]
 
 
 def _building_postprocess(*args: Any, **kwargs: Any) -> Any:

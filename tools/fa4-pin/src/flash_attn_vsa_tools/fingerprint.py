@@ -81,8 +81,9 @@ SYMBOLS: tuple[Symbol, ...] = (
         "_flash_attn_bwd",
         "backward entry point the adapter calls (dense and block-sparse); compile gate; "
         "bwd_sm90 runs it with stand-ins for _tile_size_bwd_sm90, FlashAttentionBackwardSm90 "
-        "and _bwd_postprocess_convert (it must look all three up as module globals; the dQ "
-        "conversion is its one call of the last for sm_90 without GQA) and its compile_cache "
+        "_bwd_preprocess and _bwd_postprocess_convert (it must look all four up as module "
+        "globals, pass the preprocess its dQ accumulator by the parameter name dq_accum, "
+        "and call the dQ conversion once for sm_90 without GQA) and its compile_cache "
         "(in, get, set) scoped to our kernel class; launch_replay records and replays it as "
         "the forward's",
         source=True,
@@ -120,6 +121,16 @@ SYMBOLS: tuple[Symbol, ...] = (
         "the backward's float32-accumulator conversion: bwd_sm90's stand-in skips it for the "
         "dS-writing configuration (delta 12) and hands upstream's body its compile_cache, "
         "which the body reads through the module global",
+        source=True,
+    ),
+    Symbol(
+        _IFACE,
+        "_bwd_preprocess",
+        "the backward's preprocess (dO.O sums, lse in log2, zeroing the float32 dQ "
+        "accumulator): bwd_sm90's stand-in calls it without the accumulator for the "
+        "dS-writing configuration (delta 12: nothing reads it there) and hands upstream's body "
+        "its compile_cache, which the body reads through the module global; the parameter "
+        "dq_accum by name",
         source=True,
     ),
     Symbol(
