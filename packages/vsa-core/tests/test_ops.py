@@ -661,9 +661,10 @@ def test_op_asks_the_coarse_stage_for_the_split_lists_a_backend_reads(
 
 
 # ---- a backend that reads key padding as it is on some calls only -------------------------------
-def _padding_reader():
+def _padding_reader(in_inference: bool = True):
     """A reference-backed backend whose `reads_key_padding_as_is` says yes for inference only
-    (as fa4's 64x64 forward does) and that records whether v reached it with NaN padding."""
+    (as fa4's 64x64 forward does; never if not ``in_inference``, as fa4's shipped forward)
+    and that records whether v reached it with NaN padding."""
     from vsa_core.backends import Backend
     from vsa_core.backends.reference import ReferenceBackend
 
@@ -678,7 +679,7 @@ def _padding_reader():
             return None
 
         def reads_key_padding_as_is(self, call):
-            return not call.requires_grad
+            return in_inference and not call.requires_grad
 
         def forward(self, q, k, v, layout, scale):
             self.nan_in_v.append(bool(torch.isnan(v).any()))
@@ -720,3 +721,97 @@ def test_ops_skip_the_zeroed_copy_only_where_the_backend_reads_padding_as_is(
     assert backend.nan_in_v == [not grad]
     assert not torch.isnan(got).any()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+# ---- inference zeroes padding where it is instead of copying ---------------------------------
+def _nan_padded(tiling, seed):
+    """q, k, v in tile order ([1, padded, 2, 8], float64) with NaN in every padding slot."""
+    gen = _gen(seed)
+    padding = tiling.indices().padding_index
+    return [
+        tiling.to_tiles(_randn(gen, 1, tiling.seq_len, 2, 8)).index_fill_(1, padding, math.nan)
+        for _ in range(3)
+    ]
+
+
+def _recording_cleans(monkeypatch):
+    from vsa_core.coarse import TorchCoarse
+
+    asked = []
+    original = TorchCoarse.pool_and_clean
+
+    def recording(self, q, k, v, valid_sizes, clean, padding_index):
+        asked.append(tuple(clean))
+        return original(self, q, k, v, valid_sizes, clean, padding_index)
+
+    monkeypatch.setattr(TorchCoarse, "pool_and_clean", recording)
+    return asked
+
+
+@pytest.mark.parametrize("fmt", ["bshd", "bhsd"])
+def test_inference_zeroes_v_padding_in_place_and_asks_for_no_copy(
+    monkeypatch, fresh_registry, fmt
+):
+    """Without autograd, for a backend that multiplies V's padding by zero probabilities, v's
+    padding slots (NaN here) are zeroed in the caller's tensor and the coarse stage is asked
+    for no copy; the backend sees no NaN, every real token of q, k and v is untouched and the
+    output is the reference's on zero padding."""
+    reader = _padding_reader(in_inference=False)
+    fresh_registry.register_backend(reader)
+    asked = _recording_cleans(monkeypatch)
+    tiling = VideoTiling((5, 6, 7), tile_shape=(2, 2, 2))  # partial tiles on every axis
+    q, k, v = _nan_padded(tiling, 4)
+    want = video_sparse_attn(
+        *(t.nan_to_num(0.0) for t in (q, k, v)), topk=5, tiling=tiling, backend="reference"
+    )
+    asked.clear()
+    real = tiling.indices().tile_to_raster >= 0
+    before = [t[:, real].clone() for t in (q, k, v)]
+    args = (q, k, v) if fmt == "bshd" else tuple(t.transpose(1, 2) for t in (q, k, v))
+    with torch.no_grad():
+        got = video_sparse_attn(
+            *args, topk=5, tiling=tiling, qkv_format=fmt, backend="padding_reader"
+        )
+    if fmt == "bhsd":
+        got = got.transpose(1, 2)
+    assert asked == [(False, False, False)] and reader.nan_in_v == [False]
+    assert torch.equal(v[:, ~real], torch.zeros_like(v[:, ~real]))
+    assert torch.isnan(k[:, ~real]).all() and torch.isnan(q[:, ~real]).all()  # not read
+    for t, b in zip((q, k, v), before, strict=True):
+        assert torch.equal(t[:, real], b)
+    torch.testing.assert_close(got[:, real], want[:, real], rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("case", ["training", "inference-tensor", "expanded", "no-tiling"])
+def test_padding_is_copied_where_it_cannot_or_must_not_be_written(
+    monkeypatch, fresh_registry, case
+):
+    """With gradients, for an inference tensor outside inference mode, for a v whose elements
+    share memory (an expand) and without a tiling, the caller's v is left as it was and the
+    backend reads a zero-padded copy; the output is the same."""
+    reader = _padding_reader(in_inference=False)
+    fresh_registry.register_backend(reader)
+    asked = _recording_cleans(monkeypatch)
+    tiling = VideoTiling((5, 6, 7), tile_shape=(2, 2, 2))
+    q, k, v = _nan_padded(tiling, 5)
+    if case == "expanded":  # one head's values shared by both heads
+        v = v[:, :, :1].expand(-1, -1, 2, -1)
+    elif case == "inference-tensor":
+        with torch.inference_mode():
+            v = v.clone()
+    want = video_sparse_attn(
+        *(t.nan_to_num(0.0) for t in (q, k, v)), topk=5, tiling=tiling, backend="reference"
+    )
+    asked.clear()
+    v_before = v.clone()
+    where = (
+        {"kv_valid_sizes": tiling.valid_sizes()} if case == "no-tiling" else {"tiling": tiling}
+    )
+    with torch.set_grad_enabled(case == "training"):
+        leaves = [t.requires_grad_() if case == "training" else t for t in (q, k)]
+        got = video_sparse_attn(*leaves, v, topk=5, backend="padding_reader", **where)
+    assert asked and asked[0][2] and reader.nan_in_v == [False], "a zero-padded copy of v"
+    assert torch.equal(v.isnan(), v_before.isnan())
+    assert torch.equal(v.nan_to_num(0.0), v_before.nan_to_num(0.0))
+    real = tiling.indices().tile_to_raster >= 0
+    torch.testing.assert_close(got.detach()[:, real], want[:, real], rtol=0, atol=1e-12)

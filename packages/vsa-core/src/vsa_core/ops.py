@@ -185,6 +185,16 @@ def video_sparse_attn(
 
     Memory: the coarse output is never expanded to tokens. Without autograd the combine runs
     in place on the fine output; with autograd it is one fused multiply-add.
+
+    Padding: with ``token_order="tiled"``, slots past a tile's real tokens carry no token and
+    may hold anything (NaN included): pooling never reads them, and the fine kernels read
+    them only where a padding value is multiplied by a zero probability (V's, in every
+    backend; with gradients Q's and some backends' K's too), so those inputs are read with
+    their padding zeroed. Without autograd and with a ``tiling``, the op **writes zeros into
+    those inputs' padding slots** (v's: one fill of the padding rows, not a copy of the
+    tensor) instead of copying them: in eager mode, when the tensor can be written (not an
+    inference tensor outside inference mode, no elements sharing memory). Otherwise, and
+    with gradients, it reads zero-padded copies.
     """
     batch, seq, kv_seq, _, dim = check_qkv(q, k, v, qkv_format)
     if seq != kv_seq:
@@ -235,6 +245,8 @@ def video_sparse_attn(
         )
     else:
         clean = _inputs_to_clean(all_full, training, padding_as_is)
+        if not training:
+            clean = _zero_padding_in_place((q, k, v), clean, _padding_index(tiling, q.device))
         q_pooled, k_pooled, v_pooled, q_fine, k_fine, v_fine = stage.pool_and_clean(
             q, k, v, valid_sizes, clean, _padding_index(tiling, q.device)
         )
@@ -325,6 +337,42 @@ def _tiles_all_full(tiling, valid_sizes, tile_tokens) -> bool:
 
 def _padding_index(tiling: VideoTiling | None, device: torch.device) -> torch.Tensor | None:
     return None if tiling is None else tiling.indices(device).padding_index
+
+
+def _zero_padding_in_place(
+    tensors: tuple[torch.Tensor, ...], clean: tuple[bool, ...], padding_index: torch.Tensor | None
+) -> tuple[bool, ...]:
+    """Inference only: zeroes the padding slots of the inputs ``clean`` marks where they are,
+    instead of having the coarse stage copy them (at Wan 2.1 720p with 40 heads the copy of v
+    is 900 MiB, as much as the output), and answers which still need a copy. Padding slots
+    hold no token, so nothing the caller reads as a token changes. Kept as copies: without
+    a tiling (the padding slots would need a look at the valid sizes), under
+    ``torch.compile`` (a mutated input keeps ``mode="reduce-overhead"`` from capturing the
+    graph), and for a tensor that cannot be written (an inference tensor outside inference
+    mode, or elements that share memory, as in an ``expand``)."""
+    if padding_index is None or not any(clean) or torch.compiler.is_compiling():
+        return clean
+    still = []
+    for t, flag in zip(tensors, clean, strict=True):
+        if flag and _writable(t):
+            t.index_fill_(1, padding_index, 0)
+            flag = False
+        still.append(flag)
+    return tuple(still)
+
+
+def _writable(t: torch.Tensor) -> bool:
+    """Whether an in-place fill of t is allowed and writes each element alone: not an
+    inference tensor outside inference mode, and no two elements at one address (each
+    dimension's stride, in increasing order, at least the span of the smaller ones)."""
+    if t.is_inference() and not torch.is_inference_mode_enabled():
+        return False
+    span = 1
+    for stride, size in sorted((t.stride(d), t.size(d)) for d in range(t.dim()) if t.size(d) > 1):
+        if stride < span:
+            return False
+        span = stride * size
+    return True
 
 
 def _requires_grad(*tensors: torch.Tensor) -> bool:
