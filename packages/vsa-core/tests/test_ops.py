@@ -749,9 +749,7 @@ def _recording_cleans(monkeypatch):
 
 
 @pytest.mark.parametrize("fmt", ["bshd", "bhsd"])
-def test_inference_zeroes_v_padding_in_place_and_asks_for_no_copy(
-    monkeypatch, fresh_registry, fmt
-):
+def test_inference_zeroes_v_padding_in_place_and_asks_for_no_copy(monkeypatch, fresh_registry, fmt):
     """Without autograd, for a backend that multiplies V's padding by zero probabilities, v's
     padding slots (NaN here) are zeroed in the caller's tensor and the coarse stage is asked
     for no copy; the backend sees no NaN, every real token of q, k and v is untouched and the
@@ -804,9 +802,7 @@ def test_padding_is_copied_where_it_cannot_or_must_not_be_written(
     )
     asked.clear()
     v_before = v.clone()
-    where = (
-        {"kv_valid_sizes": tiling.valid_sizes()} if case == "no-tiling" else {"tiling": tiling}
-    )
+    where = {"kv_valid_sizes": tiling.valid_sizes()} if case == "no-tiling" else {"tiling": tiling}
     with torch.set_grad_enabled(case == "training"):
         leaves = [t.requires_grad_() if case == "training" else t for t in (q, k)]
         got = video_sparse_attn(*leaves, v, topk=5, backend="padding_reader", **where)
