@@ -302,17 +302,28 @@ session28)
     "step host_new2 100 python3 -m research.op_host_train --shapes wan480p --backends fa4 --reps 15 --out \$OUT/host_new2.jsonl"
   ;;
 session29)
-  # Session 29: the dS path with upstream's preprocess no longer zeroing the float32 dQ
-  # accumulator (GPU tests of the dS path and the replayed launches; the kernels' profile at
-  # Wan 480p, where the preprocess was 123 us with the zeroing, session 25), then session 27c's
-  # comparison of fa4's training backwards at both Wan latents (best on an H200).
-  bash benchmarks/gpu_sitting.sh \
-    "step tests 200 python3 -m pytest -q -p no:warnings -m gpu packages/vsa-fa4/tests/test_dq_from_ds.py packages/vsa-fa4/tests/test_gpu.py packages/flash-attn-4-vsa/tests/test_launch_replay.py -k 'dq_pass or ds_backward or determin or replay or head_chunks or training'" \
-    "step profile 90 python3 benchmarks/profile_video_op.py --shape wan480p --backends fa4 --modes fwd+bwd --calls 3 --out \$OUT/profile" \
-    "step bench 230 python3 benchmarks/bench_video.py --shapes wan480p wan720p --sparsities 0.875 --modes fwd+bwd --arms fa4 fa4_float32_dq fa4_ds_2gib --warmup 2 --reps 4 --no-pieces --time-budget-min 3.6 --out \$OUT/bench_video-ds-default.json"
+  # Session 29, on an H200 if one comes. "tests": the dS path with upstream's preprocess no
+  # longer zeroing the float32 dQ accumulator and inference zeroing v's padding where it is
+  # (GPU tests; the kernels' profile at Wan 480p, where the preprocess took 123 us with the
+  # zeroing in session 25; the forward at both Wan latents beside the variant that zeroes V's
+  # padding in shared memory: session 25 measured peak memory 2.54x / 2.62x of dense with
+  # the copy, 1.32x / 1.40x without). "bench": session 27c's comparison of fa4's training
+  # backwards at both Wan latents.
+  case "${2:-tests}" in
+  tests)
+    bash benchmarks/gpu_sitting.sh \
+      "step tests 200 python3 -m pytest -q -p no:warnings -m gpu packages/vsa-fa4/tests/test_dq_from_ds.py packages/vsa-fa4/tests/test_gpu.py packages/flash-attn-4-vsa/tests/test_launch_replay.py -k 'dq_pass or ds_backward or determin or replay or head_chunks or training or padding or nan'" \
+      "step profile 100 python3 benchmarks/profile_video_op.py --shape wan480p --backends fa4 --modes fwd fwd+bwd --calls 3 --out \$OUT/profile" \
+      "step fwd 170 python3 benchmarks/bench_video.py --shapes wan480p wan720p --sparsities 0.875 --modes fwd --arms fa4 fa4_zero_v_padding --warmup 2 --reps 6 --no-pieces --time-budget-min 2.5 --out \$OUT/bench_video-fwd-in-place.json"
+    ;;
+  bench)
+    bash benchmarks/gpu_sitting.sh \
+      "step bench 230 python3 benchmarks/bench_video.py --shapes wan480p wan720p --sparsities 0.875 --modes fwd+bwd --arms fa4 fa4_float32_dq fa4_ds_2gib --warmup 2 --reps 4 --no-pieces --time-budget-min 3.6 --out \$OUT/bench_video-ds-default.json"
+    ;;
+  esac
   ;;
 *)
-  echo "usage: $0 grid | bwd-counters | bwd-split | session19 | session21 | session22 [tests|bench] | session23 [tests|props|bench|second|block-props] | session24 [tests|final|profile|bench] | session25 | session25-cost | session25-regress | session25-steps | session26 | session26b | session26c | session26d | session26e | session26f | session26g | session26h | session27 | session27b | session27c | session27d | session28 | session29" >&2
+  echo "usage: $0 grid | bwd-counters | bwd-split | session19 | session21 | session22 [tests|bench] | session23 [tests|props|bench|second|block-props] | session24 [tests|final|profile|bench] | session25 | session25-cost | session25-regress | session25-steps | session26 | session26b | session26c | session26d | session26e | session26f | session26g | session26h | session27 | session27b | session27c | session27d | session28 | session29 [tests|bench]" >&2
   exit 2
   ;;
 esac
