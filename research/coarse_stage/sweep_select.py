@@ -4,8 +4,8 @@
 
 For each latent (Wan 2.1 480p and 720p, HunyuanVideo 720p with their head counts, 64-token
 tiles, 87.5% sparse), the shipped config, the same without (or with) early exit, and two
-other query tiles per program, times ``select_with`` on random pooled
-bf16 tensors (median of CUDA-event timings over back-to-back calls) and checks that every config
+other query tiles per program (with ``--warps-grid`` also 1 and 2 warps a program), times
+``select_with`` on random pooled bf16 tensors (median of CUDA-event timings over back-to-back calls) and checks that every config
 picks the same tiles as the shipped one.
 """
 
@@ -45,6 +45,10 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("select_sweep.json"))
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--latents", nargs="+", choices=sorted(LATENTS), default=sorted(LATENTS))
+    ap.add_argument("--warps-grid", action="store_true",
+                    help="also 1 and 2 warps a program (session 29: the bisection's reductions "
+                         "then stay within a warp or two) at 4, 8, 16 and 32 query tiles a "
+                         "program and 1024 or 2048 elements a step")  # fmt: skip
     args = ap.parse_args()
     rows = []
     for name in args.latents:
@@ -60,6 +64,15 @@ def main() -> None:
         configs = [SELECT, dataclasses.replace(SELECT, early_exit=not SELECT.early_exit)] + [
             dataclasses.replace(SELECT, block_m=block_m) for block_m in (4, 8)
         ]
+        if args.warps_grid:
+            configs += [
+                dataclasses.replace(
+                    SELECT, num_warps=warps, block_m=block_m, elements_per_step=elements
+                )
+                for warps in (1, 2)
+                for block_m in (4, 8, 16, 32)
+                for elements in (1024, 2048)
+            ]
         for config in configs:
             got = select_with(qp, kp, valid, topk, config)
             call = (qp, kp, valid, topk, config)

@@ -308,7 +308,7 @@ session29)
   # zeroing in session 25; the forward at both Wan latents beside the variant that zeroes V's
   # padding in shared memory: session 25 measured peak memory 2.54x / 2.62x of dense with
   # the copy, 1.32x / 1.40x without). "bench": session 27c's comparison of fa4's training
-  # backwards at both Wan latents.
+  # backwards at both Wan latents, then the selection kernel at 1 and 2 warps a program.
   case "${2:-tests}" in
   tests)
     bash benchmarks/gpu_sitting.sh \
@@ -318,7 +318,8 @@ session29)
     ;;
   bench)
     bash benchmarks/gpu_sitting.sh \
-      "step bench 230 python3 benchmarks/bench_video.py --shapes wan480p wan720p --sparsities 0.875 --modes fwd+bwd --arms fa4 fa4_float32_dq fa4_ds_2gib --warmup 2 --reps 4 --no-pieces --time-budget-min 3.6 --out \$OUT/bench_video-ds-default.json"
+      "step bench 230 python3 benchmarks/bench_video.py --shapes wan480p wan720p --sparsities 0.875 --modes fwd+bwd --arms fa4 fa4_float32_dq fa4_ds_2gib --warmup 2 --reps 4 --no-pieces --time-budget-min 3.6 --out \$OUT/bench_video-ds-default.json" \
+      "step select 160 python3 research/coarse_stage/sweep_select.py --warps-grid --reps 20 --out \$OUT/sweep_select-warps.json"
     ;;
   esac
   ;;
