@@ -27,10 +27,13 @@ from vsa_core import VideoTiling, coarse, video_sparse_attn
 FA4_MARK = "flash_attn"
 """A substring of FA4's CuTe kernels' mangled names (upstream's and the fork's)."""
 TRITON_FINE_KERNELS = frozenset(
-    {"fwd_kernel", "bwd_delta_kernel", "bwd_dkdv_kernel", "bwd_dq_kernel", "rotate_lists_kernel"}
-)
-"""vsa-triton's fine-attention kernels, by exact name (``pool_fwd_kernel`` and
-``combine_fwd_kernel`` are coarse-stage kernels, not fine ones)."""
+    {"fwd_kernel", "bwd_delta_kernel", "bwd_dkdv_kernel", "bwd_dq_kernel", "rotate_lists_kernel",
+     "_dq_from_ds"}
+)  # fmt: skip
+"""The Triton fine-attention kernels, by exact name: vsa-triton's, and vsa-fa4's dQ pass of
+its dS-writing backward (``_dq_from_ds``; counted outside before session 29). Not fine:
+the coarse stage's (``pool_fwd_kernel``, ``combine_fwd_kernel``...) and vsa-fa4's list
+kernels (``_mark_selected``, ``_rank_selected``...), which build the kernels' lists."""
 
 
 def is_fine_kernel(name: str) -> bool:
