@@ -309,6 +309,8 @@ session29)
   # padding in shared memory: session 25 measured peak memory 2.54x / 2.62x of dense with
   # the copy, 1.32x / 1.40x without). "bench": session 27c's comparison of fa4's training
   # backwards at both Wan latents, then the selection kernel at 1 and 2 warps a program.
+  # "pool": the pooling kernel's variants and the padding fill (research.coarse_stage.
+  # pool_variants), then vsa-core's compiled and eager GPU op tests on the in-place path.
   case "${2:-tests}" in
   tests)
     bash benchmarks/gpu_sitting.sh \
@@ -321,10 +323,15 @@ session29)
       "step bench 230 python3 benchmarks/bench_video.py --shapes wan480p wan720p --sparsities 0.875 --modes fwd+bwd --arms fa4 fa4_float32_dq fa4_ds_2gib --warmup 2 --reps 4 --no-pieces --time-budget-min 3.6 --out \$OUT/bench_video-ds-default.json" \
       "step select 160 python3 research/coarse_stage/sweep_select.py --warps-grid --reps 20 --out \$OUT/sweep_select-warps.json"
     ;;
+  pool)
+    bash benchmarks/gpu_sitting.sh \
+      "step pool 150 python3 -m research.coarse_stage.pool_variants --out \$OUT/pool_variants.json" \
+      "step core 150 python3 -m pytest -q -p no:warnings -m gpu packages/vsa-core/tests/test_gpu_compile.py packages/vsa-core/tests/test_gpu_ops.py"
+    ;;
   esac
   ;;
 *)
-  echo "usage: $0 grid | bwd-counters | bwd-split | session19 | session21 | session22 [tests|bench] | session23 [tests|props|bench|second|block-props] | session24 [tests|final|profile|bench] | session25 | session25-cost | session25-regress | session25-steps | session26 | session26b | session26c | session26d | session26e | session26f | session26g | session26h | session27 | session27b | session27c | session27d | session28 | session29 [tests|bench]" >&2
+  echo "usage: $0 grid | bwd-counters | bwd-split | session19 | session21 | session22 [tests|bench] | session23 [tests|props|bench|second|block-props] | session24 [tests|final|profile|bench] | session25 | session25-cost | session25-regress | session25-steps | session26 | session26b | session26c | session26d | session26e | session26f | session26g | session26h | session27 | session27b | session27c | session27d | session28 | session29 [tests|bench|pool]" >&2
   exit 2
   ;;
 esac
