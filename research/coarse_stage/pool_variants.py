@@ -14,7 +14,9 @@ outputs must be bitwise the shipped ones:
 Each runs inference (no copies) and training (all three copies written) at Wan 2.1 480p and
 720p, in alternating rounds, CUDA events around ``--calls`` calls back to back. Also the
 inference path's fill of v's padding rows (31 us at Wan 480p on the H100, 0.7 TB/s):
-``index_fill_`` against a Triton kernel that zeroes one padding row a program. ::
+``index_fill_`` against a Triton kernel that zeroes one padding row a program, and the
+shipped pooling followed by ``index_fill_`` against a pooling kernel that zeroes v's padding
+as it passes (``pool_zeroing_v``; the bytes column counts only the fill's). ::
 
     python3 -m research.coarse_stage.pool_variants --out $OUT/pool_variants.json
     TRITON_INTERPRET=1 python -m research.coarse_stage.pool_variants --check-only  # on a CPU
@@ -113,6 +115,32 @@ def pool_loads_first_kernel(
 
 
 @triton.jit
+def pool_zero_v_kernel(
+    q, k, v, qp, kp, vp, qc, kc, vc, valid_ptr, raster_rows,
+    s_qb, s_qs, s_qh, s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, s_pb, s_pn, s_ph, s_cb, s_cs, s_ch,
+    heads,
+    TILE_TOKENS: tl.constexpr, SLOTS: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr,
+    CLEAN_Q: tl.constexpr, CLEAN_K: tl.constexpr, CLEAN_V: tl.constexpr, RASTER: tl.constexpr,
+):  # fmt: skip
+    """Inference's pooling (tile order, no copies) that also zeroes v's padding slots where
+    they are: the in-place fill folded into the pass that reads v anyway."""
+    tile, b, h, size, slots, dims, keep = _tile_program(valid_ptr, heads, SLOTS, HEAD_DIM, DIM_P2)
+    rows = (tile.to(tl.int64) * TILE_TOKENS + slots)[:, None]
+    padding = (slots >= size)[:, None] & (slots < TILE_TOKENS)[:, None] & keep[None, :]
+    zeros = tl.zeros((SLOTS, DIM_P2), dtype=v.dtype.element_ty)
+    tl.store(v + b * s_vb + h * s_vh + rows * s_vs + dims[None, :], zeros, mask=padding)
+    _pool_tile(q, qp, qc, valid_ptr, raster_rows, s_qb, s_qs, s_qh, s_pb, s_pn, s_ph, s_cb,
+               s_cs, s_ch, heads, tile, b, h, size, slots, dims, keep, TILE_TOKENS, False,
+               RASTER)  # fmt: skip
+    _pool_tile(k, kp, kc, valid_ptr, raster_rows, s_kb, s_ks, s_kh, s_pb, s_pn, s_ph, s_cb,
+               s_cs, s_ch, heads, tile, b, h, size, slots, dims, keep, TILE_TOKENS, False,
+               RASTER)  # fmt: skip
+    _pool_tile(v, vp, vc, valid_ptr, raster_rows, s_vb, s_vs, s_vh, s_pb, s_pn, s_ph, s_cb,
+               s_cs, s_ch, heads, tile, b, h, size, slots, dims, keep, TILE_TOKENS, False,
+               RASTER)  # fmt: skip
+
+
+@triton.jit
 def zero_rows_kernel(x, rows, s_b, s_s, s_h, heads, HEADS_P2: tl.constexpr,
                      HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr):  # fmt: skip
     """Zeroes x[b, rows[i], :, :] for program (i, b): one padding slot of one batch entry."""
@@ -179,6 +207,13 @@ def check(latent, heads, device) -> None:
     zero_rows(filled, padding)
     if not torch.equal(filled, v.clone().index_fill_(1, padding, 0)):
         raise AssertionError("zero_rows differs from index_fill_")
+    v_in_place = v.clone()
+    got = _launch(pool_zero_v_kernel, (valid.shape[0], q.shape[0] * q.shape[2]), q, k,
+                  v_in_place, valid, (False,) * 3)  # fmt: skip
+    want = coarse._pool_clean(q, k, v, valid, False, False, False)
+    if not (all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+            and torch.equal(v_in_place, filled)):  # fmt: skip
+        raise AssertionError("pool_zero_v: pooled means or v's padding differ")
     for clean in ((False, False, False), (True, True, True), (False, False, True)):
         runs = {name: fn() for name, fn in variants(q, k, v, valid, clean).items()}
         want = runs.pop("shipped")
@@ -216,8 +251,16 @@ def bench(name, latent, heads, rounds, calls):
         moved = real_bytes + (3 * q.numel() * q.element_size() if mode == "training" else 0)
         rows += _report(name, heads, mode, times, moved)
     padding = tiling.indices("cuda").padding_index
-    fills = {"index_fill": lambda: v.index_fill_(1, padding, 0),
-             "triton_rows": lambda: zero_rows(v, padding)}  # fmt: skip
+    bh = q.shape[0] * q.shape[2]
+    no_copies = (False,) * 3
+    fills = {
+        "index_fill": lambda: v.index_fill_(1, padding, 0),
+        "triton_rows": lambda: zero_rows(v, padding),
+        "pool_then_index_fill": lambda: (coarse._pool_clean(q, k, v, valid, *no_copies),
+                                         v.index_fill_(1, padding, 0)),
+        "pool_zeroing_v": lambda: _launch(pool_zero_v_kernel, (valid.shape[0], bh), q, k, v,
+                                          valid, no_copies),
+    }  # fmt: skip
     for fn in fills.values():
         fn()
     times = {arm: [] for arm in fills}
