@@ -735,16 +735,20 @@ def _nan_padded(tiling, seed):
 
 
 def _recording_cleans(monkeypatch):
+    """What the op asks the torch stage for: ``("clean", flags)`` from `pool_and_clean`,
+    ``("zero", flags)`` from `pool_zeroing_padding`."""
     from vsa_core.coarse import TorchCoarse
 
     asked = []
-    original = TorchCoarse.pool_and_clean
+    for method, tag in (("pool_and_clean", "clean"), ("pool_zeroing_padding", "zero")):
+        original = getattr(TorchCoarse, method)
 
-    def recording(self, q, k, v, valid_sizes, clean, padding_index):
-        asked.append(tuple(clean))
-        return original(self, q, k, v, valid_sizes, clean, padding_index)
+        def recording(self, q, k, v, valid_sizes, flags, padding_index, original=original,
+                      tag=tag):  # fmt: skip
+            asked.append((tag, tuple(flags)))
+            return original(self, q, k, v, valid_sizes, flags, padding_index)
 
-    monkeypatch.setattr(TorchCoarse, "pool_and_clean", recording)
+        monkeypatch.setattr(TorchCoarse, method, recording)
     return asked
 
 
@@ -772,7 +776,7 @@ def test_inference_zeroes_v_padding_in_place_and_asks_for_no_copy(monkeypatch, f
         )
     if fmt == "bhsd":
         got = got.transpose(1, 2)
-    assert asked == [(False, False, False)] and reader.nan_in_v == [False]
+    assert asked == [("zero", (False, False, True))] and reader.nan_in_v == [False]
     assert torch.equal(v[:, ~real], torch.zeros_like(v[:, ~real]))
     assert torch.isnan(k[:, ~real]).all() and torch.isnan(q[:, ~real]).all()  # not read
     for t, b in zip((q, k, v), before, strict=True):
@@ -806,7 +810,8 @@ def test_padding_is_copied_where_it_cannot_or_must_not_be_written(
     with torch.set_grad_enabled(case == "training"):
         leaves = [t.requires_grad_() if case == "training" else t for t in (q, k)]
         got = video_sparse_attn(*leaves, v, topk=5, backend="padding_reader", **where)
-    assert asked and asked[0][2] and reader.nan_in_v == [False], "a zero-padded copy of v"
+    assert asked == [("clean", (False, False, True))] or asked == [("clean", (True, True, True))]
+    assert reader.nan_in_v == [False], "a zero-padded copy of v"
     assert torch.equal(v.isnan(), v_before.isnan())
     assert torch.equal(v.nan_to_num(0.0), v_before.nan_to_num(0.0))
     real = tiling.indices().tile_to_raster >= 0

@@ -276,6 +276,37 @@ def test_pool_and_clean_matches_the_torch_path_in_values_and_gradients(clean):
         torch.testing.assert_close(g, w.detach(), rtol=0, atol=0, equal_nan=True)
 
 
+@pytest.mark.parametrize("zero", [(False, False, True), (True, True, True)])
+@pytest.mark.parametrize("head_dim_contiguous", [True, False])
+def test_pool_zeroing_padding_zeroes_where_the_torch_stage_does(zero, head_dim_contiguous):
+    """Inference's pooling that zeroes padding in place (v's, in the op): the means are the
+    torch stage's, the marked inputs' padding (NaN before) is 0, and every real token and
+    every unmarked input is as it was; an input with a strided head dim gets the same."""
+    latent, tile, heads, dim = CASES[0]
+    tiling = VideoTiling(latent, tile)
+    valid = tiling.valid_sizes(DEVICE)
+    index = tiling.indices(DEVICE).padding_index
+    padding = tiling.indices().tile_to_raster < 0
+    xs = _tiled(tiling, heads, dim, torch.float32, seed=10, padding=float("nan"))
+    results = {}
+    for stage in (TorchCoarse(), TritonCoarse()):
+        inputs = [  # strided: the same values, every element two apart
+            x.clone() if head_dim_contiguous else torch.stack([x, x], dim=-1)[..., 0] for x in xs
+        ]
+        assert all(t.stride(-1) == (1 if head_dim_contiguous else 2) for t in inputs)
+        pooled = stage.pool_zeroing_padding(*inputs, valid, zero, index)
+        results[stage.name] = (pooled, inputs)
+    (want, want_inputs), (got, got_inputs) = results["torch"], results["triton"]
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    for x, g, w, z in zip(xs, got_inputs, want_inputs, zero, strict=True):
+        assert torch.equal(g[:, ~padding], x[:, ~padding]), "a real token changed"
+        if z:
+            assert torch.equal(g, w) and not g[:, padding].any(), "padding not zeroed"
+        else:
+            assert g[:, padding].isnan().all(), "an unmarked input was written"
+
+
 def _raster(tiling, heads, dim, dtype, seed, count=3):
     gen = torch.Generator().manual_seed(seed)
     return [

@@ -139,6 +139,25 @@ class CoarseStage:
         )
         return (*pooled, *fine)
 
+    def pool_zeroing_padding(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        valid_sizes: torch.Tensor,
+        zero: tuple[bool, bool, bool],
+        padding_index: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Inference in eager mode, tile order: `pool`'s means, and the padding slots
+        (``padding_index``) of the inputs ``zero`` marks zeroed where they are (the op checked
+        they can be written; the caller's tensors change there only). Default: an index fill
+        each, then `pool`; a stage may zero them in its pooling pass, which reads those
+        tiles anyway."""
+        for x, flag in zip((q, k, v), zero, strict=True):
+            if flag:
+                x.index_fill_(1, padding_index, 0)
+        return self.pool(q, k, v, valid_sizes)
+
     def combine(
         self,
         fine: torch.Tensor,

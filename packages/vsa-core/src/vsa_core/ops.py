@@ -245,11 +245,21 @@ def video_sparse_attn(
         )
     else:
         clean = _inputs_to_clean(all_full, training, padding_as_is)
-        if not training:
-            clean = _zero_padding_in_place((q, k, v), clean, _padding_index(tiling, q.device))
-        q_pooled, k_pooled, v_pooled, q_fine, k_fine, v_fine = stage.pool_and_clean(
-            q, k, v, valid_sizes, clean, _padding_index(tiling, q.device)
-        )
+        padding = _padding_index(tiling, q.device)
+        zero = (False,) * 3 if training else _zeroable_in_place((q, k, v), clean, padding)
+        if any(zero):  # inference: zeroed where they are, the rest (if any) copied
+            assert padding is not None
+            q_pooled, k_pooled, v_pooled = stage.pool_zeroing_padding(
+                q, k, v, valid_sizes, zero, padding
+            )
+            q_fine, k_fine, v_fine = (
+                zero_padding(x, valid_sizes, padding) if c and not z else x
+                for x, c, z in zip((q, k, v), clean, zero, strict=True)
+            )
+        else:
+            q_pooled, k_pooled, v_pooled, q_fine, k_fine, v_fine = stage.pool_and_clean(
+                q, k, v, valid_sizes, clean, padding
+            )
     combined = not training and chosen.fuses_combine and (slot_rows is not None or not raster)
     # the backend's forward reads the selection's split lists (tile-order q, k, v: not raster
     # rows), in inference and training alike
@@ -339,26 +349,20 @@ def _padding_index(tiling: VideoTiling | None, device: torch.device) -> torch.Te
     return None if tiling is None else tiling.indices(device).padding_index
 
 
-def _zero_padding_in_place(
+def _zeroable_in_place(
     tensors: tuple[torch.Tensor, ...], clean: tuple[bool, ...], padding_index: torch.Tensor | None
 ) -> tuple[bool, ...]:
-    """Inference only: zeroes the padding slots of the inputs ``clean`` marks where they are,
-    instead of having the coarse stage copy them (at Wan 2.1 720p with 40 heads the copy of v
-    is 900 MiB, as much as the output), and answers which still need a copy. Padding slots
-    hold no token, so nothing the caller reads as a token changes. Kept as copies: without
-    a tiling (the padding slots would need a look at the valid sizes), under
+    """Inference only: which of the inputs ``clean`` marks get their padding slots zeroed
+    where they are (`CoarseStage.pool_zeroing_padding`) instead of a zero-padded copy (at
+    Wan 2.1 720p with 40 heads the copy of v is 900 MiB, as much as the output). Padding
+    slots hold no token, so nothing the caller reads as a token changes. Kept as copies:
+    without a tiling (the padding slots would need a look at the valid sizes), under
     ``torch.compile`` (a mutated input keeps ``mode="reduce-overhead"`` from capturing the
     graph), and for a tensor that cannot be written (an inference tensor outside inference
     mode, or elements that share memory, as in an ``expand``)."""
     if padding_index is None or not any(clean) or torch.compiler.is_compiling():
-        return clean
-    still = []
-    for t, flag in zip(tensors, clean, strict=True):
-        if flag and _writable(t):
-            t.index_fill_(1, padding_index, 0)
-            flag = False
-        still.append(flag)
-    return tuple(still)
+        return (False,) * len(tensors)
+    return tuple(flag and _writable(t) for t, flag in zip(tensors, clean, strict=True))
 
 
 def _writable(t: torch.Tensor) -> bool:

@@ -123,11 +123,21 @@ def _pool_clean(
     a copy of that input with its padding slots zeroed, written from the same loads (an empty
     tensor where not asked for). With ``raster_rows`` (a tiling's ``tile_to_raster``), q, k
     and v are in raster order ([B, T*H*W, H, D]) and the copies are their tile-order forms."""
+    return _pool_launch(q, k, v, valid_sizes, (clean_q, clean_k, clean_v), (False,) * 3,
+                        raster_rows)  # fmt: skip
+
+
+def _pool_launch(q, k, v, valid_sizes, flags, zero, raster_rows):
+    """`_pool_clean`'s launch; ``zero``: the inputs (tile order) whose padding slots the pass
+    zeroes in place (`pool_zeroing_padding`)."""
+    if any(zero):  # in place: the tensors themselves, in tile order
+        assert raster_rows is None and all(
+            t.stride(-1) == 1 for t, z in zip((q, k, v), zero, strict=True) if z
+        )
     q, k, v = (head_dim_contiguous(t) for t in (q, k, v))
     num_tiles = valid_sizes.shape[0]
     batch, _, heads, dim = q.shape
     tiled = _tiled_len(q, raster_rows)
-    flags = (clean_q, clean_k, clean_v)
     pooled = [_pooled_like(t, num_tiles) for t in (q, k, v)]
     cleans = _copies((q, k, v), flags, raster_rows)
     if pooled[0].numel():
@@ -137,10 +147,31 @@ def _pool_clean(
             q, k, v, *pooled, *targets, valid_sizes,  # targets: never written where not clean
             valid_sizes if raster_rows is None else raster_rows,  # the map: read if RASTER
             *bshd_strides(q), *bshd_strides(k), *bshd_strides(v), *bshd_strides(pooled[0]),
-            *strides, heads, CLEAN_Q=clean_q, CLEAN_K=clean_k, CLEAN_V=clean_v,
-            RASTER=raster_rows is not None, **_tile_constants(tiled // num_tiles, dim),
+            *strides, heads, CLEAN_Q=flags[0], CLEAN_K=flags[1], CLEAN_V=flags[2],
+            RASTER=raster_rows is not None, ZERO_Q=zero[0], ZERO_K=zero[1], ZERO_V=zero[2],
+            **_tile_constants(tiled // num_tiles, dim),
         )  # fmt: skip
     return (*pooled, *cleans)
+
+
+def pool_zeroing_padding(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    valid_sizes: torch.Tensor,
+    zero: tuple[bool, bool, bool],
+    padding_index: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inference, eager mode, tile order: the tile means of q, k and v, and the padding slots
+    (``padding_index``) of those ``zero`` marks zeroed in place by the same pass, which reads
+    those tiles anyway (`CoarseStage.pool_zeroing_padding`; the op checked they can be
+    written). An input whose head dim is not contiguous gets an index fill instead."""
+    direct = []
+    for t, z in zip((q, k, v), zero, strict=True):
+        if z and t.stride(-1) != 1:
+            t.index_fill_(1, padding_index, 0)
+        direct.append(bool(z) and t.stride(-1) == 1)
+    return _pool_launch(q, k, v, valid_sizes, (False,) * 3, tuple(direct), None)[:3]
 
 
 pool_clean_op = torch.library.custom_op("vsa_triton::pool_clean", _pool_clean, mutates_args=())
@@ -684,6 +715,9 @@ class TritonCoarse(CoarseStage):
 
     def pool_and_clean(self, q, k, v, valid_sizes, clean, padding_index=None):
         return pool_and_clean(q, k, v, valid_sizes, clean)
+
+    def pool_zeroing_padding(self, q, k, v, valid_sizes, zero, padding_index):
+        return pool_zeroing_padding(q, k, v, valid_sizes, zero, padding_index)
 
     def pool_from_raster(self, q, k, v, tiling):
         indices = tiling.indices(q.device)

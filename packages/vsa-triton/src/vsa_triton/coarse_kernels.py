@@ -31,10 +31,12 @@ import triton.language as tl
 
 @triton.jit
 def _pool_one(src, dst, offs, mask, out, keep, inv, clean, clean_offs, in_tile,
-              CLEAN: tl.constexpr):
+              CLEAN: tl.constexpr, ZERO: tl.constexpr = False):
     x = tl.load(src + offs, mask=mask, other=0.0)
     if CLEAN:  # the tile as the fine attention reads it: real tokens, then zeros
         tl.store(clean + clean_offs, x, mask=in_tile)
+    if ZERO:  # the input's own padding slots zeroed where they are (tile order, inference)
+        tl.store(src + offs, tl.zeros_like(x), mask=in_tile & ~mask)
     tl.store(dst + out, (tl.sum(x.to(tl.float32), axis=0) * inv).to(dst.dtype.element_ty),
              mask=keep)
 
@@ -69,10 +71,12 @@ def pool_fwd_kernel(
     heads,
     TILE_TOKENS: tl.constexpr, SLOTS: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr,
     CLEAN_Q: tl.constexpr, CLEAN_K: tl.constexpr, CLEAN_V: tl.constexpr, RASTER: tl.constexpr,
+    ZERO_Q: tl.constexpr = False, ZERO_K: tl.constexpr = False, ZERO_V: tl.constexpr = False,
 ):
     """One (tile, batch x head): the means of q, k and v over the tile's real tokens (pooled
     strides s_p* shared by qp, kp and vp) and, where CLEAN_*, the tile copied to qc / kc / vc
-    in tile order with its padding slots zeroed (strides s_c* shared), from the same loads.
+    in tile order with its padding slots zeroed (strides s_c* shared), from the same loads;
+    where ZERO_* (tile order only), the input's own padding slots zeroed in place instead.
     With RASTER, q, k and v are read in raster order (``raster_rows``: the tiling's
     tile_to_raster)."""
     tile, b, h, size, slots, dims, keep = _tile_program(valid_ptr, heads, SLOTS, HEAD_DIM, DIM_P2)
@@ -84,11 +88,11 @@ def pool_fwd_kernel(
     out = b * s_pb + tile * s_pn + h * s_ph + dims
     c_offs = b * s_cb + h * s_ch + rows * s_cs + dims[None, :]
     _pool_one(q, qp, b * s_qb + h * s_qh + src * s_qs + dims[None, :], mask, out, keep, inv,
-              qc, c_offs, in_tile, CLEAN_Q)
+              qc, c_offs, in_tile, CLEAN_Q, ZERO_Q)
     _pool_one(k, kp, b * s_kb + h * s_kh + src * s_ks + dims[None, :], mask, out, keep, inv,
-              kc, c_offs, in_tile, CLEAN_K)
+              kc, c_offs, in_tile, CLEAN_K, ZERO_K)
     _pool_one(v, vp, b * s_vb + h * s_vh + src * s_vs + dims[None, :], mask, out, keep, inv,
-              vc, c_offs, in_tile, CLEAN_V)
+              vc, c_offs, in_tile, CLEAN_V, ZERO_V)
 
 
 @triton.jit
