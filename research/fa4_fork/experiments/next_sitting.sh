@@ -328,10 +328,17 @@ session29)
       "step pool 150 python3 -m research.coarse_stage.pool_variants --out \$OUT/pool_variants.json" \
       "step core 150 python3 -m pytest -q -p no:warnings -m gpu packages/vsa-core/tests/test_gpu_compile.py packages/vsa-core/tests/test_gpu_ops.py"
     ;;
+  final)
+    # the padding zeroed inside the pooling pass: GPU tests, then the forward at both latents
+    bash benchmarks/gpu_sitting.sh \
+      "step tests 170 python3 -m pytest -q -p no:warnings packages/vsa-triton/tests/test_coarse.py packages/vsa-core/tests/test_gpu_ops.py packages/vsa-fa4/tests/test_gpu.py -k 'zeroing or pool or padding or nan or combined or video'" \
+      "step fwd 130 python3 benchmarks/bench_video.py --shapes wan480p wan720p --sparsities 0.875 --modes fwd --arms fa4 fa4_zero_v_padding --warmup 2 --reps 6 --no-pieces --time-budget-min 1.8 --out \$OUT/bench_video-fwd-pool-zeroing.json" \
+      "step profile 60 python3 benchmarks/profile_video_op.py --shape wan480p --backends fa4 --modes fwd --calls 3 --out \$OUT/profile"
+    ;;
   esac
   ;;
 *)
-  echo "usage: $0 grid | bwd-counters | bwd-split | session19 | session21 | session22 [tests|bench] | session23 [tests|props|bench|second|block-props] | session24 [tests|final|profile|bench] | session25 | session25-cost | session25-regress | session25-steps | session26 | session26b | session26c | session26d | session26e | session26f | session26g | session26h | session27 | session27b | session27c | session27d | session28 | session29 [tests|bench|pool]" >&2
+  echo "usage: $0 grid | bwd-counters | bwd-split | session19 | session21 | session22 [tests|bench] | session23 [tests|props|bench|second|block-props] | session24 [tests|final|profile|bench] | session25 | session25-cost | session25-regress | session25-steps | session26 | session26b | session26c | session26d | session26e | session26f | session26g | session26h | session27 | session27b | session27c | session27d | session28 | session29 [tests|bench|pool|final]" >&2
   exit 2
   ;;
 esac
