@@ -5,8 +5,8 @@
 For each latent (Wan 2.1 480p and 720p, HunyuanVideo 720p with their head counts, 64-token
 tiles, 87.5% sparse), the shipped config, the same without (or with) early exit, and two
 other query tiles per program (with ``--warps-grid`` also 1 and 2 warps a program), times
-``select_with`` on random pooled bf16 tensors (median of CUDA-event timings over back-to-back calls) and checks that every config
-picks the same tiles as the shipped one.
+``select_with`` on random pooled bf16 tensors (median of CUDA-event timings over back-to-back
+calls) and checks that every config picks the same tiles as the shipped one.
 """
 
 from __future__ import annotations

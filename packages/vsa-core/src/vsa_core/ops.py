@@ -191,10 +191,10 @@ def video_sparse_attn(
     them only where a padding value is multiplied by a zero probability (V's, in every
     backend; with gradients Q's and some backends' K's too), so those inputs are read with
     their padding zeroed. Without autograd and with a ``tiling``, the op **writes zeros into
-    those inputs' padding slots** (v's: zeros stored over the padding rows, by the Triton
-    stage in its pooling pass) instead of copying them: in eager mode, when the tensor can be written (not an
-    inference tensor outside inference mode, no elements sharing memory). Otherwise, and
-    with gradients, it reads zero-padded copies.
+    those inputs' padding slots** (v's; the Triton stage stores them in its pooling pass)
+    instead of copying them: in eager mode, when the tensor can be written (not an inference
+    tensor outside inference mode, no elements sharing memory). Otherwise, and with
+    gradients, it reads zero-padded copies.
     """
     batch, seq, kv_seq, _, dim = check_qkv(q, k, v, qkv_format)
     if seq != kv_seq:
