@@ -183,3 +183,36 @@ def test_triton_compile_probe_names_only_the_kernels_own_constexprs():
     assert {"fwd-64x64", "fwd-64x64-raster-combine-has_gate", "dq-64x64-raster"} <= names
     for name, kernel, constexprs, _warps, _stages in variants:
         assert set(constexprs) <= set(kernel.arg_names), name
+
+
+def _x(name, cat, ts, dur, correlation=None, tid=1):
+    args = {} if correlation is None else {"correlation": correlation}
+    return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "tid": tid, "args": args}
+
+
+def test_latency_gaps_put_each_idle_stretch_on_the_launch_that_ended_it():
+    _root_on_path()
+    from research.op_latency_gaps import idle_gaps
+
+    events = [
+        _x("vsa_call", "user_annotation", 0, 50),
+        _x("cudaLaunchKernel", "cuda_runtime", 10, 5, 1),
+        _x("pool", "kernel", 20, 100, 1),
+        _x("cudaLaunchKernel", "cuda_runtime", 30, 5, 2),  # queued long before pool ends
+        _x("select", "kernel", 125, 50, 2),
+        _x("cuLaunchKernelEx", "cuda_driver", 200, 10, 3),  # after select ended: host-bound
+        _x("fine", "kernel", 215, 20, 3),
+        _x("cudaDeviceSynchronize", "cuda_runtime", 220, 20),
+        _x("vsa_fa4/ops.py(1): backward_impl", "python_function", 190, 30),
+        _x("torch/x.py(1): f", "python_function", 195, 20),
+    ]
+    summary = idle_gaps(events)
+    assert summary["first_kernel_us"] == 20 and summary["device_busy_us"] == 170
+    assert summary["idle_device_us"] == 5 and summary["idle_host_us"] == 40
+    assert summary["tail_us"] == 5 and summary["wall_us"] == 240
+    parts = ("first_kernel_us", "device_busy_us", "idle_host_us", "idle_device_us", "tail_us")
+    assert sum(summary[p] for p in parts) == summary["wall_us"]
+    select, fine = summary["gaps"]
+    assert (select["before"], select["kind"], select["idle_us"]) == ("select", "device", 5)
+    assert (fine["before"], fine["kind"], fine["idle_us"]) == ("fine", "host", 40)
+    assert fine["issued_by"] == "vsa_fa4/ops.py(1): backward_impl"

@@ -337,8 +337,31 @@ session29)
     ;;
   esac
   ;;
+session30)
+  # Session 30 (no device was lent; prepared for the next sitting). "gaps": where a call waited
+  # for loses to calls back to back (research.op_latency_gaps: the device's idle stretches in
+  # one call after a synchronize, each put on the launch that ended it; once without Python
+  # stacks for the sizes, once with them for the issuers), Wan 480p and 720p, fa4, forward and
+  # forward+backward. "all": session 29's unrun "final" (GPU tests of the pooling pass that
+  # zeroes v's padding, the forward at both latents), then "gaps".
+  gaps_steps=(
+    "step gaps 90 python3 -m research.op_latency_gaps --shapes wan480p wan720p --backends fa4 --modes fwd fwd+bwd --calls 5 --out \$OUT/latency_gaps.json"
+    "step gaps_stacks 90 python3 -m research.op_latency_gaps --shapes wan480p --backends fa4 --modes fwd fwd+bwd --calls 3 --stacks --out \$OUT/latency_gaps-stacks.json"
+  )
+  case "${2:-all}" in
+  gaps)
+    bash benchmarks/gpu_sitting.sh "${gaps_steps[@]}"
+    ;;
+  all)
+    bash benchmarks/gpu_sitting.sh \
+      "step tests 170 python3 -m pytest -q -p no:warnings packages/vsa-triton/tests/test_coarse.py packages/vsa-core/tests/test_gpu_ops.py packages/vsa-fa4/tests/test_gpu.py -k 'zeroing or pool or padding or nan or combined or video'" \
+      "step fwd 130 python3 benchmarks/bench_video.py --shapes wan480p wan720p --sparsities 0.875 --modes fwd --arms fa4 fa4_zero_v_padding --warmup 2 --reps 6 --no-pieces --time-budget-min 1.8 --out \$OUT/bench_video-fwd-pool-zeroing.json" \
+      "${gaps_steps[@]}"
+    ;;
+  esac
+  ;;
 *)
-  echo "usage: $0 grid | bwd-counters | bwd-split | session19 | session21 | session22 [tests|bench] | session23 [tests|props|bench|second|block-props] | session24 [tests|final|profile|bench] | session25 | session25-cost | session25-regress | session25-steps | session26 | session26b | session26c | session26d | session26e | session26f | session26g | session26h | session27 | session27b | session27c | session27d | session28 | session29 [tests|bench|pool|final]" >&2
+  echo "usage: $0 grid | bwd-counters | bwd-split | session19 | session21 | session22 [tests|bench] | session23 [tests|props|bench|second|block-props] | session24 [tests|final|profile|bench] | session25 | session25-cost | session25-regress | session25-steps | session26 | session26b | session26c | session26d | session26e | session26f | session26g | session26h | session27 | session27b | session27c | session27d | session28 | session29 [tests|bench|pool|final] | session30 [gaps|all]" >&2
   exit 2
   ;;
 esac
