@@ -266,33 +266,47 @@ def video_sparse_attn(
     reads_split = chosen.reads_forward_split and not all_full and slot_rows is None
     split_tile = tile_tokens if reads_split else None  # the backend's split, same pass
     # every tile of a VideoTiling holds a real token; user valid sizes may hold 0
+    coarse = None
     if not training and not deterministic:  # no gradient: attention and selection together
         with torch.no_grad():
             coarse, selection, split = stage.select_and_attend(
                 q_pooled, k_pooled, v_pooled, valid_sizes, topk, scale, split_tile,
                 may_have_empty=tiling is None,
             )  # fmt: skip
+        q_pooled = k_pooled = v_pooled = None  # memory for the fine stage
     else:
-        coarse = _coarse_attention(
-            q_pooled, k_pooled, v_pooled, valid_sizes, scale, tiling is None, deterministic
-        )
         with torch.no_grad():
             selection, split = stage.selection(q_pooled, k_pooled, valid_sizes, topk, split_tile)
     layout = layout_from_selection(
         selection, valid_sizes, tile_tokens, all_full=all_full, forward_split=split
     )
-    del q_pooled, k_pooled, v_pooled, selection, split  # in inference: memory for the fine stage
+    del selection, split
+
+    def attend() -> torch.Tensor:
+        return _coarse_attention(
+            q_pooled, k_pooled, v_pooled, valid_sizes, scale, tiling is None, deterministic
+        )
+
     if combined:  # inference: the combine runs in the fine kernel's epilogue, no second pass
-        out = chosen.forward_combined(q_fine, k_fine, v_fine, layout, scale, coarse, gate,
-                                      slot_rows)  # fmt: skip
-    elif slot_rows is not None:
+        coarse = attend() if coarse is None else coarse
+        return _from_bshd(
+            chosen.forward_combined(q_fine, k_fine, v_fine, layout, scale, coarse, gate,
+                                    slot_rows),
+            qkv_format,
+        )  # fmt: skip
+    if slot_rows is not None:
         fine, _ = chosen.forward_rows(q_fine, k_fine, v_fine, layout, scale, slot_rows)
-        out = stage.combine_raster(fine, coarse, gate, tiling)
-    elif raster:
-        fine, _ = chosen.forward(q_fine, k_fine, v_fine, layout, scale)
-        out = stage.combine_to_raster(fine, coarse, gate, tiling)
     else:
         fine, _ = chosen.forward(q_fine, k_fine, v_fine, layout, scale)
+    # the coarse attention after the fine kernel's launch: a call waited for starts its longest
+    # kernel sooner (the device runs pooling, selection and fine attention back to back while
+    # the host issues the coarse attention; research.op_host_timeline)
+    coarse = attend() if coarse is None else coarse
+    if slot_rows is not None:
+        out = stage.combine_raster(fine, coarse, gate, tiling)
+    elif raster:
+        out = stage.combine_to_raster(fine, coarse, gate, tiling)
+    else:
         gate_padding_as_zero = training and seq_gate and not all_full
         out = stage.combine(
             fine, coarse, gate, valid_sizes, gate_padding_as_zero, _padding_index(tiling, q.device)
