@@ -360,8 +360,19 @@ session30)
     ;;
   esac
   ;;
+session31)
+  # Session 31: session 30's coarse attention issued after the fine forward's launch
+  # (training), A/B against 54b9c58's vsa-core (research/ab_old, untracked) in the same
+  # sitting: Wan 480p fa4, forward+backward then forward, both views (bench_video), new, old,
+  # new again for drift.
+  OLD="$PWD/research/ab_old/packages/vsa-core/src"
+  ab() {
+    echo "step $1 110 $2 python3 benchmarks/bench_video.py --shapes wan480p --sparsities 0.875 --modes fwd+bwd fwd --arms fa4 --warmup 2 --reps 8 --no-pieces --out \$OUT/bench_video-$1.json"
+  }
+  bash benchmarks/gpu_sitting.sh "$(ab new '')" "$(ab old "env PYTHONPATH=$OLD:\$PYTHONPATH")" "$(ab new2 '')"
+  ;;
 *)
-  echo "usage: $0 grid | bwd-counters | bwd-split | session19 | session21 | session22 [tests|bench] | session23 [tests|props|bench|second|block-props] | session24 [tests|final|profile|bench] | session25 | session25-cost | session25-regress | session25-steps | session26 | session26b | session26c | session26d | session26e | session26f | session26g | session26h | session27 | session27b | session27c | session27d | session28 | session29 [tests|bench|pool|final] | session30 [gaps|all]" >&2
+  echo "usage: $0 grid | bwd-counters | bwd-split | session19 | session21 | session22 [tests|bench] | session23 [tests|props|bench|second|block-props] | session24 [tests|final|profile|bench] | session25 | session25-cost | session25-regress | session25-steps | session26 | session26b | session26c | session26d | session26e | session26f | session26g | session26h | session27 | session27b | session27c | session27d | session28 | session29 [tests|bench|pool|final] | session30 [gaps|all] | session31" >&2
   exit 2
   ;;
 esac
