@@ -48,6 +48,7 @@ def _hooks(marks: list[tuple[str, float]], start: list[float]) -> None:
     """Every stubbed launch of `op_host_cpu.stub_devices` appends (its name, seconds since
     ``start[0]``) to ``marks`` as it returns."""
     import flash_attn_vsa.launch_replay as replay
+    import vsa_core.coarse as core_coarse
     import vsa_core.ops as core_ops
     import vsa_fa4.backward_lists_triton as backward_lists
     import vsa_fa4.dq_from_ds_triton as dq_from_ds
@@ -79,16 +80,20 @@ def _hooks(marks: list[tuple[str, float]], start: list[float]) -> None:
 
     class CoarseAttention(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, qp):
+        def forward(ctx, qp, kp, vp):
             mark("sdpa_fwd")
             return qp * 1.0
 
         @staticmethod
         def backward(ctx, grad):
             mark("sdpa_bwd")
-            return grad
+            return grad, torch.zeros_like(grad), torch.zeros_like(grad)
 
-    core_ops.coarse_attention = lambda qp, *args, **kwargs: CoarseAttention.apply(qp)
+    def attention(qp, kp, vp, *args, **kwargs):
+        return CoarseAttention.apply(qp, kp, vp)
+
+    # the op's own name and the coarse module's (the torch stage, `coarse_with_gradient`)
+    core_ops.coarse_attention = core_coarse.coarse_attention = attention
 
 
 def launch_timeline(mode: str, calls: int = 300, warmup: int = 50) -> list[tuple[str, float]]:

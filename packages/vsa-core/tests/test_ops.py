@@ -816,3 +816,65 @@ def test_padding_is_copied_where_it_cannot_or_must_not_be_written(
     assert torch.equal(v.nan_to_num(0.0), v_before.nan_to_num(0.0))
     real = tiling.indices().tile_to_raster >= 0
     torch.testing.assert_close(got.detach()[:, real], want[:, real], rtol=0, atol=1e-12)
+
+
+def test_training_issues_the_fine_backward_before_the_coarse_attention_gradient(
+    fresh_registry, monkeypatch
+):
+    """In training the coarse attention comes from the stage's selection pass
+    (`CoarseStage.select_and_attend`, no separate forward of its own) and its gradient node is
+    made before the fine forward (`coarse_with_gradient`), so that the backward reaches the
+    fine backward's kernels first and recomputes the small coarse attention after them; the
+    gradients equal the reference backend's through autograd's own coarse attention."""
+    import vsa_core.coarse as coarse_module
+    from vsa_core.backends import Backend, register_backend
+    from vsa_core.backends.reference import ReferenceBackend
+
+    order = []
+
+    class FineBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, out):
+            return out.view_as(out)
+
+        @staticmethod
+        def backward(ctx, grad):
+            order.append("fine")
+            return grad
+
+    class OrderRecorder(Backend):
+        name = "order_recorder"
+        priority = 1000
+
+        def supports(self, call):
+            return None
+
+        def forward(self, q, k, v, layout, scale):
+            out, lse = ReferenceBackend().forward(q, k, v, layout, scale)
+            return FineBackward.apply(out), lse
+
+    attention = coarse_module.coarse_attention
+
+    def recording(*args, **kwargs):
+        if torch.is_grad_enabled():
+            order.append("coarse")
+        return attention(*args, **kwargs)
+
+    monkeypatch.setattr(coarse_module, "coarse_attention", recording)
+    register_backend(OrderRecorder())
+    tiling = VideoTiling((5, 6, 7), tile_shape=(2, 2, 2))
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, gate, dout = (
+        tiling.to_tiles(torch.randn(1, tiling.seq_len, 2, 8, generator=gen)) for _ in range(5)
+    )
+    grads = {}
+    for backend in ("order_recorder", "reference"):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, gate)]
+        out = video_sparse_attn(*leaves[:3], tiling=tiling, topk=4, coarse_gate=leaves[3],
+                                backend=backend, coarse_backend="torch")  # fmt: skip
+        if backend == "order_recorder":
+            assert order == []  # the forward computes the coarse attention without autograd
+        grads[backend] = torch.autograd.grad(out, leaves, dout)
+    assert order[:2] == ["fine", "coarse"]
+    for got, want in zip(grads["order_recorder"], grads["reference"], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

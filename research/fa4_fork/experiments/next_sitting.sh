@@ -361,18 +361,29 @@ session30)
   esac
   ;;
 session31)
-  # Session 31: session 30's coarse attention issued after the fine forward's launch
-  # (training), A/B against 54b9c58's vsa-core (research/ab_old, untracked) in the same
-  # sitting: Wan 480p fa4, forward+backward then forward, both views (bench_video), new, old,
-  # new again for drift.
-  OLD="$PWD/research/ab_old/packages/vsa-core/src"
-  ab() {
-    echo "step $1 110 $2 python3 benchmarks/bench_video.py --shapes wan480p --sparsities 0.875 --modes fwd+bwd fwd --arms fa4 --warmup 2 --reps 8 --no-pieces --out \$OUT/bench_video-$1.json"
-  }
-  bash benchmarks/gpu_sitting.sh "$(ab new '')" "$(ab old "env PYTHONPATH=$OLD:\$PYTHONPATH")" "$(ab new2 '')"
+  # Session 31. "tests": the GPU tests session 29's pooling pass (v's padding zeroed in it)
+  # never ran, and session 31's training path (the coarse attention from the selection
+  # kernel, its gradient recomputed after the fine backward). "ab": that path against
+  # 22dc83b's vsa-core (SDPA after the fine forward's launch, research/ab_mid) and 54b9c58's
+  # (SDPA before the selection, research/ab_old), both untracked; Wan 480p fa4, forward+
+  # backward then forward, both views (bench_video), new first and last for drift.
+  case "${2:-tests}" in
+  tests)
+    bash benchmarks/gpu_sitting.sh \
+      "step tests 330 python3 -m pytest -q -p no:warnings packages/vsa-triton/tests/test_coarse.py packages/vsa-core/tests/test_gpu_ops.py packages/vsa-core/tests/test_gpu_compile.py packages/vsa-fa4/tests/test_gpu.py -k 'zeroing or pool or padding or nan or combined or video or training or compile or graph'"
+    ;;
+  ab)
+    ab() {
+      echo "step $1 125 $2 python3 benchmarks/bench_video.py --shapes wan480p --sparsities 0.875 --modes fwd+bwd fwd --arms fa4 --warmup 2 --reps 6 --no-pieces --out \$OUT/bench_video-$1.json"
+    }
+    old="env PYTHONPATH=$PWD/research/ab_old/packages/vsa-core/src:\$PYTHONPATH"
+    mid="env PYTHONPATH=$PWD/research/ab_mid/packages/vsa-core/src:\$PYTHONPATH"
+    bash benchmarks/gpu_sitting.sh "$(ab new '')" "$(ab old "$old")" "$(ab mid "$mid")" "$(ab new2 '')"
+    ;;
+  esac
   ;;
 *)
-  echo "usage: $0 grid | bwd-counters | bwd-split | session19 | session21 | session22 [tests|bench] | session23 [tests|props|bench|second|block-props] | session24 [tests|final|profile|bench] | session25 | session25-cost | session25-regress | session25-steps | session26 | session26b | session26c | session26d | session26e | session26f | session26g | session26h | session27 | session27b | session27c | session27d | session28 | session29 [tests|bench|pool|final] | session30 [gaps|all] | session31" >&2
+  echo "usage: $0 grid | bwd-counters | bwd-split | session19 | session21 | session22 [tests|bench] | session23 [tests|props|bench|second|block-props] | session24 [tests|final|profile|bench] | session25 | session25-cost | session25-regress | session25-steps | session26 | session26b | session26c | session26d | session26e | session26f | session26g | session26h | session27 | session27b | session27c | session27d | session28 | session29 [tests|bench|pool|final] | session30 [gaps|all] | session31 [tests|ab]" >&2
   exit 2
   ;;
 esac
