@@ -105,10 +105,8 @@ class CoarseStage:
         *,
         may_have_empty: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor, ForwardSplit | None]:
-        """Without autograd (the op calls it under ``no_grad``; in training it makes ``coarse``
-        differentiable with `coarse_with_gradient`): ``(coarse, indices, split)``, the
-        `coarse_attention` of the pooled tiles (empty key tiles left out; ``may_have_empty``
-        as there),
+        """Inference (no gradient flows): ``(coarse, indices, split)``, the `coarse_attention`
+        of the pooled tiles (empty key tiles left out; ``may_have_empty`` as there),
         `select`'s indices and, with ``kv_tile``, `select_split`'s split. The default runs
         them one after the other; a stage that computes the coarse attention from the
         selection's own scores (one launch) overrides it. Where every key tile is empty the
@@ -340,49 +338,6 @@ def coarse_attention(
         scale=scale,
     )
     return out.transpose(1, 2)
-
-
-def coarse_with_gradient(
-    coarse: torch.Tensor,
-    q_pooled: torch.Tensor,
-    k_pooled: torch.Tensor,
-    v_pooled: torch.Tensor,
-    valid_sizes: torch.Tensor,
-    scale: float,
-    *,
-    may_have_empty: bool = True,
-) -> torch.Tensor:
-    """``coarse``, a `coarse_attention` of the pooled tiles computed without autograd (by a
-    stage's `CoarseStage.select_and_attend`), with that attention's gradient: its backward
-    recomputes the attention on the saved pooled tiles (small: [B, N, H, D]). Where the node
-    is made sets when its backward runs (autograd runs later nodes first): the op makes it
-    before the fine forward, so that the host issues the fine backward's kernels first."""
-    return _CoarseGradient.apply(
-        coarse, q_pooled, k_pooled, v_pooled, valid_sizes, scale, may_have_empty
-    )
-
-
-class _CoarseGradient(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, coarse, q_pooled, k_pooled, v_pooled, valid_sizes, scale, may_have_empty):
-        ctx.save_for_backward(q_pooled, k_pooled, v_pooled, valid_sizes)
-        ctx.scale, ctx.may_have_empty = scale, may_have_empty
-        return coarse
-
-    @staticmethod
-    def backward(ctx, grad):
-        *pooled, valid_sizes = ctx.saved_tensors
-        inputs = [
-            t.detach().requires_grad_(needed)
-            for t, needed in zip(pooled, ctx.needs_input_grad[1:4], strict=True)
-        ]
-        wanted = [t for t in inputs if t.requires_grad]
-        with torch.enable_grad():
-            out = coarse_attention(
-                *inputs, valid_sizes, ctx.scale, may_have_empty=ctx.may_have_empty
-            )
-            grads = iter(torch.autograd.grad(out, wanted, grad) if wanted else ())
-        return None, *(next(grads) if t.requires_grad else None for t in inputs), None, None, None
 
 
 @torch.no_grad()

@@ -42,13 +42,7 @@ import torch
 
 from vsa_core.backends import AttentionCall, select_backend
 from vsa_core.backends.registry import backend_override, registry_generation
-from vsa_core.coarse import (
-    coarse_attention,
-    coarse_stage,
-    coarse_with_gradient,
-    layout_from_selection,
-    zero_padding,
-)
+from vsa_core.coarse import coarse_attention, coarse_stage, layout_from_selection, zero_padding
 from vsa_core.host_cache import resolved_once
 from vsa_core.layout import BlockSparseLayout, _full_on_host, check_layout_matches
 from vsa_core.tiling import VideoTiling
@@ -273,20 +267,14 @@ def video_sparse_attn(
     split_tile = tile_tokens if reads_split else None  # the backend's split, same pass
     # every tile of a VideoTiling holds a real token; user valid sizes may hold 0
     coarse = None
-    if not deterministic and not (training and torch.compiler.is_compiling()):
-        # the coarse attention from the selection's launch where the stage can (Triton: from
-        # its scores); with gradients made differentiable before the fine forward, so that
-        # autograd runs its backward (a recompute on the pooled tiles) after the fine one's
+    if not training and not deterministic:  # no gradient: attention and selection together
         with torch.no_grad():
             coarse, selection, split = stage.select_and_attend(
                 q_pooled, k_pooled, v_pooled, valid_sizes, topk, scale, split_tile,
                 may_have_empty=tiling is None,
             )  # fmt: skip
-        if training:
-            coarse = coarse_with_gradient(coarse, q_pooled, k_pooled, v_pooled, valid_sizes,
-                                          scale, may_have_empty=tiling is None)  # fmt: skip
-        q_pooled = k_pooled = v_pooled = None  # in inference: memory for the fine stage
-    else:  # deterministic (SDPA's math backend) or compiled training: autograd's own graph
+        q_pooled = k_pooled = v_pooled = None  # memory for the fine stage
+    else:
         with torch.no_grad():
             selection, split = stage.selection(q_pooled, k_pooled, valid_sizes, topk, split_tile)
     layout = layout_from_selection(
@@ -310,9 +298,9 @@ def video_sparse_attn(
         fine, _ = chosen.forward_rows(q_fine, k_fine, v_fine, layout, scale, slot_rows)
     else:
         fine, _ = chosen.forward(q_fine, k_fine, v_fine, layout, scale)
-    # where autograd computes the coarse attention (deterministic, compiled training): after
-    # the fine kernel's launch, so that a call waited for starts its longest kernel sooner
-    # (the device runs pooling, selection and the fine forward while the host issues it)
+    # the coarse attention after the fine kernel's launch: a call waited for starts its longest
+    # kernel sooner (the device runs pooling, selection and fine attention back to back while
+    # the host issues the coarse attention; research.op_host_timeline)
     coarse = attend() if coarse is None else coarse
     if slot_rows is not None:
         out = stage.combine_raster(fine, coarse, gate, tiling)

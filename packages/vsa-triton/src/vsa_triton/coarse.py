@@ -741,7 +741,7 @@ class TritonCoarse(CoarseStage):
     def select_and_attend(self, q_pooled, k_pooled, v_pooled, valid_sizes, topk, scale,
                           kv_tile=None, *, may_have_empty=True):  # fmt: skip
         """The coarse attention, the selection and (with ``kv_tile``, fewer than 2^16 tiles)
-        its `ForwardSplit` from one launch of the selection kernel (no autograd; empty key
+        its `ForwardSplit` from one launch of the selection kernel (inference only; empty key
         tiles are always left out, so ``may_have_empty`` changes nothing here)."""
         if kv_tile is not None and valid_sizes.shape[0] > 1 << PACKED_BLOCK_BITS:
             kv_tile = None
