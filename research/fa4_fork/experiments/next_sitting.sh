@@ -380,10 +380,15 @@ session31)
     mid="env PYTHONPATH=$PWD/research/ab_mid/packages/vsa-core/src:\$PYTHONPATH"
     bash benchmarks/gpu_sitting.sh "$(ab new '')" "$(ab old "$old")" "$(ab mid "$mid")" "$(ab new2 '')"
     ;;
+  reorder)
+    # after the revert of the selection-pass variant: the reorder (this tree) against
+    # 54b9c58, alternating, twice each (for the H200's slower host)
+    bash benchmarks/gpu_sitting.sh "$(ab old "$old")" "$(ab new '')" "$(ab old2 "$old")" "$(ab new2 '')"
+    ;;
   esac
   ;;
 *)
-  echo "usage: $0 grid | bwd-counters | bwd-split | session19 | session21 | session22 [tests|bench] | session23 [tests|props|bench|second|block-props] | session24 [tests|final|profile|bench] | session25 | session25-cost | session25-regress | session25-steps | session26 | session26b | session26c | session26d | session26e | session26f | session26g | session26h | session27 | session27b | session27c | session27d | session28 | session29 [tests|bench|pool|final] | session30 [gaps|all] | session31 [tests|ab]" >&2
+  echo "usage: $0 grid | bwd-counters | bwd-split | session19 | session21 | session22 [tests|bench] | session23 [tests|props|bench|second|block-props] | session24 [tests|final|profile|bench] | session25 | session25-cost | session25-regress | session25-steps | session26 | session26b | session26c | session26d | session26e | session26f | session26g | session26h | session27 | session27b | session27c | session27d | session28 | session29 [tests|bench|pool|final] | session30 [gaps|all] | session31 [tests|ab|reorder]" >&2
   exit 2
   ;;
 esac
