@@ -212,6 +212,20 @@ def test_coinciding_caller_tensors_replay_only_calls_where_they_coincide_alike()
     assert launcher.calls == 3
 
 
+def test_tensors_at_one_address_in_two_descriptions_are_a_description_of_their_own():
+    """A call whose tensors share an address in different shapes (a view) is described
+    apart from one with the same shapes at different addresses, and from one whose tensors
+    share an address and a shape: the key tells which coincide in address and description."""
+    buffer = torch.arange(8.0)
+    apart = (torch.arange(8.0), torch.arange(8.0).view(2, 4))
+    as_view = (buffer, buffer.view(2, 4))
+    same = (buffer, buffer)
+    keys = [launch_replay._full_key("call", ts) for ts in (apart, as_view, same)]
+    assert len(set(keys)) == 3
+    again = torch.arange(8.0)
+    assert launch_replay._full_key("call", (again, again.view(2, 4))) == keys[1]
+
+
 def test_no_replay_off_its_devices():
     replay, launcher = launch_replay.LaunchReplay(), Launcher()  # CUDA only
     for seed in range(3):
