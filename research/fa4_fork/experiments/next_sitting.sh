@@ -380,6 +380,13 @@ session31)
     mid="env PYTHONPATH=$PWD/research/ab_mid/packages/vsa-core/src:\$PYTHONPATH"
     bash benchmarks/gpu_sitting.sh "$(ab new '')" "$(ab old "$old")" "$(ab mid "$mid")" "$(ab new2 '')"
     ;;
+  suite)
+    # after the revert and the cheaper replay description: the fork's replay tests, then
+    # vsa-core's and vsa-triton's GPU suites, then vsa-fa4's as far as time allows
+    bash benchmarks/gpu_sitting.sh \
+      "step replay_core_triton 170 python3 -m pytest -q -p no:warnings -m gpu packages/flash-attn-4-vsa/tests/test_launch_replay.py packages/vsa-core/tests packages/vsa-triton/tests" \
+      "step fa4 200 python3 -m pytest -q -p no:warnings -m gpu packages/vsa-fa4/tests"
+    ;;
   reorder)
     # after the revert of the selection-pass variant: the reorder (this tree) against
     # 54b9c58, alternating, twice each (for the H200's slower host)
@@ -388,7 +395,7 @@ session31)
   esac
   ;;
 *)
-  echo "usage: $0 grid | bwd-counters | bwd-split | session19 | session21 | session22 [tests|bench] | session23 [tests|props|bench|second|block-props] | session24 [tests|final|profile|bench] | session25 | session25-cost | session25-regress | session25-steps | session26 | session26b | session26c | session26d | session26e | session26f | session26g | session26h | session27 | session27b | session27c | session27d | session28 | session29 [tests|bench|pool|final] | session30 [gaps|all] | session31 [tests|ab|reorder]" >&2
+  echo "usage: $0 grid | bwd-counters | bwd-split | session19 | session21 | session22 [tests|bench] | session23 [tests|props|bench|second|block-props] | session24 [tests|final|profile|bench] | session25 | session25-cost | session25-regress | session25-steps | session26 | session26b | session26c | session26d | session26e | session26f | session26g | session26h | session27 | session27b | session27c | session27d | session28 | session29 [tests|bench|pool|final] | session30 [gaps|all] | session31 [tests|ab|suite|reorder]" >&2
   exit 2
   ;;
 esac
