@@ -384,8 +384,8 @@ session31)
     # after the revert and the cheaper replay description: the fork's replay tests, then
     # vsa-core's and vsa-triton's GPU suites, then vsa-fa4's as far as time allows
     bash benchmarks/gpu_sitting.sh \
-      "step replay_core_triton 170 python3 -m pytest -q -p no:warnings -m gpu packages/flash-attn-4-vsa/tests/test_launch_replay.py packages/vsa-core/tests packages/vsa-triton/tests" \
-      "step fa4 200 python3 -m pytest -q -p no:warnings -m gpu packages/vsa-fa4/tests"
+      "step replay_core_triton 140 python3 -m pytest -q -p no:warnings -m gpu packages/flash-attn-4-vsa/tests/test_launch_replay.py packages/vsa-core/tests packages/vsa-triton/tests" \
+      "step fa4 100 python3 -m pytest -q -p no:warnings -m gpu packages/vsa-fa4/tests/test_gpu.py -k 'replay or video_sparse_attn or combined'"
     ;;
   reorder)
     # after the revert of the selection-pass variant: the reorder (this tree) against
