@@ -367,6 +367,8 @@ session31)
   # 22dc83b's vsa-core (SDPA after the fine forward's launch, research/ab_mid) and 54b9c58's
   # (SDPA before the selection, research/ab_old), both untracked; Wan 480p fa4, forward+
   # backward then forward, both views (bench_video), new first and last for drift.
+  # Make them first: mkdir -p research/ab_old && git archive 54b9c58 packages/vsa-core/src |
+  # tar -x -C research/ab_old (the same with 22dc83b for research/ab_mid).
   case "${2:-tests}" in
   tests)
     bash benchmarks/gpu_sitting.sh \
