@@ -92,7 +92,7 @@ def _hooks(marks: list[tuple[str, float]], start: list[float]) -> None:
     def attention(qp, kp, vp, *args, **kwargs):
         return CoarseAttention.apply(qp, kp, vp)
 
-    # the op's own name and the coarse module's (the torch stage, `coarse_with_gradient`)
+    # the op's own name and the coarse module's (the torch stage's `select_and_attend`)
     core_ops.coarse_attention = core_coarse.coarse_attention = attention
 
 

@@ -377,6 +377,7 @@ def _full_key(
             return None
         pointer = t.data_ptr()
         same_as = first.setdefault(pointer, i)
+        # `_describe`'s fields, inline: no call per tensor on this path
         described.append((t.dtype, t.shape, t.stride(), t.device, pointer % ALIGNMENT,
                           None if same_as == i else same_as))  # fmt: skip
     return (key, tuple(described))
