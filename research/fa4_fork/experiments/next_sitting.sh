@@ -369,17 +369,18 @@ session31)
   # backward then forward, both views (bench_video), new first and last for drift.
   # Make them first: mkdir -p research/ab_old && git archive 54b9c58 packages/vsa-core/src |
   # tar -x -C research/ab_old (the same with 22dc83b for research/ab_mid).
+  # ab() and the trees' paths serve both "ab" and "reorder"
+  ab() {
+    echo "step $1 125 $2 python3 benchmarks/bench_video.py --shapes wan480p --sparsities 0.875 --modes fwd+bwd fwd --arms fa4 --warmup 2 --reps 6 --no-pieces --out \$OUT/bench_video-$1.json"
+  }
+  old="env PYTHONPATH=$PWD/research/ab_old/packages/vsa-core/src:\$PYTHONPATH"
+  mid="env PYTHONPATH=$PWD/research/ab_mid/packages/vsa-core/src:\$PYTHONPATH"
   case "${2:-tests}" in
   tests)
     bash benchmarks/gpu_sitting.sh \
       "step tests 330 python3 -m pytest -q -p no:warnings packages/vsa-triton/tests/test_coarse.py packages/vsa-core/tests/test_gpu_ops.py packages/vsa-core/tests/test_gpu_compile.py packages/vsa-fa4/tests/test_gpu.py -k 'zeroing or pool or padding or nan or combined or video or training or compile or graph'"
     ;;
   ab)
-    ab() {
-      echo "step $1 125 $2 python3 benchmarks/bench_video.py --shapes wan480p --sparsities 0.875 --modes fwd+bwd fwd --arms fa4 --warmup 2 --reps 6 --no-pieces --out \$OUT/bench_video-$1.json"
-    }
-    old="env PYTHONPATH=$PWD/research/ab_old/packages/vsa-core/src:\$PYTHONPATH"
-    mid="env PYTHONPATH=$PWD/research/ab_mid/packages/vsa-core/src:\$PYTHONPATH"
     bash benchmarks/gpu_sitting.sh "$(ab new '')" "$(ab old "$old")" "$(ab mid "$mid")" "$(ab new2 '')"
     ;;
   suite)
