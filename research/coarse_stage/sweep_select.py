@@ -7,6 +7,11 @@ tiles, 87.5% sparse), the shipped config, the same without (or with) early exit,
 other query tiles per program (with ``--warps-grid`` also 1 and 2 warps a program), times
 ``select_with`` on random pooled bf16 tensors (median of CUDA-event timings over back-to-back
 calls) and checks that every config picks the same tiles as the shipped one.
+
+``--rank-apart`` (session 32) adds the ranking in a kernel of its own, one warp (or two) a
+row, behind score programs of 16, 32 or 64 query tiles, and also times each config as the op
+calls it in inference (``op_ms``: the lists split for 64-token tiles and the coarse attention
+from the same scores, `_launch_select`), its split lists checked against the shipped ones.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from pathlib import Path
 import torch
 
 from vsa_core import VideoTiling
-from vsa_triton.coarse import SELECT, select_with
+from vsa_triton.coarse import SELECT, _launch_select, select_with
 
 LATENTS = {"wan480p": ((21, 30, 52), 12), "wan720p": ((21, 45, 80), 40),
            "hunyuan720p": ((33, 45, 80), 24)}  # fmt: skip
@@ -49,6 +54,10 @@ def main() -> None:
                     help="also 1 and 2 warps a program (session 29: the bisection's reductions "
                          "then stay within a warp or two) at 4, 8, 16 and 32 query tiles a "
                          "program and 1024 or 2048 elements a step")  # fmt: skip
+    ap.add_argument("--rank-apart", action="store_true",
+                    help="the ranking in a kernel of its own (SelectConfig.rank_apart) at 16, "
+                         "32 and 64 query tiles a score program, 1 and 2 warps a row; every "
+                         "config also timed as the op's inference call")  # fmt: skip
     args = ap.parse_args()
     rows = []
     for name in args.latents:
@@ -73,6 +82,14 @@ def main() -> None:
                 for block_m in (4, 8, 16, 32)
                 for elements in (1024, 2048)
             ]
+        if args.rank_apart:
+            configs += [
+                dataclasses.replace(SELECT, rank_apart=True, block_m=block_m, rank_warps=warps)
+                for block_m in (16, 32, 64)
+                for warps in (1, 2)
+            ]
+        vp = torch.randn_like(qp)
+        want_op = _launch_select(qp, kp, valid, topk, SELECT, 64, vp, 0.088, True)
         for config in configs:
             got = select_with(qp, kp, valid, topk, config)
             call = (qp, kp, valid, topk, config)
@@ -80,6 +97,15 @@ def main() -> None:
             row = {"latent": name, "tiles": n, "heads": heads, "topk": topk,
                    **dataclasses.asdict(config), "ms": round(ms, 4),
                    "same_as_shipped": bool(torch.equal(got, want))}  # fmt: skip
+            if args.rank_apart:
+                op_call = (qp, kp, valid, topk, config, 64, vp, 0.088, True)
+                out, split, coarse = _launch_select(*op_call)
+                row["op_ms"] = round(_time_ms(lambda c=op_call: _launch_select(*c), args.reps), 4)
+                row["op_same_as_shipped"] = bool(
+                    torch.equal(out, want_op[0])
+                    and all(torch.equal(a, b) for a, b in zip(split, want_op[1], strict=True))
+                    and torch.equal(coarse, want_op[2])
+                )
             print(json.dumps(row), flush=True)
             rows.append(row)
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}

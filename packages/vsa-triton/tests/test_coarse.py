@@ -110,9 +110,13 @@ def _assert_is_topk(indices, qp, kp, valid, topk, tol):
     assert bool((highest_left <= kth + tol).all())
 
 
-# the selection's bisection with early exit (shipped) and with all 32 passes; both must pick
-# the same exact top-k
-SEARCHES = {"early-exit": SelectConfig(), "all-passes": SelectConfig(early_exit=False)}
+# the selection's bisection with early exit (shipped) and with all 32 passes, and the ranking
+# in a kernel of its own, one warp a row; all must pick the same exact top-k
+SEARCHES = {
+    "early-exit": SelectConfig(),
+    "all-passes": SelectConfig(early_exit=False),
+    "rank-apart": SelectConfig(rank_apart=True),
+}
 # under the interpreter the largest case takes ~40 s a search: there only the shipped one
 SELECT_CASES = [
     pytest.param(case, config, id=f"{name}-case{i}")
@@ -154,10 +158,14 @@ def _split64(indices, valid, tile_tokens):
     return full_idx, full_cnt, part_idx, part_cnt
 
 
-def test_select_split_writes_the_lists_split_by_tile_fullness():
-    """`TritonCoarse.select_split`: the same indices as `select`, and their `ForwardSplit`
-    (full, partial with sizes, empty dropped) equal to one built from them independently;
-    tilings with partial tiles and user sizes with empty tiles."""
+@pytest.mark.parametrize(
+    "config", [SelectConfig(), SelectConfig(rank_apart=True)], ids=["fused", "rank-apart"]
+)
+def test_select_split_writes_the_lists_split_by_tile_fullness(config):
+    """`TritonCoarse.select_split` (with the config the op ships, and with the ranking in a
+    kernel of its own): the same indices as `select`, and their `ForwardSplit` (full, partial
+    with sizes, empty dropped) equal to one built from them independently; tilings with
+    partial tiles and user sizes with empty tiles."""
     gen = torch.Generator().manual_seed(5)
     stage = TritonCoarse()
     tiling = VideoTiling((5, 6, 7), (2, 2, 2))
@@ -166,7 +174,7 @@ def test_select_split_writes_the_lists_split_by_tile_fullness():
         n = valid.shape[0]
         qp, kp = (torch.randn(2, n, 3, 16, generator=gen).to(DEVICE) for _ in range(2))
         for topk in sorted({1, n // 3, n}):
-            indices, split = stage.select_split(qp, kp, valid, topk, 8)
+            indices, *split = select_with(qp, kp, valid, topk, config, 8)
             assert torch.equal(indices, stage.select(qp, kp, valid, topk))
             for got, want in zip(split, _split64(indices, valid, 8), strict=True):
                 assert got.dtype == torch.int32 and torch.equal(got.long().cpu(), want), topk

@@ -397,8 +397,18 @@ session31)
     ;;
   esac
   ;;
+session32)
+  # Session 32: the ranking in a kernel of its own (SelectConfig.rank_apart), swept against
+  # the fused selection at three latents, plain and as the op's inference call; then session
+  # 31's unrun suite (the cheaper replay description's GPU tests, vsa-core's and vsa-triton's
+  # GPU suites, the rank-apart tests among them, then vsa-fa4's replay and video tests)
+  bash benchmarks/gpu_sitting.sh \
+    "step sweep 150 python3 research/coarse_stage/sweep_select.py --rank-apart --reps 20 --out \$OUT/sweep_select-rank-apart.json" \
+    "step replay_core_triton 160 python3 -m pytest -q -p no:warnings -m gpu packages/flash-attn-4-vsa/tests/test_launch_replay.py packages/vsa-core/tests packages/vsa-triton/tests" \
+    "step fa4 100 python3 -m pytest -q -p no:warnings -m gpu packages/vsa-fa4/tests/test_gpu.py -k 'replay or video_sparse_attn or combined'"
+  ;;
 *)
-  echo "usage: $0 grid | bwd-counters | bwd-split | session19 | session21 | session22 [tests|bench] | session23 [tests|props|bench|second|block-props] | session24 [tests|final|profile|bench] | session25 | session25-cost | session25-regress | session25-steps | session26 | session26b | session26c | session26d | session26e | session26f | session26g | session26h | session27 | session27b | session27c | session27d | session28 | session29 [tests|bench|pool|final] | session30 [gaps|all] | session31 [tests|ab|suite|reorder]" >&2
+  echo "usage: $0 grid | bwd-counters | bwd-split | session19 | session21 | session22 [tests|bench] | session23 [tests|props|bench|second|block-props] | session24 [tests|final|profile|bench] | session25 | session25-cost | session25-regress | session25-steps | session26 | session26b | session26c | session26d | session26e | session26f | session26g | session26h | session27 | session27b | session27c | session27d | session28 | session29 [tests|bench|pool|final] | session30 [gaps|all] | session31 [tests|ab|suite|reorder] | session32" >&2
   exit 2
   ;;
 esac

@@ -63,6 +63,12 @@ class SelectConfig:
     early_exit: bool = True
     """Stop a row's bisection once its count at a threshold is exactly k (its top-k set is
     then known; the program's rows pass together, so it stops when all of them are done)."""
+    rank_apart: bool = False
+    """Rank the scores in a second kernel, one ``rank_warps``-warp program a row
+    (`rank_rows_kernel`): the score kernel keeps ``block_m`` rows a program for reading the
+    pooled keys once, while the ranking's reductions stay within a warp and each row stops on
+    its own (session 32; the fused ranking's rows wait for barriers and for each other)."""
+    rank_warps: int = 1
 
 
 SELECT = SelectConfig()
@@ -388,8 +394,14 @@ def _launch_select(q_pooled, k_pooled, valid_sizes, topk, config, split_tile=Non
         TILES_P2=tiles_p2, ROWS=rows, IEEE=q_pooled.dtype == torch.float32,
         INTERPRET=interpreting(), EARLY_EXIT=config.early_exit, SPLIT=bool(split),
         **(_split_constants(topk, config) if split else {}), **attend,
-        num_warps=config.num_warps,
+        RANK=not config.rank_apart, num_warps=config.num_warps,
     )  # fmt: skip
+    if config.rank_apart:
+        launch(_kernels().rank_rows_kernel, (batch * heads * num_tiles,),
+            scores, valid_sizes, out, *(split or (out,) * 4), num_tiles, topk, split_tile or 0,
+            TILES_P2=tiles_p2, TOPK_P2=_next_pow2(topk), EARLY_EXIT=config.early_exit,
+            SPLIT=bool(split), num_warps=config.rank_warps,
+        )  # fmt: skip
     return out, split, coarse
 
 

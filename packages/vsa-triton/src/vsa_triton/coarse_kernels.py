@@ -285,6 +285,23 @@ def _kth_keys(key, done, topk, EARLY_EXIT: tl.constexpr):
 
 
 @triton.jit
+def _chosen(score_rows, row, cols, num_tiles, topk, EARLY_EXIT: tl.constexpr):
+    """[rows, TILES_P2] mask of each row's top-k columns among the stored scores (``score_rows``
+    points at this (batch, head)'s [N, N] block): the keys above the k-th largest, then the
+    tied ones from the lowest column until k are chosen. Rows past N choose nothing."""
+    live = (row < num_tiles)[:, None] & (cols < num_tiles)[None, :]
+    s = tl.load(score_rows + row[:, None] * num_tiles + cols[None, :], mask=live, other=0.0)
+    # columns past N take the smallest int32, below every score's key (-inf's included)
+    key = tl.where(live, _order_key(s), -2147483648)
+    kth = _kth_keys(key, row >= num_tiles, topk, EARLY_EXIT)
+    above = key > kth[:, None]
+    tied = key == kth[:, None]
+    room = topk - tl.sum(above.to(tl.int32), axis=1)
+    tie_rank = tl.cumsum(tied.to(tl.int32), axis=1)
+    return (above | (tied & (tie_rank <= room[:, None]))) & (row < num_tiles)[:, None]
+
+
+@triton.jit
 def _store_split(out_ptr, full_idx_ptr, full_cnt_ptr, part_idx_ptr, part_cnt_ptr, valid_ptr,
                  first_row, num_tiles, bh, topk, kv_tile,
                  BLOCK_M: tl.constexpr, TOPK_P2: tl.constexpr, SPLIT_ROWS: tl.constexpr):
@@ -328,7 +345,7 @@ def select_topk_kernel(
     INTERPRET: tl.constexpr, EARLY_EXIT: tl.constexpr, SPLIT: tl.constexpr = False,
     TOPK_P2: tl.constexpr = 1, SPLIT_ROWS: tl.constexpr = 1,
     vp=None, coarse_ptr=None, scale_log2=1.0, ATTEND: tl.constexpr = False,
-    ATTEND_AFTER: tl.constexpr = False,
+    ATTEND_AFTER: tl.constexpr = False, RANK: tl.constexpr = True,
 ):
     """BLOCK_M query tiles of one (batch, head): their scores against every key tile, then
     each row's top-k as an ascending list.
@@ -345,7 +362,8 @@ def select_topk_kernel(
     ``scale_log2``, the softmax scale times log2(e), over pooled values ``vp``, strided like
     the pooled q and k) and stores it to ``coarse_ptr`` (the same strides) in its dtype; with
     ATTEND_AFTER too, that attention runs after phase 1 instead, over the stored scores
-    (`_attend_stored`)."""
+    (`_attend_stored`). Without RANK the program stops after phase 1 (and the attention):
+    `rank_rows_kernel` ranks the stored scores, one warp a row."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // heads
@@ -380,30 +398,66 @@ def select_topk_kernel(
     if ATTEND and ATTEND_AFTER:
         _attend_stored(vp, coarse_ptr, base, score_rows, rows, dims, dim_ok, num_tiles, s_pn,
                        scale_log2, BLOCK_M, BLOCK_N, DIM_P2, IEEE, INTERPRET)
+    if RANK:
+        cols = tl.arange(0, TILES_P2)
+        for r in range(0, BLOCK_M, ROWS):
+            row = pid_m * BLOCK_M + r + tl.arange(0, ROWS)
+            chosen = _chosen(score_rows, row, cols, num_tiles, topk, EARLY_EXIT)
+            slot = tl.cumsum(chosen.to(tl.int32), axis=1) - 1
+            dst = out_ptr + (bh.to(tl.int64) * num_tiles + row[:, None]) * topk + slot
+            tl.store(dst, cols[None, :] + tl.zeros([ROWS, TILES_P2], dtype=tl.int32),
+                     mask=chosen)
+        if SPLIT:
+            tl.debug_barrier()  # the split reads back lists other threads of this program wrote
+            _store_split(out_ptr, full_idx_ptr, full_cnt_ptr, part_idx_ptr, part_cnt_ptr,
+                         valid_ptr, pid_m * BLOCK_M, num_tiles, bh, topk, kv_tile, BLOCK_M,
+                         TOPK_P2, SPLIT_ROWS)
 
+
+@triton.jit
+def rank_rows_kernel(
+    scores_ptr, valid_ptr, out_ptr, full_idx_ptr, full_cnt_ptr, part_idx_ptr, part_cnt_ptr,
+    num_tiles, topk, kv_tile,
+    TILES_P2: tl.constexpr, TOPK_P2: tl.constexpr, EARLY_EXIT: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
+    """Phase 2 (and the split) of `select_topk_kernel` as a kernel of its own: one program,
+    meant to be one warp, a row of the stored scores (``program_id`` = (batch x head) x N +
+    query tile). A warp's reductions need no barrier and each row stops its bisection on its
+    own, where the fused kernel's rows wait for the slowest of their program and for barriers
+    between warps. The same lists as the fused kernel, bit for bit; the split comes from the
+    chosen mask in registers (entries ascending, the tails zeroed, both counts)."""
+    flat_row = tl.program_id(0).to(tl.int64)
+    row = tl.zeros([1], dtype=tl.int32)
     cols = tl.arange(0, TILES_P2)
-    col_ok = cols < num_tiles
-    for r in range(0, BLOCK_M, ROWS):
-        row = pid_m * BLOCK_M + r + tl.arange(0, ROWS)
-        live = (row < num_tiles)[:, None] & col_ok[None, :]
-        s = tl.load(score_rows + row[:, None] * num_tiles + cols[None, :], mask=live, other=0.0)
-        # columns past N take the smallest int32, below every score's key (-inf's included)
-        key = tl.where(live, _order_key(s), -2147483648)
-        kth = _kth_keys(key, row >= num_tiles, topk, EARLY_EXIT)
-        above = key > kth[:, None]
-        tied = key == kth[:, None]
-        room = topk - tl.sum(above.to(tl.int32), axis=1)
-        tie_rank = tl.cumsum(tied.to(tl.int32), axis=1)
-        chosen = above | (tied & (tie_rank <= room[:, None]))
-        slot = tl.cumsum(chosen.to(tl.int32), axis=1) - 1
-        dst = out_ptr + (bh.to(tl.int64) * num_tiles + row[:, None]) * topk + slot
-        tl.store(dst, cols[None, :] + tl.zeros([ROWS, TILES_P2], dtype=tl.int32),
-                 mask=chosen & (row < num_tiles)[:, None])
+    chosen = _chosen(scores_ptr + flat_row * num_tiles, row, cols, num_tiles, topk, EARLY_EXIT)
+    slot = tl.cumsum(chosen.to(tl.int32), axis=1) - 1
+    tile = cols[None, :] + tl.zeros([1, TILES_P2], dtype=tl.int32)
+    tl.store(out_ptr + flat_row * topk + slot, tile, mask=chosen)
     if SPLIT:
-        tl.debug_barrier()  # the split reads back lists other threads of this program wrote
-        _store_split(out_ptr, full_idx_ptr, full_cnt_ptr, part_idx_ptr, part_cnt_ptr,
-                     valid_ptr, pid_m * BLOCK_M, num_tiles, bh, topk, kv_tile, BLOCK_M,
-                     TOPK_P2, SPLIT_ROWS)
+        size = tl.load(valid_ptr + cols, mask=cols < num_tiles, other=0)[None, :]
+        full = chosen & (size >= kv_tile)
+        partial = chosen & (size > 0) & (size < kv_tile)
+        base = flat_row * topk
+        tail = tl.arange(0, TOPK_P2)[None, :]
+        in_list = tail < topk
+        n_full = _store_class(full_idx_ptr + base, full, tile, tail, in_list)
+        n_part = _store_class(part_idx_ptr + base, partial, tile | (size << 16), tail, in_list)
+        first = tl.arange(0, 1)
+        tl.store(full_cnt_ptr + flat_row + first, n_full)
+        tl.store(part_cnt_ptr + flat_row + first, n_part)
+
+
+@triton.jit
+def _store_class(dst, member, entry, tail, in_list):
+    """One split class of a row: its members' ``entry`` values at ascending slots of ``dst``,
+    zeros in the list's slots past them (``tail``: the slots, ``in_list``: those below k);
+    returns the class's count ([1])."""
+    count = tl.sum(member.to(tl.int32), axis=1)
+    tl.store(dst + tl.cumsum(member.to(tl.int32), axis=1) - 1, entry, mask=member)
+    tl.store(dst + tail, tl.zeros(tail.shape, dtype=tl.int32),
+             mask=in_list & (tail >= count[:, None]))
+    return count
 
 
 @triton.jit
