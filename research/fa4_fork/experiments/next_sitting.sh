@@ -403,7 +403,7 @@ session32)
   # 31's unrun suite (the cheaper replay description's GPU tests, vsa-core's and vsa-triton's
   # GPU suites, the rank-apart tests among them, then vsa-fa4's replay and video tests)
   bash benchmarks/gpu_sitting.sh \
-    "step sweep 150 python3 research/coarse_stage/sweep_select.py --rank-apart --reps 20 --out \$OUT/sweep_select-rank-apart.json" \
+    "step sweep 200 python3 research/coarse_stage/sweep_select.py --rank-apart --reps 20 --out \$OUT/sweep_select-rank-apart.json" \
     "step replay_core_triton 160 python3 -m pytest -q -p no:warnings -m gpu packages/flash-attn-4-vsa/tests/test_launch_replay.py packages/vsa-core/tests packages/vsa-triton/tests" \
     "step fa4 100 python3 -m pytest -q -p no:warnings -m gpu packages/vsa-fa4/tests/test_gpu.py -k 'replay or video_sparse_attn or combined'"
   ;;
