@@ -12,12 +12,15 @@ calls) and checks that every config picks the same tiles as the shipped one.
 four warps a row, behind score programs of 16 or 64 query tiles, against the shipped config,
 and also times each config as the op calls it in inference (``op_ms``: the lists split for
 64-token tiles and the coarse attention from the same scores, `_launch_select`), its outputs
-checked against the shipped config's.
+checked against the shipped config's. ``ms`` and ``op_ms`` time one call waited for (the
+host's launch included); ``op_graph_ms`` is the device time (CUDA-graph replay), and
+``op_scores_graph_ms`` that of the score kernel alone (the ranking's launch skipped).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import statistics
@@ -44,6 +47,44 @@ def _time_ms(fn, reps: int) -> float:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def _graph_ms(fn, reps: int) -> float:
+    """Device time of one ``fn()``: ``reps`` calls captured in one CUDA graph, replayed between
+    two events (the host's launch time and its waits left out), per call."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+@contextlib.contextmanager
+def _scores_only():
+    """`_launch_select` without the ranking kernel's launch (a rank-apart config then times
+    its score kernel alone: the scores and the coarse attention)."""
+    from vsa_triton import coarse, coarse_kernels
+
+    launch = coarse.launch
+    coarse.launch = lambda kernel, *a, **k: (
+        None if kernel is coarse_kernels.rank_rows_kernel else launch(kernel, *a, **k)
+    )
+    try:
+        yield
+    finally:
+        coarse.launch = launch
 
 
 def main() -> None:
@@ -103,6 +144,11 @@ def main() -> None:
                 op_call = (qp, kp, valid, topk, config, 64, vp, 0.088, True)
                 out, split, coarse = _launch_select(*op_call)
                 row["op_ms"] = round(_time_ms(lambda c=op_call: _launch_select(*c), args.reps), 4)
+                op = lambda c=op_call: _launch_select(*c)  # noqa: E731
+                row["op_graph_ms"] = round(_graph_ms(op, args.reps), 4)
+                if config.rank_apart:
+                    with _scores_only():
+                        row["op_scores_graph_ms"] = round(_graph_ms(op, args.reps), 4)
                 row["op_same_as_shipped"] = bool(
                     torch.equal(out, want_op[0])
                     and all(torch.equal(a, b) for a, b in zip(split, want_op[1], strict=True))

@@ -397,6 +397,17 @@ session31)
     ;;
   esac
   ;;
+session32b)
+  # Session 32, second sitting: the sweep again with device times (CUDA-graph replay) and the
+  # score kernel alone; the selection tests compiled (test_coarse.py is not marked gpu);
+  # the diffusers integration tests with tracebacks (one failed in the first sitting, which
+  # timed out before the rest); the rest of vsa-core's GPU suite and vsa-triton's
+  bash benchmarks/gpu_sitting.sh \
+    "step sweep 180 python3 research/coarse_stage/sweep_select.py --rank-apart --reps 20 --out \$OUT/sweep_select-rank-apart-graph.json" \
+    "step select_tests 80 python3 -m pytest -q -p no:warnings packages/vsa-triton/tests/test_coarse.py -k 'select or split'" \
+    "step diffusers 120 python3 -m pytest -q -p no:warnings -m gpu --tb=long packages/vsa-core/tests/test_integration_diffusers_gpu.py" \
+    "step rest 170 python3 -m pytest -q -p no:warnings -m gpu packages/vsa-core/tests/test_properties.py packages/vsa-triton/tests"
+  ;;
 session32)
   # Session 32: the ranking in a kernel of its own (SelectConfig.rank_apart), swept against
   # the fused selection at three latents, plain and as the op's inference call; then session
@@ -408,7 +419,7 @@ session32)
     "step fa4 100 python3 -m pytest -q -p no:warnings -m gpu packages/vsa-fa4/tests/test_gpu.py -k 'replay or video_sparse_attn or combined'"
   ;;
 *)
-  echo "usage: $0 grid | bwd-counters | bwd-split | session19 | session21 | session22 [tests|bench] | session23 [tests|props|bench|second|block-props] | session24 [tests|final|profile|bench] | session25 | session25-cost | session25-regress | session25-steps | session26 | session26b | session26c | session26d | session26e | session26f | session26g | session26h | session27 | session27b | session27c | session27d | session28 | session29 [tests|bench|pool|final] | session30 [gaps|all] | session31 [tests|ab|suite|reorder] | session32" >&2
+  echo "usage: $0 grid | bwd-counters | bwd-split | session19 | session21 | session22 [tests|bench] | session23 [tests|props|bench|second|block-props] | session24 [tests|final|profile|bench] | session25 | session25-cost | session25-regress | session25-steps | session26 | session26b | session26c | session26d | session26e | session26f | session26g | session26h | session27 | session27b | session27c | session27d | session28 | session29 [tests|bench|pool|final] | session30 [gaps|all] | session31 [tests|ab|suite|reorder] | session32 | session32b" >&2
   exit 2
   ;;
 esac
