@@ -9,7 +9,9 @@ next load before them. Two variants, built from the shipped kernel's own helpers
 outputs must be bitwise the shipped ones:
 
 - ``split``: a third grid axis picks the tensor: three times the programs, one phase each;
-- ``loads_first``: one program loads all three tiles, then reduces and stores each.
+- ``loads_first``: one program loads all three tiles, then reduces and stores each;
+- ``heads_first`` (session 32): the grid's fast axis walks the heads of one tile, so that
+  programs running together read whole token rows rather than one head's 256 bytes of many.
 
 Each runs inference (no copies) and training (all three copies written) at Wan 2.1 480p and
 720p, in alternating rounds, CUDA events around ``--calls`` calls back to back. Also the
@@ -115,6 +117,35 @@ def pool_loads_first_kernel(
 
 
 @triton.jit
+def pool_heads_first_kernel(
+    q, k, v, qp, kp, vp, qc, kc, vc, valid_ptr, raster_rows,
+    s_qb, s_qs, s_qh, s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, s_pb, s_pn, s_ph, s_cb, s_cs, s_ch,
+    heads,
+    TILE_TOKENS: tl.constexpr, SLOTS: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr,
+    CLEAN_Q: tl.constexpr, CLEAN_K: tl.constexpr, CLEAN_V: tl.constexpr, RASTER: tl.constexpr,
+):  # fmt: skip
+    """The shipped forward on a grid of (batch x head, tile): programs launched one after the
+    other read one tile's heads, which lie side by side in each token's row (H x D x 2 bytes:
+    3 KB at 12 heads), where the shipped grid's neighbours read one head of successive tiles,
+    256 bytes of each row, and come back to the row's other heads a grid row later."""
+    bh = tl.program_id(0)
+    tile = tl.program_id(1)
+    dims = tl.arange(0, DIM_P2)
+    keep = dims < HEAD_DIM
+    b, h, size, slots = (bh // heads).to(tl.int64), bh % heads, tl.load(valid_ptr + tile), \
+        tl.arange(0, SLOTS)  # fmt: skip
+    _pool_tile(q, qp, qc, valid_ptr, raster_rows, s_qb, s_qs, s_qh, s_pb, s_pn, s_ph, s_cb,
+               s_cs, s_ch, heads, tile, b, h, size, slots, dims, keep, TILE_TOKENS, CLEAN_Q,
+               RASTER)  # fmt: skip
+    _pool_tile(k, kp, kc, valid_ptr, raster_rows, s_kb, s_ks, s_kh, s_pb, s_pn, s_ph, s_cb,
+               s_cs, s_ch, heads, tile, b, h, size, slots, dims, keep, TILE_TOKENS, CLEAN_K,
+               RASTER)  # fmt: skip
+    _pool_tile(v, vp, vc, valid_ptr, raster_rows, s_vb, s_vs, s_vh, s_pb, s_pn, s_ph, s_cb,
+               s_cs, s_ch, heads, tile, b, h, size, slots, dims, keep, TILE_TOKENS, CLEAN_V,
+               RASTER)  # fmt: skip
+
+
+@triton.jit
 def pool_zero_v_kernel(
     q, k, v, qp, kp, vp, qc, kc, vc, valid_ptr, raster_rows,
     s_qb, s_qs, s_qh, s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, s_pb, s_pn, s_ph, s_cb, s_cs, s_ch,
@@ -186,6 +217,9 @@ def variants(q, k, v, valid, clean):
         "split": lambda: _launch(pool_split_kernel, (num_tiles, bh, 3), q, k, v, valid, clean),
         "loads_first": lambda: _launch(
             pool_loads_first_kernel, (num_tiles, bh), q, k, v, valid, clean
+        ),
+        "heads_first": lambda: _launch(
+            pool_heads_first_kernel, (bh, num_tiles), q, k, v, valid, clean
         ),
     }
 

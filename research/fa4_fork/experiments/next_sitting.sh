@@ -399,14 +399,16 @@ session31)
   ;;
 session32b)
   # Session 32, second sitting: the sweep again with device times (CUDA-graph replay) and the
-  # score kernel alone; the selection tests compiled (test_coarse.py is not marked gpu);
+  # score kernel alone; the pooling pass on a heads-first grid (pool_variants); the selection
+  # tests compiled (test_coarse.py is not marked gpu);
   # the diffusers integration tests with tracebacks (one failed in the first sitting, which
   # timed out before the rest); the rest of vsa-core's GPU suite and vsa-triton's
   bash benchmarks/gpu_sitting.sh \
-    "step sweep 180 python3 research/coarse_stage/sweep_select.py --rank-apart --reps 20 --out \$OUT/sweep_select-rank-apart-graph.json" \
-    "step select_tests 80 python3 -m pytest -q -p no:warnings packages/vsa-triton/tests/test_coarse.py -k 'select or split'" \
-    "step diffusers 120 python3 -m pytest -q -p no:warnings -m gpu --tb=long packages/vsa-core/tests/test_integration_diffusers_gpu.py" \
-    "step rest 170 python3 -m pytest -q -p no:warnings -m gpu packages/vsa-core/tests/test_properties.py packages/vsa-triton/tests"
+    "step sweep 150 python3 research/coarse_stage/sweep_select.py --rank-apart --reps 20 --out \$OUT/sweep_select-rank-apart-graph.json" \
+    "step pool 100 python3 -m research.coarse_stage.pool_variants --rounds 6 --out \$OUT/pool_variants-heads-first.json" \
+    "step select_tests 70 python3 -m pytest -q -p no:warnings packages/vsa-triton/tests/test_coarse.py -k 'select or split'" \
+    "step diffusers 100 python3 -m pytest -q -p no:warnings -m gpu --tb=long packages/vsa-core/tests/test_integration_diffusers_gpu.py" \
+    "step rest 140 python3 -m pytest -q -p no:warnings -m gpu packages/vsa-core/tests/test_properties.py packages/vsa-triton/tests"
   ;;
 session32)
   # Session 32: the ranking in a kernel of its own (SelectConfig.rank_apart), swept against
