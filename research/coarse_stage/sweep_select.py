@@ -9,7 +9,8 @@ other query tiles per program (with ``--warps-grid`` also 1 and 2 warps a progra
 calls) and checks that every config picks the same tiles as the shipped one.
 
 ``--rank-apart`` (session 32) sweeps instead the ranking in a kernel of its own, one, two or
-four warps a row, behind score programs of 16 or 64 query tiles, against the shipped config,
+four warps a row, behind score programs of 16 or 64 query tiles, against the fused ranking
+(``FUSED``, shipped before session 32),
 and also times each config as the op calls it in inference (``op_ms``: the lists split for
 64-token tiles and the coarse attention from the same scores, `_launch_select`), its outputs
 checked against the shipped config's. ``ms`` and ``op_ms`` time one call waited for (the
@@ -30,6 +31,9 @@ import torch
 
 from vsa_core import VideoTiling
 from vsa_triton.coarse import SELECT, _launch_select, select_with
+
+FUSED = dataclasses.replace(SELECT, rank_apart=False, block_m=16)
+"""The selection as it shipped before session 32: ranked inside the score programs."""
 
 LATENTS = {"wan480p": ((21, 30, 52), 12), "wan720p": ((21, 45, 80), 40),
            "hunyuan720p": ((33, 45, 80), 24)}  # fmt: skip
@@ -99,7 +103,7 @@ def main() -> None:
     ap.add_argument("--rank-apart", action="store_true",
                     help="instead: the ranking in a kernel of its own (SelectConfig.rank_apart) "
                          "at 16 and 64 query tiles a score program, 1, 2 and 4 warps a row, "
-                         "against the shipped config; each also timed as the op's inference "
+                         "against the fused ranking; each also timed as the op's inference "
                          "call")  # fmt: skip
     args = ap.parse_args()
     rows = []
@@ -125,8 +129,8 @@ def main() -> None:
                 for block_m in (4, 8, 16, 32)
                 for elements in (1024, 2048)
             ]
-        if args.rank_apart:  # against the shipped config alone (compile time)
-            configs = [SELECT] + [
+        if args.rank_apart:  # against the fused ranking alone (compile time)
+            configs = [FUSED] + [
                 dataclasses.replace(SELECT, rank_apart=True, block_m=block_m, rank_warps=warps)
                 for block_m in (16, 64)
                 for warps in (1, 2, 4)

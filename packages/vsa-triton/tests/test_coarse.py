@@ -110,12 +110,15 @@ def _assert_is_topk(indices, qp, kp, valid, topk, tol):
     assert bool((highest_left <= kth + tol).all())
 
 
-# the selection's bisection with early exit (shipped) and with all 32 passes, and the ranking
-# in a kernel of its own, one warp a row; all must pick the same exact top-k
+# the selection as shipped (the ranking in a kernel of its own, bisection with early exit),
+# with all 32 passes, and ranked inside the score programs (before session 32); all must pick
+# the same exact top-k
+FUSED = SelectConfig(rank_apart=False, block_m=16)
 SEARCHES = {
     "early-exit": SelectConfig(),
     "all-passes": SelectConfig(early_exit=False),
-    "rank-apart": SelectConfig(rank_apart=True),
+    "fused": FUSED,
+    "two-warps-a-row": SelectConfig(rank_warps=2),
 }
 # under the interpreter the largest case takes ~40 s a search: there only the shipped one
 SELECT_CASES = [
@@ -158,14 +161,12 @@ def _split64(indices, valid, tile_tokens):
     return full_idx, full_cnt, part_idx, part_cnt
 
 
-@pytest.mark.parametrize(
-    "config", [SelectConfig(), SelectConfig(rank_apart=True)], ids=["fused", "rank-apart"]
-)
+@pytest.mark.parametrize("config", [SelectConfig(), FUSED], ids=["rank-apart", "fused"])
 def test_select_split_writes_the_lists_split_by_tile_fullness(config):
-    """`TritonCoarse.select_split` (with the config the op ships, and with the ranking in a
-    kernel of its own): the same indices as `select`, and their `ForwardSplit` (full, partial
-    with sizes, empty dropped) equal to one built from them independently; tilings with
-    partial tiles and user sizes with empty tiles."""
+    """`TritonCoarse.select_split` (with the config the op ships, and ranked inside the score
+    programs): the same indices as `select`, and their `ForwardSplit` (full, partial with
+    sizes, empty dropped) equal to one built from them independently; tilings with partial
+    tiles and user sizes with empty tiles."""
     gen = torch.Generator().manual_seed(5)
     stage = TritonCoarse()
     tiling = VideoTiling((5, 6, 7), (2, 2, 2))

@@ -397,6 +397,18 @@ session31)
     ;;
   esac
   ;;
+session32c)
+  # Session 32, third sitting: vsa-core's property test of video_sparse_attn on fa4 failed on
+  # the GPU in both earlier sittings (the logs were cut by the step limits). Once with this
+  # tree, once with the fork's launch_replay as it was before session 31's cheaper call
+  # description (98307a3, research/ab_replay, untracked: make it with mkdir -p
+  # research/ab_replay && git archive 98307a3 packages/flash-attn-4-vsa/src | tar -x -C
+  # research/ab_replay), one hypothesis seed, stopping at the first failure
+  prop="python3 -m pytest -x -q -p no:warnings --tb=short -m gpu packages/vsa-core/tests/test_properties.py -k 'video_sparse_attn_matches_the_model and gpu_fa4' --hypothesis-seed=1"
+  bash benchmarks/gpu_sitting.sh \
+    "step prop_head 150 $prop" \
+    "step prop_old_replay 150 env PYTHONPATH=$PWD/research/ab_replay/packages/flash-attn-4-vsa/src:\$PYTHONPATH $prop"
+  ;;
 session32b)
   # Session 32, second sitting: the sweep again with device times (CUDA-graph replay) and the
   # score kernel alone; the pooling pass on a heads-first grid (pool_variants); the selection
@@ -421,7 +433,7 @@ session32)
     "step fa4 100 python3 -m pytest -q -p no:warnings -m gpu packages/vsa-fa4/tests/test_gpu.py -k 'replay or video_sparse_attn or combined'"
   ;;
 *)
-  echo "usage: $0 grid | bwd-counters | bwd-split | session19 | session21 | session22 [tests|bench] | session23 [tests|props|bench|second|block-props] | session24 [tests|final|profile|bench] | session25 | session25-cost | session25-regress | session25-steps | session26 | session26b | session26c | session26d | session26e | session26f | session26g | session26h | session27 | session27b | session27c | session27d | session28 | session29 [tests|bench|pool|final] | session30 [gaps|all] | session31 [tests|ab|suite|reorder] | session32 | session32b" >&2
+  echo "usage: $0 grid | bwd-counters | bwd-split | session19 | session21 | session22 [tests|bench] | session23 [tests|props|bench|second|block-props] | session24 [tests|final|profile|bench] | session25 | session25-cost | session25-regress | session25-steps | session26 | session26b | session26c | session26d | session26e | session26f | session26g | session26h | session27 | session27b | session27c | session27d | session28 | session29 [tests|bench|pool|final] | session30 [gaps|all] | session31 [tests|ab|suite|reorder] | session32 | session32b | session32c" >&2
   exit 2
   ;;
 esac

@@ -54,21 +54,40 @@ class SelectConfig:
     against the pooled keys each program reads from L2; 8 warps were slower everywhere. A radix
     search (four 8-bit histogram passes, row by row) picked the same lists but ran 1.4-2.6x
     slower at every latent (`2026-12-01-h200-sweep_select-radix.json`) and was removed; three
-    thresholds a pass (packed counts) were slower still."""
+    thresholds a pass (packed counts) were slower still.
 
-    block_m: int = 16
+    Since session 32 the op ranks in a kernel of its own (``rank_apart``) behind score
+    programs of 64 query tiles. Device time of the op's inference call (scores, coarse
+    attention, ranking, split lists; CUDA-graph replay, H200,
+    `benchmarks/results/2026-12-06-h200-sweep_select-rank-apart-graph-session32.json`):
+    Wan 480p 0.113 -> 0.076 ms, Wan 720p 1.313 -> 1.082, HunyuanVideo 2.303 -> 1.992 (4
+    warps a row; 16 tiles a score program 1.958); the same lists at every latent."""
+
+    block_m: int = 64
     block_n: int = 64
     elements_per_step: int = 2048
     num_warps: int = 4
     early_exit: bool = True
     """Stop a row's bisection once its count at a threshold is exactly k (its top-k set is
-    then known; the program's rows pass together, so it stops when all of them are done)."""
-    rank_apart: bool = False
-    """Rank the scores in a second kernel, one ``rank_warps``-warp program a row
+    then known; with ``rank_apart`` False the program's rows pass together, so it stops when
+    all of them are done)."""
+    rank_apart: bool = True
+    """Rank the scores in a second kernel, a program of `rank_warps_for` warps a row
     (`rank_rows_kernel`): the score kernel keeps ``block_m`` rows a program for reading the
-    pooled keys once, while the ranking's reductions stay within a warp and each row stops on
-    its own (session 32; the fused ranking's rows wait for barriers and for each other)."""
-    rank_warps: int = 1
+    pooled keys once, while the ranking's reductions stay within a warp or a few and each row
+    stops on its own (the fused ranking's rows wait for barriers and for each other). Without
+    it ``block_m`` rows a program rank ``elements_per_step`` scores at a time after scoring."""
+    rank_warps: int = 0
+    """Warps a ranking program; 0: `rank_warps_for` the row's width."""
+
+    def rank_warps_for(self, tiles_p2: int) -> int:
+        """``rank_warps``, or for 0 one warp up to 2048 padded tiles a row and a warp per 1024
+        beyond (a warp holding 4096 keys spills; session 32 on an H200: 1 / 2 / 4 warps, in
+        ms, 0.076 / 0.081 / 0.090 at Wan 480p's 1024, 1.082 / 1.112 / 1.155 at Wan 720p's
+        2048, 3.184 / 2.351 / 1.992 at HunyuanVideo's 4096)."""
+        if self.rank_warps:
+            return self.rank_warps
+        return 1 if tiles_p2 <= 2048 else tiles_p2 // 1024
 
 
 SELECT = SelectConfig()
@@ -400,7 +419,7 @@ def _launch_select(q_pooled, k_pooled, valid_sizes, topk, config, split_tile=Non
         launch(_kernels().rank_rows_kernel, (batch * heads * num_tiles,),
             scores, valid_sizes, out, *(split or (out,) * 4), num_tiles, topk, split_tile or 0,
             TILES_P2=tiles_p2, TOPK_P2=_next_pow2(topk), EARLY_EXIT=config.early_exit,
-            SPLIT=bool(split), num_warps=config.rank_warps,
+            SPLIT=bool(split), num_warps=config.rank_warps_for(tiles_p2),
         )  # fmt: skip
     return out, split, coarse
 
