@@ -406,8 +406,8 @@ session32c)
   # research/ab_replay), one hypothesis seed, stopping at the first failure
   prop="python3 -m pytest -x -q -p no:warnings --tb=short -m gpu packages/vsa-core/tests/test_properties.py -k 'video_sparse_attn_matches_the_model and gpu_fa4' --hypothesis-seed=1"
   bash benchmarks/gpu_sitting.sh \
-    "step prop_head 150 $prop" \
-    "step prop_old_replay 150 env PYTHONPATH=$PWD/research/ab_replay/packages/flash-attn-4-vsa/src:\$PYTHONPATH $prop"
+    "step prop_head 130 $prop" \
+    "step prop_old_replay 110 env PYTHONPATH=$PWD/research/ab_replay/packages/flash-attn-4-vsa/src:\$PYTHONPATH $prop"
   ;;
 session32b)
   # Session 32, second sitting: the sweep again with device times (CUDA-graph replay) and the
