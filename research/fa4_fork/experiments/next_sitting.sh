@@ -403,11 +403,12 @@ session32c)
   # tree, once with the fork's launch_replay as it was before session 31's cheaper call
   # description (98307a3, research/ab_replay, untracked: make it with mkdir -p
   # research/ab_replay && git archive 98307a3 packages/flash-attn-4-vsa/src | tar -x -C
-  # research/ab_replay), one hypothesis seed, stopping at the first failure
+  # research/ab_replay), one hypothesis seed, stopping at the first failure. "session32c"
+  # runs this tree's alone; "session32c ab [LIMIT]" both
   prop="python3 -m pytest -x -q -p no:warnings --tb=short -m gpu packages/vsa-core/tests/test_properties.py -k 'video_sparse_attn_matches_the_model and gpu_fa4' --hypothesis-seed=1"
   bash benchmarks/gpu_sitting.sh \
-    "step prop_head 130 $prop" \
-    "step prop_old_replay 110 env PYTHONPATH=$PWD/research/ab_replay/packages/flash-attn-4-vsa/src:\$PYTHONPATH $prop"
+    "step prop_head ${3:-130} $prop" \
+    ${2:+"step prop_old_replay 110 env PYTHONPATH=$PWD/research/ab_replay/packages/flash-attn-4-vsa/src:\$PYTHONPATH $prop"}
   ;;
 session32b)
   # Session 32, second sitting: the sweep again with device times (CUDA-graph replay) and the
