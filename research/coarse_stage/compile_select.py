@@ -6,7 +6,9 @@ list kernel of its own. Before a GPU times it, ptxas says what it costs the kern
 spills, SASS instructions and global stores, per latent (the tile count sets ``TILES_P2`` and
 ``ROWS``, as `vsa_triton.coarse.select_with` picks them; 12.5% of the tiles kept),
 ``SPLIT`` off and on, with and without the coarse attention (``ATTEND``,
-`TritonCoarse.select_and_attend`), inside the score loop or after it (``ATTEND_AFTER``). ::
+`TritonCoarse.select_and_attend`), inside the score loop or after it (``ATTEND_AFTER``); with
+the shipped config's ranking apart (session 32) the score kernel without its ranking and
+`rank_rows_kernel` too. ::
 
     uv run python -m research.coarse_stage.compile_select --out DIR/compile_select.json
 """
@@ -45,7 +47,7 @@ def compile_select(num_tiles: int, split: bool, attend: bool = False,
         "TILES_P2": tiles_p2, "ROWS": max(1, min(config.block_m, config.elements_per_step
                                                  // tiles_p2)),
         "IEEE": False, "INTERPRET": False, "EARLY_EXIT": config.early_exit, "SPLIT": split,
-        "ATTEND": attend, "ATTEND_AFTER": attend_after,
+        "ATTEND": attend, "ATTEND_AFTER": attend_after, "RANK": not config.rank_apart,
         **(coarse._split_constants(round(0.125 * num_tiles), config) if split else {}),
     }  # fmt: skip
     kernel = coarse_kernels.select_topk_kernel
@@ -60,15 +62,43 @@ def compile_select(num_tiles: int, split: bool, attend: bool = False,
             signature[name] = "fp32"
         else:
             signature[name] = "i32"
+    return _compile(kernel, signature, constexprs, attrs, config.num_warps)
+
+
+def _compile(kernel, signature, constexprs, attrs, num_warps) -> dict:
     src = ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": config.num_warps})  # fmt: skip
+                              options={"num_warps": num_warps})  # fmt: skip
     resources = _resources(compiled.asm["cubin"])
     return {"shared_bytes": compiled.metadata.shared, **resources,
             "stg_in_ptx": compiled.asm["ptx"].count("st.global")}  # fmt: skip
 
 
+def compile_rank(num_tiles: int, split: bool) -> dict:
+    """`rank_rows_kernel` (the ranking apart from the scores, session 32) as the op launches
+    it: `SelectConfig.rank_warps_for` warps a row."""
+    from vsa_triton import coarse, coarse_kernels
+
+    tiles_p2 = coarse._next_pow2(num_tiles)
+    constexprs = {"TILES_P2": tiles_p2, "EARLY_EXIT": coarse.SELECT.early_exit, "SPLIT": split,
+                  "TOPK_P2": coarse._next_pow2(round(0.125 * num_tiles))}  # fmt: skip
+    kernel = coarse_kernels.rank_rows_kernel
+    signature, attrs = {}, {}
+    for i, name in enumerate(kernel.arg_names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            signature[name] = POINTERS.get(name, "*i32")
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            signature[name] = "i32"
+    warps = coarse.SELECT.rank_warps_for(tiles_p2)
+    return {"rank_warps": warps, **_compile(kernel, signature, constexprs, attrs, warps)}
+
+
 def main() -> None:
+    from vsa_triton import coarse
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -80,6 +110,12 @@ def main() -> None:
                    **compile_select(tiles, split, attend, after)}  # fmt: skip
             print(json.dumps(row), flush=True)
             rows.append(row)
+        if coarse.SELECT.rank_apart:
+            for split in (False, True):
+                row = {"latent": latent, "tiles": tiles, "split": split, "kernel": "rank",
+                       **compile_rank(tiles, split)}  # fmt: skip
+                print(json.dumps(row), flush=True)
+                rows.append(row)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"command": "python -m research.coarse_stage.compile_select",

@@ -416,10 +416,19 @@ def _launch_select(q_pooled, k_pooled, valid_sizes, topk, config, split_tile=Non
         RANK=not config.rank_apart, num_warps=config.num_warps,
     )  # fmt: skip
     if config.rank_apart:
-        launch(_kernels().rank_rows_kernel, (batch * heads * num_tiles,),
-            scores, valid_sizes, out, *(split or (out,) * 4), num_tiles, topk, split_tile or 0,
-            TILES_P2=tiles_p2, TOPK_P2=_next_pow2(topk), EARLY_EXIT=config.early_exit,
-            SPLIT=bool(split), num_warps=config.rank_warps_for(tiles_p2),
+        num_rows = batch * heads * num_tiles
+        # a row a program on a GPU; the interpreter's cost is per program: many rows each
+        rank_rows = (
+            1
+            if not interpreting()
+            else min(_next_pow2(num_rows), max(1, INTERPRETED_RANK_ELEMENTS // tiles_p2))
+        )
+        launch(_kernels().rank_rows_kernel, (-(-num_rows // rank_rows),),
+            scores, valid_sizes, out, *(split or (out,) * 4), num_rows, num_tiles, topk,
+            split_tile or 0, TILES_P2=tiles_p2, TOPK_P2=_next_pow2(topk),
+            EARLY_EXIT=config.early_exit, SPLIT=bool(split), ROWS=rank_rows,
+            SPLIT_ROWS=max(1, min(rank_rows, SPLIT_ELEMENTS // _next_pow2(topk))),
+            num_warps=config.rank_warps_for(tiles_p2),
         )  # fmt: skip
     return out, split, coarse
 
@@ -427,6 +436,10 @@ def _launch_select(q_pooled, k_pooled, valid_sizes, topk, config, split_tile=Non
 LOG2_E = 1.4426950408889634
 """log2(e): the kernel's softmax runs on exp2 of scores times ``scale * LOG2_E``."""
 
+
+INTERPRETED_RANK_ELEMENTS = 1 << 16
+"""Scores one program of the ranking kernel takes under the Triton interpreter (rows x padded
+tiles): there it ranks many rows a program, since each program costs Python."""
 
 SPLIT_ELEMENTS = 512
 """List entries the split phase of the selection kernel handles a step (rows x ``TOPK_P2``):

@@ -285,20 +285,21 @@ def _kth_keys(key, done, topk, EARLY_EXIT: tl.constexpr):
 
 
 @triton.jit
-def _chosen(score_rows, row, cols, num_tiles, topk, EARLY_EXIT: tl.constexpr):
-    """[rows, TILES_P2] mask of each row's top-k columns among the stored scores (``score_rows``
-    points at this (batch, head)'s [N, N] block): the keys above the k-th largest, then the
-    tied ones from the lowest column until k are chosen. Rows past N choose nothing."""
-    live = (row < num_tiles)[:, None] & (cols < num_tiles)[None, :]
-    s = tl.load(score_rows + row[:, None] * num_tiles + cols[None, :], mask=live, other=0.0)
+def _chosen(score_rows, row, cols, num_rows, num_tiles, topk, EARLY_EXIT: tl.constexpr):
+    """[rows, TILES_P2] mask of each row's top-k columns among the stored scores (rows of
+    ``num_tiles`` scores from ``score_rows``): the keys above the k-th largest, then the tied
+    ones from the lowest column until k are chosen. Rows past ``num_rows`` choose nothing."""
+    live = (row < num_rows)[:, None] & (cols < num_tiles)[None, :]
+    s = tl.load(score_rows + row[:, None].to(tl.int64) * num_tiles + cols[None, :], mask=live,
+                other=0.0)
     # columns past N take the smallest int32, below every score's key (-inf's included)
     key = tl.where(live, _order_key(s), -2147483648)
-    kth = _kth_keys(key, row >= num_tiles, topk, EARLY_EXIT)
+    kth = _kth_keys(key, row >= num_rows, topk, EARLY_EXIT)
     above = key > kth[:, None]
     tied = key == kth[:, None]
     room = topk - tl.sum(above.to(tl.int32), axis=1)
     tie_rank = tl.cumsum(tied.to(tl.int32), axis=1)
-    return (above | (tied & (tie_rank <= room[:, None]))) & (row < num_tiles)[:, None]
+    return (above | (tied & (tie_rank <= room[:, None]))) & (row < num_rows)[:, None]
 
 
 @triton.jit
@@ -402,7 +403,7 @@ def select_topk_kernel(
         cols = tl.arange(0, TILES_P2)
         for r in range(0, BLOCK_M, ROWS):
             row = pid_m * BLOCK_M + r + tl.arange(0, ROWS)
-            chosen = _chosen(score_rows, row, cols, num_tiles, topk, EARLY_EXIT)
+            chosen = _chosen(score_rows, row, cols, num_tiles, num_tiles, topk, EARLY_EXIT)
             slot = tl.cumsum(chosen.to(tl.int32), axis=1) - 1
             dst = out_ptr + (bh.to(tl.int64) * num_tiles + row[:, None]) * topk + slot
             tl.store(dst, cols[None, :] + tl.zeros([ROWS, TILES_P2], dtype=tl.int32),
@@ -417,29 +418,31 @@ def select_topk_kernel(
 @triton.jit
 def rank_rows_kernel(
     scores_ptr, valid_ptr, out_ptr, full_idx_ptr, full_cnt_ptr, part_idx_ptr, part_cnt_ptr,
-    num_tiles, topk, kv_tile,
+    num_rows, num_tiles, topk, kv_tile,
     TILES_P2: tl.constexpr, TOPK_P2: tl.constexpr, EARLY_EXIT: tl.constexpr,
-    SPLIT: tl.constexpr,
+    SPLIT: tl.constexpr, ROWS: tl.constexpr = 1, SPLIT_ROWS: tl.constexpr = 1,
 ):
-    """Phase 2 (and the split) of `select_topk_kernel` as a kernel of its own: one program,
-    meant to be one or two warps, a row of the stored scores (``program_id`` = (batch x head)
-    x N + query tile). Its reductions need no barrier between four warps, and each row stops
-    its bisection on its own, where the fused kernel's rows wait for the slowest of their
-    program. The same lists as the fused kernel, bit for bit. The split reads the row's list
-    back (`_store_split`), as the fused kernel does: from the chosen mask in registers it took
-    the kernel from 80 to 158 registers at Wan 480p (sm_90, one warp)."""
-    flat_row = tl.program_id(0).to(tl.int64)
+    """Phase 2 (and the split) of `select_topk_kernel` as a kernel of its own over the
+    ``num_rows`` = (batch x head) x N rows of the stored scores, ``ROWS`` a program: on a GPU
+    one, in a program of one warp or a few, so that its reductions need no barrier between
+    four warps and each row stops its bisection on its own, where the fused kernel's rows
+    wait for the slowest of their program (the interpreter takes many rows a program: its
+    cost is per program). The same lists as the fused kernel, bit for bit. The split reads the
+    rows' lists back (`_store_split`), as the fused kernel does: from the chosen mask in
+    registers it took the kernel from 80 to 158 registers at Wan 480p (sm_90, one warp)."""
+    first = tl.program_id(0).to(tl.int64) * ROWS
+    row = first + tl.arange(0, ROWS)
     cols = tl.arange(0, TILES_P2)
-    chosen = _chosen(scores_ptr + flat_row * num_tiles, tl.zeros([1], dtype=tl.int32), cols,
-                     num_tiles, topk, EARLY_EXIT)
+    chosen = _chosen(scores_ptr, row, cols, num_rows, num_tiles, topk, EARLY_EXIT)
     slot = tl.cumsum(chosen.to(tl.int32), axis=1) - 1
-    tl.store(out_ptr + flat_row * topk + slot,
-             cols[None, :] + tl.zeros([1, TILES_P2], dtype=tl.int32), mask=chosen)
+    tl.store(out_ptr + row[:, None] * topk + slot,
+             cols[None, :] + tl.zeros([ROWS, TILES_P2], dtype=tl.int32), mask=chosen)
     if SPLIT:
-        tl.debug_barrier()  # the split reads back the list other threads of this program wrote
+        tl.debug_barrier()  # the split reads back the lists other threads of this program wrote
+        # the rows as one (batch, head) of num_rows tiles: flat rows are what it indexes
         _store_split(out_ptr, full_idx_ptr, full_cnt_ptr, part_idx_ptr, part_cnt_ptr,
-                     valid_ptr, flat_row % num_tiles, num_tiles, flat_row // num_tiles, topk,
-                     kv_tile, 1, TOPK_P2, 1)
+                     valid_ptr, first, num_rows, tl.full([], 0, tl.int32), topk, kv_tile, ROWS,
+                     TOPK_P2, SPLIT_ROWS)
 
 
 @triton.jit
