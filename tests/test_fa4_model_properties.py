@@ -132,7 +132,7 @@ def test_video_sparse_attn_through_fa4s_adapter_matches_the_model(fa4_on_the_mod
     _cases(fa4_on_the_model)
 
 
-@pytest.mark.skipif(not INTERPRETING, reason="runs in the child process of the Triton-lists test below")
+@pytest.mark.skipif(not INTERPRETING, reason="runs in the Triton-lists test's child process")
 def test_interpreted_case(fa4_on_the_model):
     _cases(fa4_on_the_model)
 
