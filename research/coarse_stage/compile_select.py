@@ -81,7 +81,8 @@ def compile_rank(num_tiles: int, split: bool) -> dict:
 
     tiles_p2 = coarse._next_pow2(num_tiles)
     constexprs = {"TILES_P2": tiles_p2, "EARLY_EXIT": coarse.SELECT.early_exit, "SPLIT": split,
-                  "TOPK_P2": coarse._next_pow2(round(0.125 * num_tiles))}  # fmt: skip
+                  "TOPK_P2": coarse._next_pow2(round(0.125 * num_tiles)), "ROWS": 1,
+                  "SPLIT_ROWS": 1}  # fmt: skip
     kernel = coarse_kernels.rank_rows_kernel
     signature, attrs = {}, {}
     for i, name in enumerate(kernel.arg_names):
