@@ -9,7 +9,7 @@ other query tiles per program (with ``--warps-grid`` also 1 and 2 warps a progra
 calls) and checks that every config picks the same tiles as the shipped one.
 
 ``--rank-apart`` (session 32) sweeps instead the ranking in a kernel of its own, one, two or
-four warps a row, behind score programs of 16 or 64 query tiles, against the fused ranking
+four warps a row, behind score programs of 16, 32 or 64 query tiles, against the fused ranking
 (``FUSED``, shipped before session 32),
 and also times each config as the op calls it in inference (``op_ms``: the lists split for
 64-token tiles and the coarse attention from the same scores, `_launch_select`), its outputs
@@ -102,7 +102,7 @@ def main() -> None:
                          "program and 1024 or 2048 elements a step")  # fmt: skip
     ap.add_argument("--rank-apart", action="store_true",
                     help="instead: the ranking in a kernel of its own (SelectConfig.rank_apart) "
-                         "at 16 and 64 query tiles a score program, 1, 2 and 4 warps a row, "
+                         "at 16, 32 and 64 query tiles a score program, 1, 2 and 4 warps a row, "
                          "against the fused ranking; each also timed as the op's inference "
                          "call")  # fmt: skip
     args = ap.parse_args()
@@ -132,7 +132,7 @@ def main() -> None:
         if args.rank_apart:  # against the fused ranking alone (compile time)
             configs = [FUSED] + [
                 dataclasses.replace(SELECT, rank_apart=True, block_m=block_m, rank_warps=warps)
-                for block_m in (16, 64)
+                for block_m in (16, 32, 64)
                 for warps in (1, 2, 4)
             ]
         vp = torch.randn_like(qp)

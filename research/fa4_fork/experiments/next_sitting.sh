@@ -397,6 +397,29 @@ session31)
     ;;
   esac
   ;;
+session33)
+  # Prepared in session 32 for the next sitting (about 560 s). "props": session32c's failing
+  # property test with its traceback; "suite": the GPU suites in parts small enough to finish
+  # (each stops at its first failure and prints it); "bench": the whole op at both Wan latents
+  # with the ranking apart (issue 19's table cells, fa4 and triton, forward and
+  # forward+backward, both views) and the selection sweep with 32 tiles a score program too
+  case "${2:-props}" in
+  props)
+    bash research/fa4_fork/experiments/next_sitting.sh session32c "" 200
+    ;;
+  suite)
+    bash benchmarks/gpu_sitting.sh \
+      "step core_ops 150 python3 -m pytest -x -q -p no:warnings --tb=short -m gpu packages/flash-attn-4-vsa/tests/test_launch_replay.py packages/vsa-core/tests --deselect packages/vsa-core/tests/test_properties.py" \
+      "step triton 120 python3 -m pytest -x -q -p no:warnings --tb=short packages/vsa-triton/tests/test_coarse.py packages/vsa-triton/tests/test_gpu.py" \
+      "step fa4 250 python3 -m pytest -x -q -p no:warnings --tb=short -m gpu packages/vsa-fa4/tests/test_gpu.py"
+    ;;
+  bench)
+    bash benchmarks/gpu_sitting.sh \
+      "step sweep 150 python3 research/coarse_stage/sweep_select.py --rank-apart --latents wan480p wan720p --reps 20 --out \$OUT/sweep_select-rank-apart.json" \
+      "step bench 380 python3 benchmarks/bench_video.py --shapes wan480p wan720p --sparsities 0.875 --modes fwd fwd+bwd --arms fa4 triton --warmup 2 --reps 4 --no-pieces --time-budget-min 5.5 --out \$OUT/bench_video.json"
+    ;;
+  esac
+  ;;
 session32c)
   # Session 32, third sitting: vsa-core's property test of video_sparse_attn on fa4 failed on
   # the GPU in both earlier sittings (the logs were cut by the step limits). Once with this
@@ -434,7 +457,7 @@ session32)
     "step fa4 100 python3 -m pytest -q -p no:warnings -m gpu packages/vsa-fa4/tests/test_gpu.py -k 'replay or video_sparse_attn or combined'"
   ;;
 *)
-  echo "usage: $0 grid | bwd-counters | bwd-split | session19 | session21 | session22 [tests|bench] | session23 [tests|props|bench|second|block-props] | session24 [tests|final|profile|bench] | session25 | session25-cost | session25-regress | session25-steps | session26 | session26b | session26c | session26d | session26e | session26f | session26g | session26h | session27 | session27b | session27c | session27d | session28 | session29 [tests|bench|pool|final] | session30 [gaps|all] | session31 [tests|ab|suite|reorder] | session32 | session32b | session32c" >&2
+  echo "usage: $0 grid | bwd-counters | bwd-split | session19 | session21 | session22 [tests|bench] | session23 [tests|props|bench|second|block-props] | session24 [tests|final|profile|bench] | session25 | session25-cost | session25-regress | session25-steps | session26 | session26b | session26c | session26d | session26e | session26f | session26g | session26h | session27 | session27b | session27c | session27d | session28 | session29 [tests|bench|pool|final] | session30 [gaps|all] | session31 [tests|ab|suite|reorder] | session32 | session32b | session32c [ab [LIMIT]] | session33 [props|suite|bench]" >&2
   exit 2
   ;;
 esac
