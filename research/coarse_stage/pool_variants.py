@@ -59,6 +59,24 @@ def _pool_tile(x, xp, xc, valid_ptr, raster_rows, s_b, s_s, s_h, s_pb, s_pn, s_p
 
 
 @triton.jit
+def _pool_all(q, k, v, qp, kp, vp, qc, kc, vc, valid_ptr, raster_rows,
+              s_qb, s_qs, s_qh, s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, s_pb, s_pn, s_ph, s_cb, s_cs,
+              s_ch, heads, tile, b, h, size, slots, dims, keep, TILE_TOKENS: tl.constexpr,
+              CLEAN_Q: tl.constexpr, CLEAN_K: tl.constexpr, CLEAN_V: tl.constexpr,
+              RASTER: tl.constexpr):  # fmt: skip
+    """`_pool_tile` for q, k and v, one after the other (the shipped kernel's order)."""
+    _pool_tile(q, qp, qc, valid_ptr, raster_rows, s_qb, s_qs, s_qh, s_pb, s_pn, s_ph, s_cb,
+               s_cs, s_ch, heads, tile, b, h, size, slots, dims, keep, TILE_TOKENS, CLEAN_Q,
+               RASTER)  # fmt: skip
+    _pool_tile(k, kp, kc, valid_ptr, raster_rows, s_kb, s_ks, s_kh, s_pb, s_pn, s_ph, s_cb,
+               s_cs, s_ch, heads, tile, b, h, size, slots, dims, keep, TILE_TOKENS, CLEAN_K,
+               RASTER)  # fmt: skip
+    _pool_tile(v, vp, vc, valid_ptr, raster_rows, s_vb, s_vs, s_vh, s_pb, s_pn, s_ph, s_cb,
+               s_cs, s_ch, heads, tile, b, h, size, slots, dims, keep, TILE_TOKENS, CLEAN_V,
+               RASTER)  # fmt: skip
+
+
+@triton.jit
 def pool_split_kernel(
     q, k, v, qp, kp, vp, qc, kc, vc, valid_ptr, raster_rows,
     s_qb, s_qs, s_qh, s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, s_pb, s_pn, s_ph, s_cb, s_cs, s_ch,
@@ -134,15 +152,9 @@ def pool_heads_first_kernel(
     keep = dims < HEAD_DIM
     b, h, size, slots = (bh // heads).to(tl.int64), bh % heads, tl.load(valid_ptr + tile), \
         tl.arange(0, SLOTS)  # fmt: skip
-    _pool_tile(q, qp, qc, valid_ptr, raster_rows, s_qb, s_qs, s_qh, s_pb, s_pn, s_ph, s_cb,
-               s_cs, s_ch, heads, tile, b, h, size, slots, dims, keep, TILE_TOKENS, CLEAN_Q,
-               RASTER)  # fmt: skip
-    _pool_tile(k, kp, kc, valid_ptr, raster_rows, s_kb, s_ks, s_kh, s_pb, s_pn, s_ph, s_cb,
-               s_cs, s_ch, heads, tile, b, h, size, slots, dims, keep, TILE_TOKENS, CLEAN_K,
-               RASTER)  # fmt: skip
-    _pool_tile(v, vp, vc, valid_ptr, raster_rows, s_vb, s_vs, s_vh, s_pb, s_pn, s_ph, s_cb,
-               s_cs, s_ch, heads, tile, b, h, size, slots, dims, keep, TILE_TOKENS, CLEAN_V,
-               RASTER)  # fmt: skip
+    _pool_all(q, k, v, qp, kp, vp, qc, kc, vc, valid_ptr, raster_rows, s_qb, s_qs, s_qh, s_kb,
+              s_ks, s_kh, s_vb, s_vs, s_vh, s_pb, s_pn, s_ph, s_cb, s_cs, s_ch, heads, tile, b, h,
+              size, slots, dims, keep, TILE_TOKENS, CLEAN_Q, CLEAN_K, CLEAN_V, RASTER)  # fmt: skip
 
 
 @triton.jit
@@ -160,15 +172,9 @@ def pool_zero_v_kernel(
     padding = (slots >= size)[:, None] & (slots < TILE_TOKENS)[:, None] & keep[None, :]
     zeros = tl.zeros((SLOTS, DIM_P2), dtype=v.dtype.element_ty)
     tl.store(v + b * s_vb + h * s_vh + rows * s_vs + dims[None, :], zeros, mask=padding)
-    _pool_tile(q, qp, qc, valid_ptr, raster_rows, s_qb, s_qs, s_qh, s_pb, s_pn, s_ph, s_cb,
-               s_cs, s_ch, heads, tile, b, h, size, slots, dims, keep, TILE_TOKENS, False,
-               RASTER)  # fmt: skip
-    _pool_tile(k, kp, kc, valid_ptr, raster_rows, s_kb, s_ks, s_kh, s_pb, s_pn, s_ph, s_cb,
-               s_cs, s_ch, heads, tile, b, h, size, slots, dims, keep, TILE_TOKENS, False,
-               RASTER)  # fmt: skip
-    _pool_tile(v, vp, vc, valid_ptr, raster_rows, s_vb, s_vs, s_vh, s_pb, s_pn, s_ph, s_cb,
-               s_cs, s_ch, heads, tile, b, h, size, slots, dims, keep, TILE_TOKENS, False,
-               RASTER)  # fmt: skip
+    _pool_all(q, k, v, qp, kp, vp, qc, kc, vc, valid_ptr, raster_rows, s_qb, s_qs, s_qh, s_kb,
+              s_ks, s_kh, s_vb, s_vs, s_vh, s_pb, s_pn, s_ph, s_cb, s_cs, s_ch, heads, tile, b, h,
+              size, slots, dims, keep, TILE_TOKENS, False, False, False, RASTER)  # fmt: skip
 
 
 @triton.jit
