@@ -15,7 +15,9 @@ Conventions:
   writes the tiled, zero-padded copies the fine attention reads from the same loads, and the
   combine writes the output in raster order, so tiling and untiling cost no pass of their own.
 - Selection writes each (batch, head, query tile)'s ``TOPK`` chosen key tiles as an ascending
-  int32 list, straight into the layout's ``kv_indices``; no sort and no boolean map. The k-th
+  int32 list, straight into the layout's ``kv_indices``; no sort and no boolean map. As the op
+  runs it, one kernel stores the scores (and the coarse attention), a second ranks them a row a
+  program (`rank_rows_kernel`); `select_topk_kernel` can also rank its own rows. The k-th
   largest score is found exactly by a search over the bits of an order-preserving integer
   image of the float32 scores (bisection, `SelectConfig`); ties at the threshold
   go to the lowest key-tile index. Empty key tiles score -inf, so they are chosen only when
