@@ -21,9 +21,9 @@ INTERPRETED = (
     ("test_raster_native.py", None),
 )
 """The kernel test files run under the interpreter, one child process each (``-k`` halves of
-test_coarse.py, 84 + 117 s), so that a parallel run, ``pytest -n auto``, spreads them over its
-workers: together they are the suite's longest part (335 s of a 578 s run on two cores when
-they ran as one child, 2026-12-03)."""
+test_coarse.py, 31 + 168 s on two cores, 2026-12-06), so that a parallel run, ``pytest -n
+auto``, spreads them over its workers: together they are the suite's longest part (335 s of a
+578 s run on two cores when they ran as one child, 2026-12-03)."""
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the kernel tests run compiled")
