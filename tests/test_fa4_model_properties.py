@@ -8,7 +8,8 @@ block-sparse kernels (``packages/vsa-fa4/tests/fa4_model.py``) standing in for t
 each call described as on an sm_90 device (so the adapter picks what an H100 or H200 runs: the
 dS-writing backward for 64x64 blocks, the paired forward, the selection's split lists).
 
-Two variants:
+Every ``torch.empty`` in the process reads as NaN (or -7, or True) until written, as GPU
+memory holds garbage. Two variants:
 
 - torch lists: the adapter's torch metadata and the model's dS slots and dQ pass (CPU tensors
   take these paths), float16 and bfloat16;
@@ -92,7 +93,25 @@ def fa4_on_the_model(monkeypatch):
         return None
 
     monkeypatch.setattr(backend.FA4Backend, "_call_refusal", refusal)
+    _poison_allocations(monkeypatch)
     return calls
+
+
+def _poison_allocations(monkeypatch) -> None:
+    """``torch.empty``, ``empty_like`` and ``Tensor.new_empty`` filled with NaN (float), True
+    (bool) or -7 (integers): a GPU's caching allocator hands back what an earlier kernel left,
+    where a CPU's fresh pages read as zeros, so an element read before it is written shows
+    here as on a GPU, or louder."""
+    empty, empty_like, new_empty = torch.empty, torch.empty_like, torch.Tensor.new_empty
+
+    def poison(t: torch.Tensor) -> torch.Tensor:
+        if t.is_floating_point():
+            return t.fill_(float("nan"))
+        return t.fill_(True if t.dtype == torch.bool else -7)
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(empty_like(*a, **k)))
+    monkeypatch.setattr(torch.Tensor, "new_empty", lambda t, *a, **k: poison(new_empty(t, *a, **k)))
 
 
 FA4_ON_THE_MODEL = properties.Target(
