@@ -8,9 +8,9 @@ root::
 
 Scripts import each other relatively (``from .kv64_bwd_configs import rel_l2``) and the
 workspace packages (``vsa_core``, ``vsa_fa4``, ``flash_attn_vsa``, ...) as installed. Two folders
-are not packages: ``benchmarks/`` (its scripts import ``bench_common`` by plain name) and the
-fork's ``tests/`` (``sm90_cases``); the functions below put them on ``sys.path`` on first use,
-so no script edits ``sys.path`` itself.
+are not packages: ``benchmarks/`` (its scripts import ``bench_common`` by plain name), the
+fork's ``tests/`` (``sm90_cases``) and vsa-core's (``test_properties``); the functions below
+put them on ``sys.path`` on first use, so no script edits ``sys.path`` itself.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 BENCHMARKS = ROOT / "benchmarks"
 FORK_TESTS = ROOT / "packages" / "flash-attn-4-vsa" / "tests"
+CORE_TESTS = ROOT / "packages" / "vsa-core" / "tests"
 
 
 def _import_from(folder: Path, name: str) -> ModuleType:
@@ -47,6 +48,12 @@ def bench_common() -> ModuleType:
 def fork_test_module(name: str) -> ModuleType:
     """A helper module of the fork's tests (``"sm90_cases"``: the GPU cases of its deltas)."""
     return _import_from(FORK_TESTS, name)
+
+
+def core_test_module(name: str) -> ModuleType:
+    """A module of vsa-core's tests (``"test_properties"``, whose float64 model ``vsa_naive``
+    sits beside it)."""
+    return _import_from(CORE_TESTS, name)
 
 
 def command_line() -> str:

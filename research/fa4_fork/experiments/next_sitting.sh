@@ -398,14 +398,19 @@ session31)
   esac
   ;;
 session33)
-  # Prepared in session 32 for the next sitting (about 560 s). "props": session32c's failing
-  # property test with its traceback; "suite": the GPU suites in parts small enough to finish
+  # Prepared in session 32 for the next sitting (about 560 s). "props": the failing fa4
+  # property case found and diagnosed, then the property test with its traceback; "suite": the GPU suites in parts small enough to finish
   # (each stops at its first failure and prints it); "bench": the whole op at both Wan latents
   # with the ranking apart (issue 19's table cells, fa4 and triton, forward and
   # forward+backward, both views) and the selection sweep with 32 tiles a score program too
   case "${2:-props}" in
   props)
-    bash research/fa4_fork/experiments/next_sitting.sh session32c "" 200
+    # a failing case drawn from the property's space, then the same case with the replay off,
+    # the float32 dQ backward and the triton backend (research.fa4_adapter.property_failure);
+    # then the property test itself, one seed, stopping at its first failure
+    bash benchmarks/gpu_sitting.sh \
+      "step diagnose 250 python3 -m research.fa4_adapter.property_failure --cases 80 --out \$OUT/property_failure.json" \
+      "step prop 200 python3 -m pytest -x -q -p no:warnings --tb=short -m gpu packages/vsa-core/tests/test_properties.py -k 'video_sparse_attn_matches_the_model and gpu_fa4' --hypothesis-seed=1"
     ;;
   suite)
     bash benchmarks/gpu_sitting.sh \
