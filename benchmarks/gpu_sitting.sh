@@ -12,7 +12,9 @@ step() {
   local name=$1 limit=$2 t0
   shift 2
   t0=$(date +%s)
-  timeout "$limit" "$@" >"$OUT/logs/$name.txt" 2>&1
+  # SIGINT at the limit (SIGKILL 15 s later): pytest then prints the failures it has so far
+  # and Python its traceback, where SIGTERM would lose them with the step's log
+  timeout -s INT -k 15 "$limit" "$@" >"$OUT/logs/$name.txt" 2>&1
   echo "$name rc=$? $(($(date +%s) - t0))s" | tee -a "$OUT/logs/steps.txt"
 }
 for s in "$@"; do eval "$s"; done
