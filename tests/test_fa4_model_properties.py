@@ -105,9 +105,10 @@ def _poison_allocations(monkeypatch) -> None:
     empty, empty_like, new_empty = torch.empty, torch.empty_like, torch.Tensor.new_empty
 
     def poison(t: torch.Tensor) -> torch.Tensor:
-        if t.is_floating_point():
-            return t.fill_(float("nan"))
-        return t.fill_(True if t.dtype == torch.bool else -7)
+        with torch.no_grad():  # torch's own empty leaves may require grad
+            if t.is_floating_point():
+                return t.fill_(float("nan"))
+            return t.fill_(True if t.dtype == torch.bool else -7)
 
     monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(empty(*a, **k)))
     monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(empty_like(*a, **k)))
