@@ -402,7 +402,8 @@ session33)
   # property case found and diagnosed, then the property test with its traceback; "suite": the GPU suites in parts small enough to finish
   # (each stops at its first failure and prints it); "bench": the whole op at both Wan latents
   # with the ranking apart (issue 19's table cells, fa4 and triton, forward and
-  # forward+backward, both views) and the selection sweep with 32 tiles a score program too
+  # forward+backward, both views), the selection sweep with 32 tiles a score program too and
+  # the ranking with its candidates compacted (research.coarse_stage.rank_variants)
   case "${2:-props}" in
   props)
     # a failing case drawn from the property's space, then the same case with the replay off,
@@ -421,7 +422,8 @@ session33)
   bench)
     bash benchmarks/gpu_sitting.sh \
       "step sweep 150 python3 research/coarse_stage/sweep_select.py --rank-apart --latents wan480p wan720p --reps 20 --out \$OUT/sweep_select-rank-apart.json" \
-      "step bench 380 python3 benchmarks/bench_video.py --shapes wan480p wan720p --sparsities 0.875 --modes fwd fwd+bwd --arms fa4 triton --warmup 2 --reps 4 --no-pieces --time-budget-min 5.5 --out \$OUT/bench_video.json"
+      "step rank 90 python3 -m research.coarse_stage.rank_variants --out \$OUT/rank_variants.json" \
+      "step bench 300 python3 benchmarks/bench_video.py --shapes wan480p wan720p --sparsities 0.875 --modes fwd fwd+bwd --arms fa4 triton --warmup 2 --reps 4 --no-pieces --time-budget-min 4.3 --out \$OUT/bench_video.json"
     ;;
   esac
   ;;

@@ -291,12 +291,25 @@ def _chosen(score_rows, row, cols, num_rows, num_tiles, topk, EARLY_EXIT: tl.con
     """[rows, TILES_P2] mask of each row's top-k columns among the stored scores (rows of
     ``num_tiles`` scores from ``score_rows``): the keys above the k-th largest, then the tied
     ones from the lowest column until k are chosen. Rows past ``num_rows`` choose nothing."""
+    key = _row_keys(score_rows, row, cols, num_rows, num_tiles)
+    return _choose(key, _kth_keys(key, row >= num_rows, topk, EARLY_EXIT), topk, row, num_rows)
+
+
+@triton.jit
+def _row_keys(score_rows, row, cols, num_rows, num_tiles):
+    """[rows, TILES_P2] int32 order keys of the stored scores (`_order_key`); columns past N
+    and rows past ``num_rows`` take the smallest int32, below every score's key (-inf's
+    included)."""
     live = (row < num_rows)[:, None] & (cols < num_tiles)[None, :]
     s = tl.load(score_rows + row[:, None].to(tl.int64) * num_tiles + cols[None, :], mask=live,
                 other=0.0)
-    # columns past N take the smallest int32, below every score's key (-inf's included)
-    key = tl.where(live, _order_key(s), -2147483648)
-    kth = _kth_keys(key, row >= num_rows, topk, EARLY_EXIT)
+    return tl.where(live, _order_key(s), -2147483648)
+
+
+@triton.jit
+def _choose(key, kth, topk, row, num_rows):
+    """The top-k mask from each row's k-th largest key ``kth``: the keys above it, then the
+    tied ones from the lowest column until k are chosen; rows past ``num_rows`` none."""
     above = key > kth[:, None]
     tied = key == kth[:, None]
     room = topk - tl.sum(above.to(tl.int32), axis=1)
