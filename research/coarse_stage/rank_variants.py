@@ -29,6 +29,8 @@ import triton.language as tl
 from vsa_triton import coarse
 from vsa_triton.coarse_kernels import _choose, _row_keys, _store_split
 
+from .sweep_select import graph_ms
+
 LATENTS = {"wan480p": (624, 12), "wan720p": (1440, 40), "hunyuan720p": (2160, 24)}
 """Key tiles a row and heads (64-token tiles), 12.5% of them kept."""
 
@@ -165,23 +167,6 @@ def check(num_tiles: int, heads: int, device: str) -> None:
     print(f"check {num_tiles} tiles x {heads} heads: compact bitwise the shipped ranking")
 
 
-def _graph_ms(fn, reps: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path)
@@ -206,7 +191,7 @@ def main() -> None:
         times = {v: [] for v in arms}
         for r in range(args.rounds):
             for v in arms if r % 2 == 0 else reversed(arms):
-                times[v].append(_graph_ms(arms[v]))
+                times[v].append(graph_ms(arms[v], 20))
         for v, ts in times.items():
             row = {"latent": name, "tiles": num_tiles, "heads": heads, "topk": topk,
                    "warps": warps, "variant": v, "ms": round(statistics.median(ts), 4),

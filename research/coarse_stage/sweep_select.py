@@ -53,7 +53,7 @@ def _time_ms(fn, reps: int) -> float:
     return statistics.median(times)
 
 
-def _graph_ms(fn, reps: int) -> float:
+def graph_ms(fn, reps: int) -> float:
     """Device time of one ``fn()``: ``reps`` calls captured in one CUDA graph, replayed between
     two events (the host's launch time and its waits left out), per call."""
     side = torch.cuda.Stream()
@@ -149,10 +149,10 @@ def main() -> None:
                 out, split, coarse = _launch_select(*op_call)
                 row["op_ms"] = round(_time_ms(lambda c=op_call: _launch_select(*c), args.reps), 4)
                 op = lambda c=op_call: _launch_select(*c)  # noqa: E731
-                row["op_graph_ms"] = round(_graph_ms(op, args.reps), 4)
+                row["op_graph_ms"] = round(graph_ms(op, args.reps), 4)
                 if config.rank_apart:
                     with _scores_only():
-                        row["op_scores_graph_ms"] = round(_graph_ms(op, args.reps), 4)
+                        row["op_scores_graph_ms"] = round(graph_ms(op, args.reps), 4)
                 row["op_same_as_shipped"] = bool(
                     torch.equal(out, want_op[0])
                     and all(torch.equal(a, b) for a, b in zip(split, want_op[1], strict=True))
