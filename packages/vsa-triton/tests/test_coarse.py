@@ -162,6 +162,16 @@ def _split64(indices, valid, tile_tokens):
     return full_idx, full_cnt, part_idx, part_cnt
 
 
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("block_m", 24), ("block_n", 0), ("num_warps", 3), ("elements_per_step", 2.0),
+     ("rank_warps", -1), ("rank_warps", 3)],
+)  # fmt: skip
+def test_select_config_names_a_field_triton_cannot_compile(field, value):
+    with pytest.raises(ValueError, match=field):
+        SelectConfig(**{field: value})
+
+
 @pytest.mark.parametrize("config", [SelectConfig(), FUSED], ids=["rank-apart", "fused"])
 def test_select_split_writes_the_lists_split_by_tile_fullness(config):
     """`TritonCoarse.select_split` (with the config the op ships, and ranked inside the score

@@ -80,6 +80,16 @@ class SelectConfig:
     rank_warps: int = 0
     """Warps a ranking program; 0: `rank_warps_for` the row's width."""
 
+    def __post_init__(self) -> None:
+        # Triton's blocks and warp counts are powers of two: anything else fails at compile
+        # time deep inside Triton, or (a zero) launches nothing
+        for name in ("block_m", "block_n", "elements_per_step", "num_warps"):
+            value = getattr(self, name)
+            if not _power_of_two(value):
+                raise ValueError(f"{name} must be a power of two >= 1, got {value!r}")
+        if not (self.rank_warps == 0 or _power_of_two(self.rank_warps)):
+            raise ValueError(f"rank_warps must be 0 or a power of two, got {self.rank_warps!r}")
+
     def rank_warps_for(self, tiles_p2: int) -> int:
         """``rank_warps``, or for 0 one warp up to 2048 padded tiles a row and a warp per 1024
         beyond (a warp holding 4096 keys spills; session 32 on an H200: 1 / 2 / 4 warps, in
@@ -88,6 +98,10 @@ class SelectConfig:
         if self.rank_warps:
             return self.rank_warps
         return 1 if tiles_p2 <= 2048 else tiles_p2 // 1024
+
+
+def _power_of_two(value: object) -> bool:
+    return type(value) is int and value >= 1 and value & (value - 1) == 0
 
 
 SELECT = SelectConfig()
