@@ -1,12 +1,14 @@
-"""vsa-core's `video_sparse_attn` property test with the fa4 backend, on the CPU.
+"""vsa-core's property tests of `video_sparse_attn` and `block_sparse_attn` with the fa4
+backend, on the CPU.
 
 Everything the fa4 path runs besides FA4's CuTe kernels is checked against vsa-core's float64
-model of VSA (`vsa_naive`, through the property test's own body): vsa-core's op (pooling,
-selection, split lists, combine, autograd), vsa-fa4's adapter (plans, metadata, head chunks,
-the dS-writing backward's slots and its dQ pass), with vsa-fa4's float64 model of FA4's
-block-sparse kernels (``packages/vsa-fa4/tests/fa4_model.py``) standing in for the kernels, and
-each call described as on an sm_90 device (so the adapter picks what an H100 or H200 runs: the
-dS-writing backward for 64x64 blocks, the paired forward, the selection's split lists).
+models (`vsa_naive` and the masked attention, through the property tests' own bodies):
+vsa-core's ops (pooling, selection, split lists, combine, layouts, autograd), vsa-fa4's
+adapter (plans, metadata, head chunks, the dS-writing backward's slots and its dQ pass), with
+vsa-fa4's float64 model of FA4's block-sparse kernels (``packages/vsa-fa4/tests/fa4_model.py``)
+standing in for the kernels, and each call described as on an sm_90 device (so the adapter
+picks what an H100 or H200 runs: the dS-writing backward for 64x64 blocks, the paired
+forward, the selection's split lists).
 
 Every ``torch.empty`` in the process reads as NaN (or -7, or True) until written, as GPU
 memory holds garbage. Two variants:
@@ -126,7 +128,14 @@ FA4_ON_THE_MODEL = properties.Target(
 )
 
 
-def _cases(calls) -> None:
+PROPERTIES = {
+    "video_sparse_attn": properties.test_video_sparse_attn_matches_the_model,
+    "block_sparse_attn": properties.test_block_sparse_attn_matches_the_model,
+}
+"""vsa-core's properties of the two public ops, run here through fa4's adapter."""
+
+
+def _cases(calls, op: str) -> None:
     """The property test's body for `EXAMPLES` random cases (shrinking off, as there)."""
 
     @settings(
@@ -138,9 +147,7 @@ def _cases(calls) -> None:
     )
     @given(data=st.data())
     def case(data):
-        properties.test_video_sparse_attn_matches_the_model.hypothesis.inner_test(
-            FA4_ON_THE_MODEL, data
-        )
+        PROPERTIES[op].hypothesis.inner_test(FA4_ON_THE_MODEL, data)
 
     case()
     # the adapter ran, forward and backward, and some cases took the dS-writing backward
@@ -148,17 +155,19 @@ def _cases(calls) -> None:
 
 
 @pytest.mark.skipif(INTERPRETING, reason="the interpreted variant runs in its own child")
-def test_video_sparse_attn_through_fa4s_adapter_matches_the_model(fa4_on_the_model):
-    _cases(fa4_on_the_model)
+@pytest.mark.parametrize("op", list(PROPERTIES))
+def test_op_through_fa4s_adapter_matches_the_model(fa4_on_the_model, op):
+    _cases(fa4_on_the_model, op)
 
 
 @pytest.mark.skipif(not INTERPRETING, reason="runs in the Triton-lists test's child process")
-def test_interpreted_case(fa4_on_the_model):
-    _cases(fa4_on_the_model)
+@pytest.mark.parametrize("op", list(PROPERTIES))
+def test_interpreted_case(fa4_on_the_model, op):
+    _cases(fa4_on_the_model, op)
 
 
 @pytest.mark.skipif(INTERPRETING or torch.cuda.is_available(), reason="CPU machines only")
-def test_video_sparse_attn_through_fa4s_adapter_with_triton_lists_matches_the_model():
+def test_ops_through_fa4s_adapter_with_triton_lists_match_the_model():
     """The same under the Triton interpreter (a child process: the variable must be set
     before Triton is imported)."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
@@ -169,4 +178,4 @@ def test_video_sparse_attn_through_fa4s_adapter_with_triton_lists_matches_the_mo
     )  # fmt: skip
     summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    assert "1 passed" in summary, summary
+    assert f"{len(PROPERTIES)} passed" in summary, summary
