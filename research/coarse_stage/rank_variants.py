@@ -127,9 +127,9 @@ def rank(scores, valid, topk, kv_tile, variant: str, warps: int = 1, one_row: bo
     out = torch.empty(num_rows, topk, dtype=torch.int32, device=scores.device)
     split = coarse._split_like(out)
     tiles_p2, topk_p2 = coarse._next_pow2(num_tiles), coarse._next_pow2(topk)
-    many = coarse.interpreting() and not one_row
-    rows = min(coarse._next_pow2(num_rows), max(1, (1 << 16) // tiles_p2)) if many else 1
-    split_rows = max(1, min(rows, coarse.SPLIT_ELEMENTS // topk_p2))
+    rows, split_rows = coarse.rank_rows_sizes(
+        num_rows, tiles_p2, topk, coarse.interpreting() and not one_row
+    )
     common = dict(TILES_P2=tiles_p2, TOPK_P2=topk_p2, SPLIT=True, ROWS=rows,
                   SPLIT_ROWS=split_rows, num_warps=warps)  # fmt: skip
     grid = (-(-num_rows // rows),)

@@ -431,17 +431,11 @@ def _launch_select(q_pooled, k_pooled, valid_sizes, topk, config, split_tile=Non
     )  # fmt: skip
     if config.rank_apart:
         num_rows = batch * heads * num_tiles
-        # a row a program on a GPU; the interpreter's cost is per program: many rows each
-        rank_rows = (
-            1
-            if not interpreting()
-            else min(_next_pow2(num_rows), max(1, INTERPRETED_RANK_ELEMENTS // tiles_p2))
-        )
-        launch(_kernels().rank_rows_kernel, (-(-num_rows // rank_rows),),
+        rows, split_rows = rank_rows_sizes(num_rows, tiles_p2, topk, interpreting())
+        launch(_kernels().rank_rows_kernel, (-(-num_rows // rows),),
             scores, valid_sizes, out, *(split or (out,) * 4), num_rows, num_tiles, topk,
             split_tile or 0, TILES_P2=tiles_p2, TOPK_P2=_next_pow2(topk),
-            EARLY_EXIT=config.early_exit, SPLIT=bool(split), ROWS=rank_rows,
-            SPLIT_ROWS=max(1, min(rank_rows, SPLIT_ELEMENTS // _next_pow2(topk))),
+            EARLY_EXIT=config.early_exit, SPLIT=bool(split), ROWS=rows, SPLIT_ROWS=split_rows,
             num_warps=config.rank_warps_for(tiles_p2),
         )  # fmt: skip
     return out, split, coarse
@@ -454,6 +448,15 @@ LOG2_E = 1.4426950408889634
 INTERPRETED_RANK_ELEMENTS = 1 << 16
 """Scores one program of the ranking kernel takes under the Triton interpreter (rows x padded
 tiles): there it ranks many rows a program, since each program costs Python."""
+
+
+def rank_rows_sizes(num_rows: int, tiles_p2: int, topk: int, many: bool) -> tuple[int, int]:
+    """`rank_rows_kernel`'s ``ROWS`` and ``SPLIT_ROWS``: a row a program (on a GPU), or with
+    ``many`` (the interpreter, whose cost is per program) up to `INTERPRETED_RANK_ELEMENTS`
+    scores a program; the split `SPLIT_ELEMENTS` list entries a step."""
+    rows = min(_next_pow2(num_rows), max(1, INTERPRETED_RANK_ELEMENTS // tiles_p2)) if many else 1
+    return rows, max(1, min(rows, SPLIT_ELEMENTS // _next_pow2(topk)))
+
 
 SPLIT_ELEMENTS = 512
 """List entries the split phase of the selection kernel handles a step (rows x ``TOPK_P2``):
