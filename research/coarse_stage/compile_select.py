@@ -50,7 +50,12 @@ def compile_select(num_tiles: int, split: bool, attend: bool = False,
         "ATTEND": attend, "ATTEND_AFTER": attend_after, "RANK": not config.rank_apart,
         **(coarse._split_constants(round(0.125 * num_tiles), config) if split else {}),
     }  # fmt: skip
-    kernel = coarse_kernels.select_topk_kernel
+    return _compile(coarse_kernels.select_topk_kernel, constexprs, config.num_warps)
+
+
+def _compile(kernel, constexprs: dict, num_warps: int) -> dict:
+    """``kernel`` compiled for sm_90 with ``constexprs``: pointers 16-byte aligned (bf16 or as
+    `POINTERS` names them, int32 otherwise), `FLOATS` float32, other arguments int32."""
     signature, attrs = {}, {}
     for i, name in enumerate(kernel.arg_names):
         if name in constexprs:
@@ -62,10 +67,6 @@ def compile_select(num_tiles: int, split: bool, attend: bool = False,
             signature[name] = "fp32"
         else:
             signature[name] = "i32"
-    return _compile(kernel, signature, constexprs, attrs, config.num_warps)
-
-
-def _compile(kernel, signature, constexprs, attrs, num_warps) -> dict:
     src = ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": num_warps})  # fmt: skip
@@ -83,18 +84,9 @@ def compile_rank(num_tiles: int, split: bool) -> dict:
     constexprs = {"TILES_P2": tiles_p2, "EARLY_EXIT": coarse.SELECT.early_exit, "SPLIT": split,
                   "TOPK_P2": coarse._next_pow2(round(0.125 * num_tiles)), "ROWS": 1,
                   "SPLIT_ROWS": 1}  # fmt: skip
-    kernel = coarse_kernels.rank_rows_kernel
-    signature, attrs = {}, {}
-    for i, name in enumerate(kernel.arg_names):
-        if name in constexprs:
-            signature[name] = "constexpr"
-        elif name.endswith("_ptr"):
-            signature[name] = POINTERS.get(name, "*i32")
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        else:
-            signature[name] = "i32"
     warps = coarse.SELECT.rank_warps_for(tiles_p2)
-    return {"rank_warps": warps, **_compile(kernel, signature, constexprs, attrs, warps)}
+    return {"rank_warps": warps,
+            **_compile(coarse_kernels.rank_rows_kernel, constexprs, warps)}  # fmt: skip
 
 
 def main() -> None:
