@@ -273,6 +273,30 @@ def test_the_entry_point_runs_upstream_every_call_with_replay_false(monkeypatch)
     assert calls == [0.5] * 4
 
 
+@pytest.mark.skipif(upstream_version() is None, reason="needs flash-attn-4")
+@pytest.mark.parametrize(
+    "shape,declared",
+    [((1, 1, 1), 2), ((1, 1, 1, 1), 3), ((1, 1, 5), None), ((2, 1, 1), None), ((4,), None)],
+    ids=str,
+)
+def test_aux_tensors_upstream_cannot_read_get_a_declared_leading_dim(shape, declared):
+    """The dS path's slot starts [B, H, NKV] of a one-key-block, one-head call are (1, 1, 1)
+    with strides (1, 1, 1): upstream's launchers refuse such an aux tensor (no unique stride-1
+    dimension) unless it declares one; tensors upstream reads as they are stay undeclared."""
+    from flash_attn.cute.cute_dsl_utils import get_aux_tensor_metadata
+
+    t = torch.zeros(shape, dtype=torch.int32)
+    if declared is not None:
+        with pytest.raises(ValueError, match="leading dimension"):
+            get_aux_tensor_metadata([t])
+    launch_replay.declare_leading_dims([t])
+    assert getattr(t, "__leading_dim__", None) == declared
+    ((_, _, strides),) = get_aux_tensor_metadata([t])
+    assert strides.count(1) == 1  # one static stride-1 dimension, as for any larger call
+    if declared is not None:
+        assert strides[declared] == 1
+
+
 # ---- GPU ----------------------------------------------------------------------------------------
 needs_sm90 = [
     pytest.mark.gpu,

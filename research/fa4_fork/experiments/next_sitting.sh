@@ -413,6 +413,14 @@ session33)
       "step diagnose 250 python3 -m research.fa4_adapter.property_failure --cases 80 --out \$OUT/property_failure.json" \
       "step prop 200 python3 -m pytest -x -q -p no:warnings --tb=short -m gpu packages/vsa-core/tests/test_properties.py -k 'video_sparse_attn_matches_the_model and gpu_fa4' --hypothesis-seed=1"
     ;;
+  fix)
+    # the one-key-block regression tests (upstream refused the dS path's (1, 1, 1) slot
+    # starts), then the property test at two seeds, each stopping at its first failure
+    bash benchmarks/gpu_sitting.sh \
+      "step regress 150 python3 -m pytest -x -q -p no:warnings --tb=short -m gpu packages/vsa-fa4/tests/test_gpu.py -k 'one_key_block or ds_backward'" \
+      "step prop1 170 python3 -m pytest -x -q -p no:warnings --tb=short -m gpu packages/vsa-core/tests/test_properties.py -k 'video_sparse_attn_matches_the_model and gpu_fa4' --hypothesis-seed=1" \
+      "step prop2 170 python3 -m pytest -x -q -p no:warnings --tb=short -m gpu packages/vsa-core/tests/test_properties.py -k 'gpu_fa4' --hypothesis-seed=2"
+    ;;
   suite)
     bash benchmarks/gpu_sitting.sh \
       "step core_ops 150 python3 -m pytest -x -q -p no:warnings --tb=short -m gpu packages/flash-attn-4-vsa/tests/test_launch_replay.py packages/vsa-core/tests --deselect packages/vsa-core/tests/test_properties.py" \
@@ -464,7 +472,7 @@ session32)
     "step fa4 100 python3 -m pytest -q -p no:warnings -m gpu packages/vsa-fa4/tests/test_gpu.py -k 'replay or video_sparse_attn or combined'"
   ;;
 *)
-  echo "usage: $0 grid | bwd-counters | bwd-split | session19 | session21 | session22 [tests|bench] | session23 [tests|props|bench|second|block-props] | session24 [tests|final|profile|bench] | session25 | session25-cost | session25-regress | session25-steps | session26 | session26b | session26c | session26d | session26e | session26f | session26g | session26h | session27 | session27b | session27c | session27d | session28 | session29 [tests|bench|pool|final] | session30 [gaps|all] | session31 [tests|ab|suite|reorder] | session32 | session32b | session32c [ab [LIMIT]] | session33 [props|suite|bench]" >&2
+  echo "usage: $0 grid | bwd-counters | bwd-split | session19 | session21 | session22 [tests|bench] | session23 [tests|props|bench|second|block-props] | session24 [tests|final|profile|bench] | session25 | session25-cost | session25-regress | session25-steps | session26 | session26b | session26c | session26d | session26e | session26f | session26g | session26h | session27 | session27b | session27c | session27d | session28 | session29 [tests|bench|pool|final] | session30 [gaps|all] | session31 [tests|ab|suite|reorder] | session32 | session32b | session32c [ab [LIMIT]] | session33 [props|fix|suite|bench]" >&2
   exit 2
   ;;
 esac

@@ -56,6 +56,7 @@ __all__ = [
     "RecordedLaunch",
     "backward",
     "backward_tensors",
+    "declare_leading_dims",
     "forward",
     "forward_tensors",
     "no_scope",
@@ -479,6 +480,22 @@ def _list_tensors(block_sparse_tensors: Any) -> tuple[Any, ...]:
     return (bst.mask_block_cnt, bst.mask_block_idx, bst.full_block_cnt, bst.full_block_idx)
 
 
+def declare_leading_dims(aux_tensors: Sequence[torch.Tensor] | None) -> None:
+    """Give each aux tensor whose stride-1 dimension upstream cannot tell apart a declared
+    one (``__leading_dim__``, upstream's attribute for it: its innermost stride-1 dimension).
+
+    Upstream's launchers take an aux tensor's leading dimension to be its only stride-1
+    dimension, or among several the only one longer than 1, and raise otherwise. A tensor
+    with several stride-1 dimensions all of length 1 (the dS path's slot starts [B, H, NKV]
+    of a one-key-block call with one head: (1, 1, 1), strides (1, 1, 1)) is such a tensor.
+    The declaration only matters where upstream reads it (compile keys and compiles, not
+    replays), so a launch's ``upstream()`` calls this: a replay pays nothing for it."""
+    for t in aux_tensors or ():
+        unit = [dim for dim, stride in enumerate(t.stride()) if stride == 1]
+        if len(unit) > 1 and sum(t.shape[dim] > 1 for dim in unit) != 1:
+            t.__leading_dim__ = unit[-1]
+
+
 def forward(
     kernel: Any,
     building: Callable[[Any], AbstractContextManager[Any]],
@@ -502,6 +519,7 @@ def forward(
     from flash_attn.cute.interface import _flash_attn_fwd
 
     def upstream() -> tuple[Any, Any]:
+        declare_leading_dims(aux_tensors)
         with building(kernel):
             result = _flash_attn_fwd(
                 q, k, v, softmax_scale=softmax_scale, mask_mod=mask_mod,
@@ -542,6 +560,7 @@ def backward(
     from flash_attn.cute.interface import _flash_attn_bwd
 
     def upstream() -> tuple[Any, Any, Any]:
+        declare_leading_dims(aux_tensors)
         with building(kernel):
             grads = _flash_attn_bwd(
                 q, k, v, out, dout, lse, softmax_scale=softmax_scale, mask_mod=mask_mod,
