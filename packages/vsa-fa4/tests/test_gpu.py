@@ -305,7 +305,7 @@ def test_ds_backward_matches_the_reference_and_reruns_bitwise(
 )
 @pytest.mark.parametrize(
     "batch,heads,tokens",
-    [(1, 1, 1), (1, 1, 64), (2, 1, 37), (1, 2, 1), (1, 1, 100)],
+    [(1, 1, 2), (1, 1, 64), (2, 1, 37), (1, 2, 3), (1, 1, 100)],
     ids=lambda v: str(v),
 )
 def test_one_key_block_calls_train_through_every_launch(batch, heads, tokens):
