@@ -6,6 +6,15 @@
 #   bash benchmarks/gpu_sitting.sh "step info 60 python3 -m vsa_core.cli info" \
 #     "step grid 300 python3 benchmarks/bench_vsa.py --out \$OUT/grid.json"
 source .gpu/b/env.sh || exit 1
+# The backends come from the project's wheels' entry points: a .gpu/b staged where uv was not
+# on PATH has none of them, and every fa4 and triton test would skip (session 33, first sitting)
+python3 -c '
+from vsa_core.backends import backend_entries
+missing = {"reference", "triton", "fa4"} - set(backend_entries())
+if missing:
+    raise SystemExit(f"gpu sitting: backends {sorted(missing)} not registered: .gpu/b lacks "
+                     "the project wheels (run ../shared/gpu/stage.sh with uv on PATH)")
+' || exit 1
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/tcache}
 mkdir -p "$OUT/logs"
 step() {
