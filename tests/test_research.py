@@ -216,3 +216,25 @@ def test_latency_gaps_put_each_idle_stretch_on_the_launch_that_ended_it():
     assert (select["before"], select["kind"], select["idle_us"]) == ("select", "device", 5)
     assert (fine["before"], fine["kind"], fine["idle_us"]) == ("fine", "host", 40)
     assert fine["issued_by"] == "vsa_fa4/ops.py(1): backward_impl"
+
+
+def test_op_memory_model_counts_storages_until_freed_rounded_like_cuda():
+    _root_on_path()
+    import torch
+
+    from research.op_memory_cpu import LiveStorage
+
+    known = torch.zeros(1000)
+    with LiveStorage([known]) as mode:
+        view = known[:10] * 1  # a new storage: 40 bytes, counted as one 512-byte block
+        known.add_(1)  # in place on a known storage: nothing new
+        big = torch.empty(3000, dtype=torch.float32)  # 12,000 bytes -> 12,288
+        alias = big.view(30, 100)  # the same storage: counted once
+        assert mode.now == 512 + 12288 and mode.peak == mode.now
+        del big, alias
+        assert mode.now == 512
+        small = torch.ones(1, dtype=torch.int8)
+        assert mode.now == 1024 and mode.peak == 512 + 12288
+    sizes = sorted(size for size, _ in mode.at_peak.values())
+    assert sizes == [512, 12288]
+    del view, small
