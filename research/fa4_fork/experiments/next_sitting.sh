@@ -435,6 +435,25 @@ session33)
     ;;
   esac
   ;;
+session34)
+  # Prepared in session 33 (steps of at most ~170 s, so that none is cut): "tests": vsa-fa4's
+  # GPU file in two halves (it was never run whole after the dS default), the fork's GPU
+  # tests, the fa4 properties at two more seeds; "bench": issue 19's table cells on whatever
+  # card comes (fa4 and triton, both Wan latents, both views)
+  case "${2:-tests}" in
+  tests)
+    bash benchmarks/gpu_sitting.sh \
+      "step fa4_a 170 python3 -m pytest -x -q -p no:warnings --tb=short -m gpu packages/vsa-fa4/tests/test_gpu.py -k 'not video and not combined and not compile and not graph'" \
+      "step fa4_b 170 python3 -m pytest -x -q -p no:warnings --tb=short -m gpu packages/vsa-fa4/tests/test_gpu.py -k 'video or combined or compile or graph'" \
+      "step fork 170 python3 -m pytest -x -q -p no:warnings --tb=short -m gpu packages/flash-attn-4-vsa/tests --deselect packages/flash-attn-4-vsa/tests/test_launch_replay.py" \
+      "step props 60 python3 -m pytest -x -q -p no:warnings --tb=short -m gpu packages/vsa-core/tests/test_properties.py -k 'video_sparse_attn_matches_the_model and gpu_fa4' --hypothesis-seed=3"
+    ;;
+  bench)
+    bash benchmarks/gpu_sitting.sh \
+      "step bench 420 python3 benchmarks/bench_video.py --shapes wan480p wan720p --sparsities 0.875 --modes fwd fwd+bwd --arms fa4 triton --warmup 2 --reps 4 --no-pieces --time-budget-min 6 --out \$OUT/bench_video.json"
+    ;;
+  esac
+  ;;
 session32c)
   # Session 32, third sitting: vsa-core's property test of video_sparse_attn on fa4 failed on
   # the GPU in both earlier sittings (the logs were cut by the step limits). Once with this
@@ -472,7 +491,7 @@ session32)
     "step fa4 100 python3 -m pytest -q -p no:warnings -m gpu packages/vsa-fa4/tests/test_gpu.py -k 'replay or video_sparse_attn or combined'"
   ;;
 *)
-  echo "usage: $0 grid | bwd-counters | bwd-split | session19 | session21 | session22 [tests|bench] | session23 [tests|props|bench|second|block-props] | session24 [tests|final|profile|bench] | session25 | session25-cost | session25-regress | session25-steps | session26 | session26b | session26c | session26d | session26e | session26f | session26g | session26h | session27 | session27b | session27c | session27d | session28 | session29 [tests|bench|pool|final] | session30 [gaps|all] | session31 [tests|ab|suite|reorder] | session32 | session32b | session32c [ab [LIMIT]] | session33 [props|fix|suite|bench]" >&2
+  echo "usage: $0 grid | bwd-counters | bwd-split | session19 | session21 | session22 [tests|bench] | session23 [tests|props|bench|second|block-props] | session24 [tests|final|profile|bench] | session25 | session25-cost | session25-regress | session25-steps | session26 | session26b | session26c | session26d | session26e | session26f | session26g | session26h | session27 | session27b | session27c | session27d | session28 | session29 [tests|bench|pool|final] | session30 [gaps|all] | session31 [tests|ab|suite|reorder] | session32 | session32b | session32c [ab [LIMIT]] | session33 [props|fix|suite|bench] | session34 [tests|bench]" >&2
   exit 2
   ;;
 esac
