@@ -89,6 +89,15 @@ SYMBOLS: tuple[Symbol, ...] = (
         source=True,
     ),
     Symbol(
+        "flash_attn.cute.cute_dsl_utils",
+        "_resolve_aux_leading_dim",
+        "how upstream's launchers read an aux tensor's leading dimension (its only stride-1 "
+        "dimension, or the only one longer than 1, else the __leading_dim__ attribute): "
+        "launch_replay.declare_leading_dims declares one for the tensors it refuses (the dS "
+        "path's slot starts of a one-key-block call)",
+        source=True,
+    ),
+    Symbol(
         _IFACE,
         "flash_attn_func",
         "public autograd entry: the dense baseline of tests and benchmarks",
