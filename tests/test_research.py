@@ -238,3 +238,32 @@ def test_op_memory_model_counts_storages_until_freed_rounded_like_cuda():
     sizes = sorted(size for size, _ in mode.at_peak.values())
     assert sizes == [512, 12288]
     del view, small
+
+
+def test_property_failure_search_takes_a_crash_for_a_failure():
+    """Session 33's failing case raised inside the op: the search reports it as the failing
+    case (its variants then run) instead of dying with the traceback."""
+    _root_on_path()
+    from hypothesis import strategies as st
+
+    from research.fa4_adapter.property_failure import first_failure
+
+    class Props:
+        @staticmethod
+        def draw_video_case(target, data):
+            return {"n": data.draw(st.integers(0, 9), "n")}
+
+        @staticmethod
+        def check_video_case(target, case, record, backend):
+            if case["n"] >= 5:
+                raise ValueError("Aux tensor layout has no unique stride-1 leading dimension")
+            record(1.0, 1.0, 0.0, "out")
+            return True
+
+        @staticmethod
+        def _close(got, want, tol, what, terms=1):
+            assert abs(got - want) <= tol, what
+
+    case, ran = first_failure(Props, object(), cases=200, seed=0)
+    assert case is not None and case["n"] >= 5
+    assert ran >= 1
