@@ -77,12 +77,12 @@ PACKAGES = ("vsa_core", "vsa_triton", "vsa_fa4", "flash_attn_vsa")
 
 
 def _caller() -> str:
-    """The innermost frame in this project's packages: file, line and function."""
+    """The innermost frame in this project's packages: path from the package, line, function."""
     for frame in reversed(traceback.extract_stack()):
         parts = frame.filename.split("/")
-        if any(p in parts for p in PACKAGES):
-            where = "/".join(parts[parts.index(next(p for p in PACKAGES if p in parts)) :])
-            return f"{where}:{frame.lineno} {frame.name}"
+        starts = [i for i, part in enumerate(parts) if part in PACKAGES]
+        if starts:
+            return f"{'/'.join(parts[starts[0] :])}:{frame.lineno} {frame.name}"
     return "elsewhere"
 
 

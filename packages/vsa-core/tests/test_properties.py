@@ -87,32 +87,25 @@ TARGETS = [
 ]
 
 
-def _refusal(target: Target, dtype: torch.dtype, head_dim: int, block_shape, grad: bool):
-    """Why the target's backend cannot run such a call here: ``(usable, reason)``, usable
-    False where the backend is missing or unavailable on this machine; None when it runs."""
-    entry = backend_entries().get(target.backend)
-    if entry is None or entry.backend is None:
-        return False, "not installed"
-    unavailable = entry.backend.availability()
-    if unavailable is not None:
-        return False, unavailable
-    call = AttentionCall(torch.device(target.device), dtype, head_dim, tuple(block_shape), grad)
-    reason = entry.backend.supports(call)
-    return None if reason is None else (True, reason)
-
-
 def _require(target: Target, dtype, head_dim, block_shape, grad=True) -> None:
     """Skip the whole property where the target's backend is unusable here; a draw it refuses
     (a dtype, head dim or block shape this device does not run) is rejected and another drawn,
-    so that one refused draw never skips the cases the backend does run."""
-    refusal = _refusal(target, dtype, head_dim, block_shape, grad)
-    if refusal is None:
+    so that one refused draw never skips the cases the backend does run. The reference and
+    the interpreted Triton must run every draw."""
+    entry = backend_entries().get(target.backend)
+    installed = entry is not None and entry.backend is not None
+    unusable = entry.backend.availability() if installed else "not installed"
+    reason = unusable
+    if unusable is None:
+        call = AttentionCall(torch.device(target.device), dtype, head_dim, tuple(block_shape),
+                             grad)  # fmt: skip
+        reason = entry.backend.supports(call)
+    if reason is None:
         return
-    usable, reason = refusal
     what = f"{target.backend} does not run {dtype}, D={head_dim}, {block_shape} here: {reason}"
     if target is REFERENCE or target is TRITON_INTERPRETED:
         raise AssertionError(what)
-    if not usable:
+    if unusable is not None:
         pytest.skip(what)
     assume(False)
 

@@ -306,13 +306,14 @@ def test_ds_backward_matches_the_reference_and_reruns_bitwise(
 @pytest.mark.parametrize(
     "batch,heads,tokens",
     [(1, 1, 2), (1, 1, 64), (2, 1, 37), (1, 2, 3), (1, 1, 100)],
-    ids=lambda v: str(v),
+    ids=str,
 )
 def test_one_key_block_calls_train_through_every_launch(batch, heads, tokens):
-    """Calls with one key block (or two), one head, batch 1: the dS-writing backward's slot
-    starts [B, H, NKV] are then (1, 1, 1) with strides (1, 1, 1), which upstream's launcher
-    refused as an aux tensor (session 33: vsa-core's property test on the GPU, a one-token
-    latent). Three calls (compile, recording, replay) each match the reference."""
+    """Calls of one or two key blocks: with one key block, one head and batch 1 the
+    dS-writing backward's slot starts [B, H, NKV] are (1, 1, 1) with strides (1, 1, 1), which
+    upstream's launcher refused as an aux tensor (session 33: vsa-core's property test on the
+    GPU, a one-token latent). Three calls (compile, recording, replay) each match the
+    reference."""
     valid = [min(64, tokens - 64 * i) for i in range(-(-tokens // 64))]
     num_kv = len(valid)
     indices = torch.arange(num_kv, dtype=torch.int32).expand(batch, heads, num_kv, num_kv)
